@@ -1,0 +1,180 @@
+"""Pallas GPU (Triton lowering) kernel for attention over a paged KV cache (decode and prefill).
+
+Queries arrive as *rows* grouped by KV head (``[batch, num_kv_heads, rows, head_dim]``,
+row ``r`` = query head ``r % group`` of chunk token ``r // group``; decode has one chunk
+token). Grid ``(batch, num_kv_heads, row_blocks)``: one program per (sequence, KV head,
+row block) holds its query rows as one ``[block_rows, head_dim]`` tile -- for decode, all
+query heads of one KV head -- and loops over the sequence's pages, ``pages_per_block``
+pages per iteration (gathered through the block table), with an online softmax in float32
+registers. The loop stops at the last key the row block can see causally, so short
+sequences cost little however long the block table is.
+
+Triton needs power-of-two register tiles and at least 16 rows for a tensor-core dot, so
+rows are zero-padded to a multiple of ``block_rows`` (a power of two >= 16) and the block
+table to a multiple of the compute block; padded rows are dropped afterwards. Block-table
+entries past a sequence's last page are replaced by page 0 before they are used as
+addresses, and keys at or past the length are masked in both the scores and the values,
+so garbage (even NaN) in unused slots never reaches the output.
+
+Not run on GPU hardware in this repository's CI: tests run it with ``interpret=True``
+(Pallas' generic interpreter on the CPU) and lower it to Triton IR for a CUDA target
+without compiling it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _kernel(
+    seq_lens_ref,  # [1] int32
+    q_lens_ref,  # [1] int32
+    tables_ref,  # [padded_max_pages] int32
+    q_ref,  # [block_rows, head_dim]
+    k_ref,  # [total_pages, page_size, head_dim]
+    v_ref,  # [total_pages, page_size, head_dim]
+    o_ref,  # [block_rows, head_dim]
+    *,
+    group: int,
+    scale: float,
+    page_size: int,
+    pages_per_block: int,
+    exact_f32: bool,
+):
+    rb = pl.program_id(2)
+    block_rows, head_dim = q_ref.shape
+    block_tokens = pages_per_block * page_size
+    length = seq_lens_ref[0]
+    q_len = q_lens_ref[0]
+    n_pages = (length + page_size - 1) // page_size
+    # Chunk tokens covered by this row block, and how far into the cache the last can see.
+    first_tok = rb * block_rows // group
+    last_tok = jnp.minimum(((rb + 1) * block_rows - 1) // group, q_len - 1)
+    visible = length - q_len + last_tok + 1
+    n_iters = jnp.where(first_tok < q_len, (visible + block_tokens - 1) // block_tokens, 0)
+    row_tok = (rb * block_rows + jnp.arange(block_rows, dtype=jnp.int32)) // group
+    q_pos = length - q_len + row_tok  # [block_rows]
+    q = q_ref[...]
+    precision = lax.Precision.HIGHEST if exact_f32 else None
+
+    def body(it, carry):
+        acc, m_prev, l_prev = carry
+        first_page = it * pages_per_block
+        page_ids = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
+        pages = tables_ref[pl.ds(first_page, pages_per_block)]
+        pages = jnp.where(page_ids < n_pages, pages, 0)
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k_pos = it * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        key_valid = k_pos < length
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_rows, block_tokens]
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+        # A row that has seen no allowed key yet keeps m = -inf; keep its update finite.
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        alpha = jnp.exp(m_prev - m_safe)
+        probs = jnp.exp(scores - m_safe[:, None])
+        l_next = alpha * l_prev + jnp.sum(probs, axis=1)
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+        pv = plgpu.dot(probs.astype(v.dtype), v, precision=precision)
+        return alpha[:, None] * acc + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((block_rows, head_dim), jnp.float32),
+        jnp.full((block_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+    )
+    acc, _, l_sum = lax.fori_loop(0, n_iters, body, init)
+    out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    o_ref[...] = jnp.where((row_tok < q_len)[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "group",
+        "scale",
+        "pages_per_block",
+        "block_rows",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_attention_rows_gpu(
+    q_rows: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    seq_lens: jax.Array,
+    q_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    group: int,
+    scale: float,
+    pages_per_block: int,
+    block_rows: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Run the Pallas Triton kernel on KV-head-grouped query rows (inputs already validated).
+
+    Args:
+      q_rows: ``[batch, num_kv_heads, rows, head_dim]``; ``rows`` a multiple of ``block_rows``
+        (row ``r`` is query head ``r % group`` of chunk token ``r // group``); ``head_dim``
+        a power of two.
+      k_pages, v_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``; ``page_size``
+        a power of two.
+      seq_lens: ``[batch] int32``, cache tokens per sequence including this chunk (>= 1).
+      q_lens: ``[batch] int32``, valid chunk tokens per sequence; the rest are padding.
+      block_tables: ``[batch, max_pages_per_seq] int32``.
+      group: query heads per KV head.
+      scale: softmax temperature.
+      pages_per_block: pages gathered per loop iteration (a power of two).
+      block_rows: query rows per program (a power of two, >= 16).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run with Pallas' generic interpreter on the CPU.
+
+    Returns:
+      ``[batch, num_kv_heads, rows, head_dim]`` in ``q_rows``' dtype; padding rows are zero.
+    """
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    total_pages, page_size = k_pages.shape[1:3]
+    max_pages = block_tables.shape[1]
+    padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        scale=scale,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        exact_f32=q_rows.dtype == jnp.float32,
+    )
+    row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
+    page_block = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, r: (h, 0, 0, 0))
+    per_seq = pl.BlockSpec((1,), lambda b, h, r: (b,))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, rows // block_rows),
+        in_specs=[
+            per_seq,
+            per_seq,
+            pl.BlockSpec((None, padded_pages), lambda b, h, r: (b, 0)),
+            row_block,
+            page_block,
+            page_block,
+        ],
+        out_specs=row_block,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="rlax_paged_attention_gpu",
+    )(seq_lens.astype(jnp.int32), q_lens.astype(jnp.int32), tables, q_rows, k_pages, v_pages)

@@ -1,0 +1,406 @@
+"""Public entry points: shape checks, backend dispatch and query-row packing.
+
+``paged_attention`` (decode) and ``paged_prefill_attention`` (chunked prefill) validate
+their arguments eagerly -- shapes are static, so this also works under an outer
+``jax.jit`` -- and then call one jitted implementation that packs the queries into
+KV-head-grouped rows and runs the chosen backend:
+
+- ``"pallas_tpu"``: the Mosaic kernel of ``tpu.py`` (async page DMAs, double buffering);
+- ``"pallas_gpu"``: the Triton kernel of ``gpu.py``;
+- ``"xla"``: the pure-jnp references of ``reference.py`` (gather all pages, masked
+  softmax), which is what the CPU runs;
+- ``"auto"``: by ``jax.default_backend()``: tpu -> pallas_tpu, gpu -> pallas_gpu,
+  anything else -> xla.
+
+A Pallas backend requested on a platform that cannot compile it needs ``interpret=True``
+(Pallas' interpreter on the CPU; the TPU kernel uses the TPU interpret mode that simulates
+DMAs and semaphores); otherwise it is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
+from rlax_kernels.paged_attention.reference import (
+    default_scale,
+    paged_attention_reference,
+    paged_prefill_attention_reference,
+)
+from rlax_kernels.paged_attention.tpu import paged_attention_rows_tpu
+
+Backend = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
+_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+
+# Tokens per compute block when the caller gives no `pages_per_compute_block`: large
+# enough to amortise a grid step on TPU, small enough to stay in registers with Triton.
+_TPU_BLOCK_TOKENS = 256
+_GPU_BLOCK_TOKENS = 64
+_TPU_MAX_FULL_ROWS = 256
+_TPU_BLOCK_ROWS = 128
+_GPU_MAX_BLOCK_ROWS = 64
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _platform() -> str:
+    platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def resolve_backend(backend: str, interpret: bool) -> str:
+    """The concrete backend (``xla``, ``pallas_tpu`` or ``pallas_gpu``) a call will run.
+
+    Raises:
+      ValueError: unknown backend, ``interpret`` without a named kernel, or a Pallas kernel
+        requested on a platform that cannot run it natively without ``interpret=True``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    platform = _platform()
+    if backend == "auto":
+        if interpret:
+            raise ValueError(
+                "interpret=True needs a named kernel: pass backend='pallas_tpu' or backend='pallas_gpu'"
+            )
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
+    if backend == "xla":
+        if interpret:
+            raise ValueError("interpret=True applies to the Pallas kernels only, not backend='xla'")
+        return backend
+    if not interpret and platform != _PLATFORM_OF[backend]:
+        raise ValueError(
+            f"backend={backend!r} compiles only on {_PLATFORM_OF[backend]}, but the default "
+            f"backend is {platform!r}; pass interpret=True to run it in Pallas interpret mode"
+        )
+    return backend
+
+
+def _shape_report(**arrays: jax.Array) -> str:
+    return ", ".join(f"{name}={tuple(a.shape)} {a.dtype}" for name, a in arrays.items())
+
+
+def _check_cache_and_tables(
+    where: str,
+    num_heads: int,
+    head_dim: int,
+    q_dtype: np.dtype,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    batch: int,
+    block_tables: jax.Array,
+    report: str,
+) -> None:
+    def fail(why: str) -> None:
+        raise ValueError(f"{where}: {why} (got {report})")
+
+    if k_pages.ndim != 4:
+        fail("k_pages must be [num_kv_heads, total_pages, page_size, head_dim]")
+    if v_pages.shape != k_pages.shape:
+        fail("v_pages must have the shape of k_pages")
+    num_kv_heads, total_pages, page_size, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        fail(f"q's head_dim {head_dim} differs from the cache's head_dim {kv_head_dim}")
+    if min(num_kv_heads, total_pages, page_size) < 1:
+        fail("the cache needs at least one KV head, one page and one slot per page")
+    if num_heads % num_kv_heads != 0:
+        fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not (q_dtype == k_pages.dtype == v_pages.dtype):
+        fail("q, k_pages and v_pages must share one dtype")
+    if not jnp.issubdtype(q_dtype, jnp.floating):
+        fail("q, k_pages and v_pages must be floating point")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        fail(f"block_tables must be [batch={batch}, max_pages_per_seq>=1]")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        fail("block_tables must be an integer array")
+
+
+def _check_lengths(where: str, name: str, lengths: jax.Array, batch: int, report: str) -> None:
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{where}: {name} must be an integer array of shape [batch={batch}] (got {report})")
+
+
+def _concrete(x: jax.Array) -> np.ndarray | None:
+    """The values of `x` when they are known outside a trace, else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _check_length_values(where: str, seq_lens: jax.Array, capacity: int, q_lens: jax.Array | None) -> None:
+    lens = _concrete(seq_lens)
+    if lens is not None and lens.size and (lens.min() < 1 or lens.max() > capacity):
+        raise ValueError(
+            f"{where}: every sequence length must be in [1, max_pages_per_seq * page_size = {capacity}], "
+            f"got {lens.tolist()}"
+        )
+    if q_lens is None:
+        return
+    qls = _concrete(q_lens)
+    if qls is not None and qls.size and qls.min() < 0:
+        raise ValueError(f"{where}: q_lens must be >= 0, got {qls.tolist()}")
+    if lens is not None and qls is not None and np.any(qls > lens):
+        raise ValueError(
+            f"{where}: q_lens must not exceed seq_lens, got q_lens={qls.tolist()} seq_lens={lens.tolist()}"
+        )
+
+
+def _knobs(
+    where: str,
+    backend: str,
+    rows: int,
+    page_size: int,
+    head_dim: int,
+    max_pages: int,
+    pages_per_compute_block: int | None,
+    block_rows: int | None,
+) -> tuple[int, int]:
+    """Checked (pages_per_block, block_rows) for a Pallas backend."""
+    if backend == "pallas_gpu":
+        if not _is_pow2(head_dim) or head_dim < 16:
+            raise ValueError(f"{where}: the GPU kernel needs head_dim a power of two >= 16, got {head_dim}")
+        if not _is_pow2(page_size):
+            raise ValueError(f"{where}: the GPU kernel needs page_size a power of two, got {page_size}")
+        ppb = (
+            max(1, _GPU_BLOCK_TOKENS // page_size)
+            if pages_per_compute_block is None
+            else pages_per_compute_block
+        )
+        if not _is_pow2(ppb) or ppb * page_size < 16:
+            raise ValueError(
+                f"{where}: the GPU kernel needs pages_per_compute_block a power of two with "
+                f"pages_per_compute_block * page_size >= 16, got {ppb} pages of {page_size}"
+            )
+        br = min(_GPU_MAX_BLOCK_ROWS, max(16, _next_pow2(rows))) if block_rows is None else block_rows
+        if not _is_pow2(br) or br < 16:
+            raise ValueError(f"{where}: the GPU kernel needs block_rows a power of two >= 16, got {br}")
+        return ppb, br
+    sublanes = 8
+    if page_size % sublanes != 0:
+        raise ValueError(f"{where}: the TPU kernel needs page_size a multiple of {sublanes}, got {page_size}")
+    ppb = (
+        max(1, _TPU_BLOCK_TOKENS // page_size) if pages_per_compute_block is None else pages_per_compute_block
+    )
+    if ppb < 1:
+        raise ValueError(f"{where}: pages_per_compute_block must be >= 1, got {ppb}")
+    if block_rows is None:
+        br = rows if rows <= _TPU_MAX_FULL_ROWS else _TPU_BLOCK_ROWS
+    elif block_rows >= rows:
+        br = rows
+    elif block_rows % sublanes != 0:
+        raise ValueError(
+            f"{where}: the TPU kernel needs block_rows a multiple of {sublanes} (or >= the {rows} rows), got {block_rows}"
+        )
+    else:
+        br = block_rows
+    # A compute block wider than the block table would only re-read the last page.
+    return min(ppb, max_pages), br
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("backend", "scale", "pages_per_block", "block_rows", "interpret"),
+)
+def _attention_rows(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    seq_lens: jax.Array,
+    q_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    backend: str,
+    scale: float,
+    pages_per_block: int,
+    block_rows: int,
+    interpret: bool,
+) -> jax.Array:
+    """q: [batch, chunk, num_heads, head_dim] -> [batch, chunk, num_heads, head_dim] via a kernel."""
+    batch, chunk, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = num_heads // num_kv_heads
+    rows = chunk * group
+    q_rows = q.reshape(batch, chunk, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
+    padded_rows = -(-rows // block_rows) * block_rows
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    kernel = paged_attention_rows_tpu if backend == "pallas_tpu" else paged_attention_rows_gpu
+    out = kernel(
+        q_rows,
+        k_pages,
+        v_pages,
+        seq_lens,
+        q_lens,
+        block_tables,
+        group=group,
+        scale=scale,
+        pages_per_block=pages_per_block,
+        block_rows=block_rows,
+        interpret=interpret,
+    )
+    out = out[:, :, :rows].reshape(batch, num_kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, chunk, num_heads, head_dim)
+
+
+_paged_attention_xla = jax.jit(paged_attention_reference, static_argnames=("scale",))
+_paged_prefill_xla = jax.jit(paged_prefill_attention_reference, static_argnames=("scale",))
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float | None = None,
+    backend: Backend = "auto",
+    pages_per_compute_block: int | None = None,
+    block_rows: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention (one query token per sequence) over a paged KV cache, grouped-query heads.
+
+    Args:
+      q: ``[batch, num_heads, head_dim]``, the query of each sequence's newest token.
+      k_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
+      v_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
+      lengths: ``[batch] int32``, tokens in the cache per sequence (>= 1), including the
+        newest token, whose K/V must already be written (``write_kv``).
+      block_tables: ``[batch, max_pages_per_seq] int32``; entries past a sequence's last page
+        are never read.
+      scale: softmax temperature; ``1 / sqrt(head_dim)`` when None.
+      backend: ``auto``, ``xla``, ``pallas_tpu`` or ``pallas_gpu`` (see module docs).
+      pages_per_compute_block: pages per kernel step (TPU: per DMA block, clipped to
+        ``max_pages_per_seq``; GPU: a power of two); a per-backend default when None.
+      block_rows: query rows (query heads of one KV head) per program; default covers the group.
+      interpret: run the named Pallas kernel in interpret mode (CPU).
+
+    Returns:
+      ``[batch, num_heads, head_dim]`` in ``q``'s dtype; accumulation in float32.
+
+    Raises:
+      ValueError: inconsistent shapes or dtypes (the message prints them), bad knobs, or a
+        backend that cannot run here; lengths out of range when they are concrete.
+    """
+    where = "paged_attention"
+    report = _shape_report(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, block_tables=block_tables)
+    if q.ndim != 3:
+        raise ValueError(f"{where}: q must be [batch, num_heads, head_dim] (got {report})")
+    batch, num_heads, head_dim = q.shape
+    _check_cache_and_tables(
+        where, num_heads, head_dim, q.dtype, k_pages, v_pages, batch, block_tables, report
+    )
+    _check_lengths(where, "lengths", lengths, batch, report)
+    page_size, max_pages = k_pages.shape[2], block_tables.shape[1]
+    _check_length_values(where, lengths, max_pages * page_size, None)
+    scale = default_scale(head_dim) if scale is None else float(scale)
+    chosen = resolve_backend(backend, interpret)
+    if chosen == "xla":
+        return _paged_attention_xla(q, k_pages, v_pages, lengths, block_tables, scale=scale)
+    group = num_heads // k_pages.shape[0]
+    ppb, br = _knobs(
+        where, chosen, group, page_size, head_dim, max_pages, pages_per_compute_block, block_rows
+    )
+    out = _attention_rows(
+        q[:, None],
+        k_pages,
+        v_pages,
+        lengths,
+        jnp.ones_like(lengths),
+        block_tables,
+        backend=chosen,
+        scale=scale,
+        pages_per_block=ppb,
+        block_rows=br,
+        interpret=interpret,
+    )
+    return out[:, 0]
+
+
+def paged_prefill_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    seq_lens: jax.Array,
+    q_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float | None = None,
+    backend: Backend = "auto",
+    pages_per_compute_block: int | None = None,
+    block_rows: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of a chunk of new tokens per sequence over the paged cache (chunked prefill).
+
+    Each sequence brings up to ``chunk`` new tokens whose K/V are already written to the
+    cache (``write_kv``); they attend to the cached prefix and causally to each other. A
+    whole prompt is one chunk with ``q_lens == seq_lens``; a long prompt can be fed in
+    several chunks, and prefill and decode rows can share one call (``q_lens == 1``).
+
+    Args:
+      q: ``[batch, chunk, num_heads, head_dim]``; rows at or past ``q_lens[b]`` are padding.
+      k_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
+      v_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
+      seq_lens: ``[batch] int32``, tokens in the cache after the chunk (>= 1); query row ``j``
+        sits at position ``seq_lens[b] - q_lens[b] + j``.
+      q_lens: ``[batch] int32``, new tokens per sequence (``0 <= q_lens <= min(chunk, seq_lens)``).
+      block_tables: ``[batch, max_pages_per_seq] int32``.
+      scale, backend, pages_per_compute_block, block_rows, interpret: as in ``paged_attention``;
+        ``block_rows`` counts (chunk token, query head) rows per program.
+
+    Returns:
+      ``[batch, chunk, num_heads, head_dim]`` in ``q``'s dtype; padding rows are zero.
+
+    Raises:
+      ValueError: as ``paged_attention``.
+    """
+    where = "paged_prefill_attention"
+    report = _shape_report(
+        q=q, k_pages=k_pages, v_pages=v_pages, seq_lens=seq_lens, q_lens=q_lens, block_tables=block_tables
+    )
+    if q.ndim != 4 or q.shape[1] < 1:
+        raise ValueError(f"{where}: q must be [batch, chunk>=1, num_heads, head_dim] (got {report})")
+    batch, chunk, num_heads, head_dim = q.shape
+    _check_cache_and_tables(
+        where, num_heads, head_dim, q.dtype, k_pages, v_pages, batch, block_tables, report
+    )
+    _check_lengths(where, "seq_lens", seq_lens, batch, report)
+    _check_lengths(where, "q_lens", q_lens, batch, report)
+    page_size, max_pages = k_pages.shape[2], block_tables.shape[1]
+    _check_length_values(where, seq_lens, max_pages * page_size, q_lens)
+    qls = _concrete(q_lens)
+    if qls is not None and qls.size and qls.max() > chunk:
+        raise ValueError(f"{where}: q_lens must not exceed chunk={chunk}, got {qls.tolist()}")
+    scale = default_scale(head_dim) if scale is None else float(scale)
+    chosen = resolve_backend(backend, interpret)
+    if chosen == "xla":
+        return _paged_prefill_xla(q, k_pages, v_pages, seq_lens, q_lens, block_tables, scale=scale)
+    rows = chunk * (num_heads // k_pages.shape[0])
+    ppb, br = _knobs(where, chosen, rows, page_size, head_dim, max_pages, pages_per_compute_block, block_rows)
+    return _attention_rows(
+        q,
+        k_pages,
+        v_pages,
+        seq_lens,
+        q_lens,
+        block_tables,
+        backend=chosen,
+        scale=scale,
+        pages_per_block=ppb,
+        block_rows=br,
+        interpret=interpret,
+    )

@@ -1,0 +1,181 @@
+"""The Pallas TPU and GPU kernels (interpret mode on the CPU) against the reference over a grid.
+
+Every case plants NaN in unused pages, in the unused tail of each last page and in
+padding query rows, and points unused block-table entries at NaN pages or far outside the
+cache: any read or weight that should not happen turns the output into NaN or, in TPU
+interpret mode, an out-of-bounds error.
+
+The default grid covers every value of each axis (batch 1-8, 1/4/8 query heads per KV
+head, head_dim 64/128, page size 16/32, float32/bfloat16, lengths of 1, exact page
+multiples and ragged, several compute-block widths); the full cross product is `slow`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlax_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from rlax_kernels.paged_attention.testing import make_paged_case
+
+BACKENDS = ["pallas_tpu", "pallas_gpu"]
+# float32 kernels accumulate exactly like the reference up to summation order; bfloat16
+# kernels feed bfloat16 probabilities to the second matmul and round the output.
+TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-5}, "bfloat16": {"rtol": 2e-2, "atol": 2e-2}}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _lengths(kind: str, batch: int, page_size: int) -> list[int]:
+    if kind == "one":
+        return [1] * batch
+    if kind == "pages":
+        return [page_size * (1 + b % 3) for b in range(batch)]
+    if kind == "ragged":
+        return [page_size * (b % 3) + 5 + 3 * b for b in range(batch)]
+    # mixed: lengths of 1, exact multiples and ragged in one batch
+    cycle = [
+        1,
+        page_size,
+        2 * page_size + 5,
+        3 * page_size,
+        page_size - 3,
+        4 * page_size + 1,
+        2 * page_size,
+        1,
+    ]
+    return [cycle[b % len(cycle)] for b in range(batch)]
+
+
+def _check_decode(
+    backend, batch, group, num_kv_heads, head_dim, page_size, dtype, kind, pages_per_block, seed=0
+):
+    case = make_paged_case(
+        seed,
+        seq_lens=_lengths(kind, batch, page_size),
+        num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=DTYPES[dtype],
+    )
+    args = (case.q, case.k_pages, case.v_pages, case.seq_lens, case.block_tables)
+    out = paged_attention(*args, backend=backend, interpret=True, pages_per_compute_block=pages_per_block)
+    ref = paged_attention_reference(*args)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out32).all(), "poison from an unused slot reached the output"
+    np.testing.assert_allclose(out32, ref32, **TOLERANCE[dtype])
+
+
+# (batch, group, num_kv_heads, head_dim, page_size, dtype, lengths, pages_per_compute_block)
+DECODE_GRID = [
+    (1, 1, 2, 64, 16, "float32", "one", 1),
+    (1, 4, 1, 128, 32, "bfloat16", "ragged", 2),
+    (1, 8, 1, 64, 32, "float32", "pages", 1),
+    (3, 4, 2, 64, 16, "float32", "mixed", 2),
+    (3, 8, 1, 128, 16, "bfloat16", "mixed", 4),
+    (8, 1, 2, 128, 32, "float32", "mixed", 1),
+    (8, 8, 1, 64, 16, "bfloat16", "mixed", 2),
+    (5, 4, 2, 128, 32, "float32", "pages", None),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,group,num_kv_heads,head_dim,page_size,dtype,kind,pages_per_block",
+    DECODE_GRID,
+    ids=[f"b{c[0]}-g{c[1]}-kv{c[2]}-d{c[3]}-p{c[4]}-{c[5]}-{c[6]}-ppb{c[7]}" for c in DECODE_GRID],
+)
+def test_decode_kernel_matches_reference(
+    backend, batch, group, num_kv_heads, head_dim, page_size, dtype, kind, pages_per_block
+) -> None:
+    _check_decode(backend, batch, group, num_kv_heads, head_dim, page_size, dtype, kind, pages_per_block)
+
+
+FULL_GRID = list(
+    itertools.product(
+        BACKENDS, [1, 3, 8], [1, 4, 8], [64, 128], [16, 32], ["float32", "bfloat16"], ["mixed", "one"]
+    )
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,batch,group,head_dim,page_size,dtype,kind", FULL_GRID)
+def test_decode_kernel_full_grid(backend, batch, group, head_dim, page_size, dtype, kind) -> None:
+    _check_decode(backend, batch, group, 2, head_dim, page_size, dtype, kind, 2, seed=batch * 100 + group)
+
+
+# (batch, group, num_kv_heads, head_dim, page_size, dtype, chunk, seq_lens, q_lens, block_rows)
+PREFILL_GRID = [
+    # whole prompts, one chunk each (one of them shorter than the chunk)
+    (2, 4, 2, 64, 16, "float32", 8, [8, 5], [8, 5], None),
+    # chunks after a cached prefix, a decode row (q_len 1) and an idle row (q_len 0) together
+    (4, 2, 2, 128, 32, "bfloat16", 8, [40, 70, 9, 33], [8, 3, 1, 0], None),
+    # several row blocks per sequence, chunk boundary inside a page
+    (2, 8, 1, 64, 16, "float32", 8, [21, 64], [8, 6], 16),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,group,num_kv_heads,head_dim,page_size,dtype,chunk,seq_lens,q_lens,block_rows", PREFILL_GRID
+)
+def test_prefill_kernel_matches_reference(
+    backend, batch, group, num_kv_heads, head_dim, page_size, dtype, chunk, seq_lens, q_lens, block_rows
+) -> None:
+    case = make_paged_case(
+        1,
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        chunk=chunk,
+        num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=DTYPES[dtype],
+    )
+    args = (case.q, case.k_pages, case.v_pages, case.seq_lens, case.q_lens, case.block_tables)
+    out = paged_prefill_attention(
+        *args, backend=backend, interpret=True, pages_per_compute_block=1, block_rows=block_rows
+    )
+    ref = paged_prefill_attention_reference(*args)
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out32).all(), "poison from an unused slot or padding row reached the output"
+    np.testing.assert_allclose(out32, ref32, **TOLERANCE[dtype])
+    for b, q_len in enumerate(q_lens):
+        assert not out32[b, q_len:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_of_one_token_equals_decode(backend: str) -> None:
+    case = make_paged_case(
+        5, seq_lens=[17, 1, 48], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, chunk=1
+    )
+    prefill = paged_prefill_attention(
+        case.q,
+        case.k_pages,
+        case.v_pages,
+        case.seq_lens,
+        case.q_lens,
+        case.block_tables,
+        backend=backend,
+        interpret=True,
+    )
+    decode = paged_attention(
+        case.q[:, 0],
+        case.k_pages,
+        case.v_pages,
+        case.seq_lens,
+        case.block_tables,
+        backend=backend,
+        interpret=True,
+    )
+    np.testing.assert_allclose(np.asarray(prefill[:, 0]), np.asarray(decode), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,116 @@
+"""Entry points of `rlax <component>`: each builds one process from the run config by
+calling into the package that owns it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from rlax_controller.config import RunConfig
+
+__all__ = [
+    "run_controller",
+    "run_eval",
+    "run_paramserver",
+    "run_tool",
+    "run_trainer",
+    "run_verifier",
+    "run_worker",
+]
+
+log = logging.getLogger("rlax")
+
+
+def _select_platform(platform: str) -> None:
+    # Must happen before JAX initialises a backend; an empty value keeps JAX's default.
+    if platform:
+        os.environ["JAX_PLATFORMS"] = platform
+
+
+def _exit_on_sigterm() -> None:
+    # SIGTERM from the supervisor becomes SystemExit, so `finally` blocks close sockets.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def run_paramserver(config: RunConfig) -> int:
+    from rlax_paramserver.cli import main
+
+    state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
+    return int(
+        main(["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep), "--state-dir", state_dir])
+        or 0
+    )
+
+
+def run_verifier(config: RunConfig) -> int:
+    from rlax_data.service import main
+
+    return int(main(["--bind", config.verifier.address]) or 0)
+
+
+def _scorer(config: RunConfig, task: Any) -> Any:
+    if config.verifier.mode == "service":
+        from rlax_data.service import RemoteVerifier
+
+        task.verifier = RemoteVerifier(config.verifier.address, timeout_s=config.verifier.timeout_s)
+    return task
+
+
+def run_controller(config: RunConfig) -> int:
+    from rlax_controller.controller import Controller
+    from rlax_controller.tasks import build_task
+
+    _select_platform("cpu")  # the controller computes nothing on an accelerator
+    _exit_on_sigterm()
+    task = build_task(config)
+    controller = Controller(
+        config,
+        source=task.prompt_source(),
+        scorer=_scorer(config, task),
+        eval_items=task.eval_items(),
+        stop_token_ids=task.stop_token_ids,
+        worker_addresses=config.workers.addresses,
+    )
+    try:
+        return controller.run()
+    finally:
+        controller.close()
+
+
+def run_trainer(config: RunConfig) -> int:
+    from rlax_controller.trainer_service import run
+
+    _select_platform(config.trainer.platform)
+    _exit_on_sigterm()
+    return run(config)
+
+
+def run_worker(config: RunConfig, index: int) -> int:
+    from rlax_controller.worker_service import run
+
+    if not 0 <= index < len(config.workers.addresses):
+        raise SystemExit(f"rlax worker --index {index}: the config has {len(config.workers.addresses)} worker addresses")
+    _select_platform(config.workers.platform)
+    _exit_on_sigterm()
+    return run(config, index)
+
+
+def run_eval(config: RunConfig, *, checkpoint: str = "", out: str = "") -> int:
+    from rlax_controller.evaluation import run
+
+    return run(config, checkpoint=checkpoint, out=out)
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    if name == "curate":
+        from rlax_data.curation.cli import main as curate_main
+
+        return int(curate_main(argv) or 0)
+    if name == "convert":
+        from rlax_controller.convert import main as convert_main
+
+        return int(convert_main(argv) or 0)
+    raise ValueError(f"unknown tool {name!r}")

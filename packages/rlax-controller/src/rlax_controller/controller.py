@@ -1,0 +1,647 @@
+"""The controller process: the only component that decides (DESIGN.md §1).
+
+One event loop over ZeroMQ sockets (no threads): a ROUTER where the trainer asks for
+batches, one DEALER link per inference worker carrying `GenerateRequest`s, and the run
+snapshot on disk. The decisions themselves live in `scheduling.RolloutScheduler`.
+
+Weight boundaries. The trainer asks for the batch of step s (`BatchRequest(s)`); before
+that batch leaves, the snapshot of step s+1 (the stream state after the batch, counters,
+the batch's rollout ids) is written. When the trainer next asks with step s+1 the batch
+is committed. A restarted controller waits for the trainer's first request and restores
+the snapshot of exactly the step the trainer's checkpoint holds; a trainer that fell back
+to an older checkpoint rewinds the controller the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from rlax_controller.config import RunConfig
+from rlax_controller.links import PeerLink
+from rlax_controller.messages import (
+    BatchRequest,
+    NoBatchYet,
+    RunComplete,
+    RunStatus,
+    StatusQuery,
+    TrainBatch,
+    decode_control,
+    encode_control,
+)
+from rlax_controller.metrics import MetricsWriter, plot_run, read_metrics, summary_rows
+from rlax_controller.scheduling import (
+    Batch,
+    BatchNotReady,
+    Group,
+    PromptItem,
+    PromptSource,
+    RolloutScheduler,
+    SchedulerConfig,
+    ScoredSample,
+    stable_seed,
+)
+from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
+from rlax_protocol.errors import MalformedMessageError, ProtocolError
+from rlax_protocol.messages import (
+    ErrorReply,
+    GenerateRequest,
+    GenerateResult,
+    Hello,
+    Message,
+    Rollout,
+    SamplingParams,
+    Welcome,
+)
+from rlax_protocol.messages import decode as decode_protocol
+from rlax_protocol.messages import encode as encode_protocol
+from rlax_protocol.transport import pack_request_id, unpack_request_id, welcome_for
+
+__all__ = ["Controller", "RolloutScorer", "pass_at_k"]
+
+log = logging.getLogger("rlax.controller")
+
+
+class RolloutScorer(Protocol):
+    """Scores the completions of one prompt: one (reward, correct) per completion."""
+
+    def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]: ...
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@dataclasses.dataclass
+class WorkerState:
+    name: str
+    link: PeerLink
+    alive: bool = False
+    last_seen: float = 0.0
+    last_ping: float = 0.0
+    requests: dict[int, str] = dataclasses.field(default_factory=dict)
+    pings: set[int] = dataclasses.field(default_factory=set)
+    sent_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    timeouts: int = 0
+    quarantine_until: float = 0.0
+    version: int | None = None
+    reloads: int = 0
+
+
+@dataclasses.dataclass
+class EvalJob:
+    step: int
+    items: list[PromptItem]
+    status: dict[int, str]  # item index -> "pending" | request id
+    results: dict[int, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
+    versions: dict[int, int] = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class Controller:
+    """Runs the RL loop's control plane until the last step is trained and evaluated."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        source: PromptSource,
+        scorer: RolloutScorer,
+        eval_items: Sequence[PromptItem] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        worker_addresses: Sequence[str],
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.scorer = scorer
+        self.eval_items = list(eval_items)
+        self.stop_token_ids = stop_token_ids
+        self.context = context or zmq.Context.instance()
+        self.output = config.output_dir
+        self.store = SnapshotStore(self.output / "snapshots", keep=config.controller.snapshot_keep)
+        self.metrics = MetricsWriter(self.output)
+        self.scheduler = RolloutScheduler(
+            source,
+            SchedulerConfig(
+                group_size=config.data.group_size,
+                prompts_per_step=config.data.prompts_per_step,
+                k=config.trainer.k,
+                dynamic_filter=config.data.dynamic_filter,
+                max_filter_draws=config.data.max_filter_draws,
+                max_inflight_per_worker=config.workers.max_inflight_groups,
+                seed=config.run.seed,
+            ),
+        )
+        self.server_id = uuid.uuid4().hex[:12]
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.bind(config.controller.address)
+        self.workers = {
+            f"worker{i}": WorkerState(
+                f"worker{i}",
+                PeerLink(address, encode=encode_protocol, decode=decode_protocol, context=self.context, role="controller"),
+            )
+            for i, address in enumerate(worker_addresses)
+        }
+        self.restored = False
+        self.sent_batch: Batch | None = None
+        self.trainer_metrics: dict[str, float] = {}
+        self.eval_job: EvalJob | None = None
+        self.eval_history: list[dict[str, Any]] = []
+        self.finished = False
+        self.complete_replied = False
+        self._rate_tokens = 0
+        self._rate_since = time.monotonic()
+        self._last_step_time = time.monotonic()
+
+    # ------------------------------------------------------------------ trainer side
+    def _reply(self, identity: bytes, request_id: int, message: Message) -> None:
+        try:
+            self.router.send_multipart([identity, pack_request_id(request_id), encode_control(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a reply to a peer whose queue is full")
+
+    def _serve_router(self) -> None:
+        while True:
+            try:
+                parts = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) < 3:
+                continue
+            identity = parts[0]
+            try:
+                request_id = unpack_request_id(parts[1])
+                message = decode_control(parts[2])
+            except MalformedMessageError as error:
+                self._reply(identity, 0, ErrorReply(code="malformed", message=str(error)))
+                continue
+            try:
+                reply = self._handle(message)
+            except Exception as error:  # a bad request must not stop the controller
+                log.exception("error handling %s", type(message).__name__)
+                reply = ErrorReply(code="internal", message=f"{type(error).__name__}: {error}")
+            self._reply(identity, request_id, reply)
+
+    def _handle(self, message: Message) -> Message:
+        if isinstance(message, Hello):
+            return welcome_for(message, server_id=self.server_id)
+        if isinstance(message, StatusQuery):
+            return RunStatus(
+                step=self.scheduler.step,
+                total_steps=self.config.run.steps,
+                workers_alive=sum(w.alive for w in self.workers.values()),
+                counters=dict(self.scheduler.counters),
+                finished=self.finished,
+            )
+        if isinstance(message, BatchRequest):
+            return self._on_batch_request(message)
+        return ErrorReply(code="unknown_message", message=f"controller does not serve {type(message).__name__}")
+
+    def _restore(self, step: int) -> None:
+        snapshot = self.store.read(step)  # SnapshotError names the folder and the steps it has
+        self.scheduler.restore(
+            step=snapshot.step,
+            next_index=snapshot.stream_index,
+            stream_state=snapshot.stream_state,
+            rng_state=snapshot.rng_state,
+            counters=snapshot.counters,
+        )
+        self.eval_history = list(snapshot.eval_history)
+        self.sent_batch = None
+        self.eval_job = None
+        self.finished = False
+        self._drop_all_requests()
+        self.metrics.write({"kind": "event", "step": step, "event": "restored", "checkpoint": snapshot.checkpoint})
+        logged = {r["step"] for r in read_metrics(self.metrics.path, kind="train")}
+        if snapshot.batch_record and step not in logged:
+            # The previous controller died between the trainer's commit and its metrics line.
+            self.metrics.write({**snapshot.batch_record, **snapshot.counters, "recovered": True})
+        log.info("restored snapshot of step %d (checkpoint %s)", step, snapshot.checkpoint)
+
+    def _initial_snapshot(self) -> None:
+        self.store.write(
+            RunSnapshot(
+                step=0,
+                version=0,
+                stream_state=self.scheduler.base_stream_state,
+                stream_index=0,
+                rng_state=self.scheduler.base_rng_state,
+                counters=dict(self.scheduler.counters),
+                checkpoint=checkpoint_name(0),
+            )
+        )
+
+    def _on_batch_request(self, request: BatchRequest) -> Message:
+        step = request.trainer_step
+        if not self.restored:
+            if step == 0 and not self.store.steps():
+                self._initial_snapshot()
+            else:
+                self._restore(step)
+            self.restored = True
+            self.trainer_metrics = dict(request.metrics)
+            self._eval_if_due(self.scheduler.step)
+        elif self.sent_batch is not None and step == self.sent_batch.step + 1:
+            self.trainer_metrics = dict(request.metrics)
+            self._commit(self.sent_batch)
+        elif step != self.scheduler.step:
+            log.warning("trainer is at step %d, controller at %d: rewinding to the trainer's snapshot", step, self.scheduler.step)
+            self._restore(step)
+            self._eval_if_due(step)
+        if self.scheduler.step >= self.config.run.steps:
+            if self.finished:
+                self.complete_replied = True
+                return RunComplete(final_step=self.scheduler.step)
+            return NoBatchYet(reason="final evaluation", retry_after_s=0.2)
+        if self.sent_batch is None:
+            try:
+                batch = self.scheduler.build_batch()
+            except BatchNotReady as why:
+                return NoBatchYet(reason=str(why), retry_after_s=0.02)
+            self._write_pending_snapshot(batch)
+            self.sent_batch = batch
+        return self._train_batch(self.sent_batch)
+
+    def _batch_record(self, batch: Batch) -> dict[str, Any]:
+        rewards = [s.reward for g in batch.groups for s in g.samples]
+        correct = [s.correct for g in batch.groups for s in g.samples]
+        return {
+            "kind": "train",
+            "step": batch.step + 1,
+            "version": batch.step + 1,
+            "reward_mean": float(np.mean(rewards)),
+            "pass_rate": float(np.mean(correct)),
+            "staleness_max": max(batch.staleness),
+            "staleness_mean": float(np.mean(batch.staleness)),
+            "staleness": batch.staleness,
+            "filtered_groups": batch.filtered,
+            "response_tokens_mean": float(np.mean([len(s.token_ids) for g in batch.groups for s in g.samples])),
+            "rollout_ids": batch.rollout_ids,
+            "rollout_versions": [g.version for g in batch.groups],
+            "consumed_prompt_ids": list(batch.consumed_prompt_ids),
+            "consumed_indices": list(batch.consumed_indices),
+        }
+
+    def _write_pending_snapshot(self, batch: Batch) -> None:
+        counters = dict(self.scheduler.counters)
+        counters["rollouts_trained"] = counters.get("rollouts_trained", 0) + sum(len(g.samples) for g in batch.groups)
+        counters["groups_filtered"] = counters.get("groups_filtered", 0) + batch.filtered
+        self.store.write(
+            RunSnapshot(
+                step=batch.step + 1,
+                version=batch.step + 1,
+                stream_state=batch.stream_state_after,
+                stream_index=batch.consumed_indices[-1] + 1,
+                rng_state=batch.rng_state_after,
+                counters=counters,
+                checkpoint=checkpoint_name(batch.step + 1),
+                batch_rollout_ids=batch.rollout_ids,
+                batch_prompt_indices=list(batch.consumed_indices),
+                eval_history=self.eval_history,
+                batch_record=self._batch_record(batch),
+            )
+        )
+
+    def _train_batch(self, batch: Batch) -> TrainBatch:
+        rollouts: list[Rollout] = []
+        for group in batch.groups:
+            assert group.version is not None
+            for i, sample in enumerate(group.samples):
+                rollouts.append(
+                    Rollout(
+                        prompt_id=group.item.prompt_id,
+                        group_index=i,
+                        prompt_token_ids=group.item.prompt_token_ids,
+                        completion_token_ids=sample.token_ids,
+                        worker_logprobs=sample.logprobs,
+                        policy_version=group.version,
+                        finish_reason=sample.finish_reason,  # type: ignore[arg-type]
+                        reward=sample.reward,
+                    )
+                )
+        return TrainBatch(
+            step=batch.step,
+            group_size=self.config.data.group_size,
+            rollouts=tuple(rollouts),
+            rollout_ids=tuple(batch.rollout_ids),
+        )
+
+    def _commit(self, batch: Batch) -> None:
+        self.scheduler.commit(batch)
+        self.sent_batch = None
+        now = time.monotonic()
+        elapsed = max(now - self._rate_since, 1e-9)
+        record: dict[str, Any] = {
+            **self._batch_record(batch),
+            "gen_tokens_per_s": self._rate_tokens / elapsed,
+            "step_time_s": now - self._last_step_time,
+            "queue_depth": self.scheduler.pending,
+            "inflight_groups": sum(len(w.requests) for w in self.workers.values()),
+            "workers_alive": sum(w.alive for w in self.workers.values()),
+            **{k: v for k, v in self.scheduler.counters.items()},
+            **{k: v for k, v in self.trainer_metrics.items() if isinstance(v, int | float)},
+        }
+        self.metrics.write(record)
+        self._rate_tokens = 0
+        self._rate_since = now
+        self._last_step_time = now
+        log.info("step %d committed: reward %.3f staleness %s", self.scheduler.step, record["reward_mean"], batch.staleness)
+        self._eval_if_due(self.scheduler.step)
+
+    def _eval_if_due(self, step: int) -> None:
+        every = self.config.eval.every
+        due = step == 0 or step >= self.config.run.steps or (every and step % every == 0)
+        if due and not any(e.get("step") == step for e in self.eval_history):
+            self._start_eval(step)
+        elif step >= self.config.run.steps:
+            self._finish()
+
+    # ------------------------------------------------------------------ evaluation
+    def _start_eval(self, step: int) -> None:
+        if not self.eval_items or self.config.eval.num_prompts == 0:
+            if step >= self.config.run.steps:
+                self._finish()
+            return
+        if self.eval_job is not None and self.eval_job.step == step:
+            return
+        self.eval_job = EvalJob(step=step, items=self.eval_items, status=dict.fromkeys(range(len(self.eval_items)), "pending"))
+
+    def _finish_eval(self, job: EvalJob) -> None:
+        n = self.config.eval.n_samples
+        record: dict[str, Any] = {"kind": "eval", "step": job.step}
+        corrects = [sum(c for _, c in job.results[i]) for i in range(len(job.items))]
+        for k in self.config.eval.pass_k:
+            record[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in corrects]))
+        record["reward_mean"] = float(np.mean([r for i in range(len(job.items)) for r, _ in job.results[i]]))
+        record["version_min"] = min(job.versions.values())
+        record["version_max"] = max(job.versions.values())
+        record["num_prompts"] = len(job.items)
+        record["seconds"] = time.monotonic() - job.started
+        self.metrics.write(record)
+        self.eval_history.append({k: v for k, v in record.items() if k != "kind"})
+        log.info("eval at step %d: %s", job.step, {k: v for k, v in record.items() if k.startswith("pass@")})
+        self.eval_job = None
+        if job.step >= self.config.run.steps:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        records = read_metrics(self.metrics.path)
+        try:
+            plot_run(records, self.output / "summary.png", title=f"RLAX run {self.config.run.name}")
+        except Exception:  # the plot is a convenience; the metrics are already on disk
+            log.exception("could not draw the summary plot")
+        lines = [" | ".join(row) for row in summary_rows(records)]
+        (self.output / "summary.txt").write_text("\n".join(lines) + "\n")
+        self.metrics.write({"kind": "event", "step": self.scheduler.step, "event": "finished"})
+
+    # ------------------------------------------------------------------ workers
+    def _drop_all_requests(self) -> None:
+        for worker in self.workers.values():
+            worker.requests.clear()
+            worker.sent_at.clear()
+        if self.eval_job is not None:
+            for index, status in self.eval_job.status.items():
+                if status != "done":
+                    self.eval_job.status[index] = "pending"
+
+    def _declare_dead(self, worker: WorkerState, why: str, *, reopen: bool = True) -> None:
+        if worker.alive or worker.requests:
+            log.warning("%s declared dead: %s", worker.name, why)
+            self.metrics.write({"kind": "worker", "step": self.scheduler.step, "worker": worker.name, "event": "dead", "why": why})
+        worker.alive = False
+        self.scheduler.worker_lost(worker.name)
+        if self.eval_job is not None:
+            for index, status in self.eval_job.status.items():
+                if status in worker.requests.values():
+                    self.eval_job.status[index] = "pending"
+        worker.requests.clear()
+        worker.sent_at.clear()
+        if reopen:
+            worker.link.open()  # drop whatever was queued for the dead peer
+            worker.pings.clear()
+
+    def _sampling(self, *, temperature: float, seed: int) -> SamplingParams:
+        data = self.config.data
+        return SamplingParams(
+            max_tokens=data.max_new_tokens,
+            temperature=temperature,
+            top_p=data.top_p,
+            top_k=data.top_k,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+            logprobs=True,
+        )
+
+    def _send_generate(self, worker: WorkerState, tag: str, item: PromptItem, n: int, sampling: SamplingParams) -> bool:
+        request = GenerateRequest(request_id=tag, prompt_token_ids=item.prompt_token_ids, sampling=sampling, n=n)
+        request_id = worker.link.send(request)
+        if request_id is None:
+            return False
+        worker.requests[request_id] = tag
+        worker.sent_at[request_id] = time.monotonic()
+        return True
+
+    def _dispatch(self, now: float) -> None:
+        alive = [w for w in self.workers.values() if w.alive and now >= w.quarantine_until]
+        if not alive:
+            return
+        job = self.eval_job
+        if job is not None:
+            cap = self.config.workers.max_inflight_groups
+            for index, status in job.status.items():
+                if status != "pending":
+                    continue
+                room = [w for w in alive if len(w.requests) < cap]
+                if not room:
+                    break
+                worker = min(room, key=lambda w: len(w.requests))
+                tag = f"eval{job.step}.{index}.{uuid.uuid4().hex[:6]}"
+                sampling = self._sampling(temperature=self.config.eval.temperature, seed=stable_seed(self.config.eval.seed, index))
+                if self._send_generate(worker, tag, job.items[index], self.config.eval.n_samples, sampling):
+                    job.status[index] = tag
+        if self.scheduler.step >= self.config.run.steps:
+            return  # the run is trained; only the final evaluation remains
+        names = [w.name for w in alive if len(w.requests) < self.config.workers.max_inflight_groups]
+        for name, group in self.scheduler.assign(names):
+            worker = self.workers[name]
+            sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
+            assert group.request_id is not None
+            if not self._send_generate(worker, group.request_id, group.item, self.config.data.group_size, sampling):
+                self._declare_dead(worker, "it is not connected", reopen=False)
+                break
+
+    def _heartbeat(self, now: float) -> None:
+        cfg = self.config.controller
+        for worker in self.workers.values():
+            if now - worker.last_ping >= cfg.heartbeat_interval_s:
+                worker.last_ping = now
+                request_id = worker.link.hello()
+                if request_id is not None:
+                    worker.pings.add(request_id)
+            for request_id, sent in list(worker.sent_at.items()):
+                if now - sent > cfg.request_timeout_s:
+                    tag = worker.requests.pop(request_id, None)
+                    del worker.sent_at[request_id]
+                    if tag is not None:
+                        log.warning("%s: request %s timed out after %.1fs; reassigning", worker.name, tag, now - sent)
+                        self.scheduler.counters["requests_timed_out"] = self.scheduler.counters.get("requests_timed_out", 0) + 1
+                        self._release_tag(worker, tag)
+                        # A worker that answers pings but not requests is hung: keep work away from it.
+                        worker.timeouts += 1
+                        worker.quarantine_until = now + min(60.0, cfg.request_timeout_s * 2 ** (worker.timeouts - 1))
+            silent = now - worker.last_seen
+            if worker.alive and silent > cfg.heartbeat_timeout_s:
+                self._declare_dead(worker, f"silent for {silent:.1f}s (controller.heartbeat_timeout_s={cfg.heartbeat_timeout_s})")
+
+    def _on_welcome(self, worker: WorkerState, welcome: Welcome, now: float) -> None:
+        if worker.link.server_id is not None and welcome.server_id != worker.link.server_id and worker.requests:
+            # The worker restarted: requests sent to its previous life are lost.
+            self._declare_dead(
+                worker, f"restarted (server id {worker.link.server_id} -> {welcome.server_id})", reopen=False
+            )
+        worker.link.server_id = welcome.server_id
+        if not worker.alive:
+            self.metrics.write({"kind": "worker", "step": self.scheduler.step, "worker": worker.name, "event": "alive"})
+        worker.alive = True
+        worker.last_seen = now
+
+    def _poll_workers(self, now: float) -> None:
+        for worker in self.workers.values():
+            try:
+                replies = worker.link.receive()
+            except ProtocolError as error:
+                self._declare_dead(worker, f"protocol error: {error}")
+                continue
+            for request_id, message in replies:
+                worker.last_seen = now
+                worker.pings.discard(request_id)
+                tag = worker.requests.pop(request_id, None)
+                worker.sent_at.pop(request_id, None)
+                if isinstance(message, Welcome):
+                    self._on_welcome(worker, message, now)
+                elif isinstance(message, GenerateResult):
+                    worker.timeouts = 0
+                    self._on_result(worker, message)
+                elif isinstance(message, ErrorReply):
+                    log.error("%s refused request %s: %s %s", worker.name, tag, message.code, message.message)
+                    if tag is not None:
+                        self._release_tag(worker, tag)
+
+    def _release_tag(self, worker: WorkerState, tag: str) -> None:
+        group = self.scheduler.group_for_request(tag)
+        if group is not None:
+            self.scheduler.release(group)
+        elif self.eval_job is not None:
+            for index, status in self.eval_job.status.items():
+                if status == tag:
+                    self.eval_job.status[index] = "pending"
+
+    def _on_result(self, worker: WorkerState, result: GenerateResult) -> None:
+        if worker.version is not None and result.weight_version != worker.version:
+            worker.reloads += 1
+            self.metrics.write(
+                {
+                    "kind": "worker",
+                    "step": self.scheduler.step,
+                    "worker": worker.name,
+                    "event": "version",
+                    "from_version": worker.version,
+                    "to_version": result.weight_version,
+                }
+            )
+        worker.version = result.weight_version
+        completions = [tuple(s.token_ids) for s in result.samples]
+        self._rate_tokens += sum(len(c) for c in completions)
+        if result.request_id.startswith("eval"):
+            self._on_eval_result(result, completions)
+            return
+        group = self.scheduler.group_for_request(result.request_id)
+        if group is None:
+            self.scheduler.counters["results_ignored"] += 1
+            return
+        try:
+            scores = self.scorer.score(group.item, completions)
+        except (ProtocolError, TimeoutError) as error:
+            # A verifier service that is down: generate this group again later.
+            log.error("scoring %s failed (%s); the group goes back to the queue", result.request_id, error)
+            self.scheduler.counters["scoring_failures"] = self.scheduler.counters.get("scoring_failures", 0) + 1
+            self.scheduler.release(group)
+            return
+        samples = [
+            ScoredSample(tuple(s.token_ids), tuple(s.logprobs), s.finish_reason, float(r), bool(c))
+            for s, (r, c) in zip(result.samples, scores, strict=True)
+        ]
+        self.scheduler.complete(result.request_id, result.weight_version, samples)
+
+    def _on_eval_result(self, result: GenerateResult, completions: list[tuple[int, ...]]) -> None:
+        job = self.eval_job
+        if job is None:
+            return
+        index = next((i for i, s in job.status.items() if s == result.request_id), None)
+        if index is None:
+            return
+        try:
+            job.results[index] = self.scorer.score(job.items[index], completions)
+        except (ProtocolError, TimeoutError) as error:
+            log.error("scoring evaluation prompt %d failed (%s); it will be generated again", index, error)
+            job.status[index] = "pending"
+            return
+        job.versions[index] = result.weight_version
+        job.status[index] = "done"
+        if all(s == "done" for s in job.status.values()):
+            self._finish_eval(job)
+
+    # ------------------------------------------------------------------ main loop
+    def pending_groups(self) -> list[Group]:
+        return list(self.scheduler.groups.values())
+
+    def run(self, *, stop_after_complete_s: float = 2.0, max_seconds: float | None = None) -> int:
+        """Serve until the trainer has been told the run is complete; returns an exit code."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        for worker in self.workers.values():
+            assert worker.link.socket is not None
+            poller.register(worker.link.socket, zmq.POLLIN)
+        started = time.monotonic()
+        completed_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if max_seconds is not None and now - started > max_seconds:
+                raise TimeoutError(f"controller ran longer than {max_seconds}s")
+            self._serve_router()
+            self._poll_workers(now)
+            self._heartbeat(now)
+            if self.restored:
+                self._dispatch(now)
+            if self.complete_replied:
+                completed_at = completed_at or now
+                if now - completed_at > stop_after_complete_s:
+                    return 0
+            # Sockets are re-created when a worker is declared dead; rebuild the poll set.
+            poller = zmq.Poller()
+            poller.register(self.router, zmq.POLLIN)
+            for worker in self.workers.values():
+                if worker.link.socket is not None:
+                    poller.register(worker.link.socket, zmq.POLLIN)
+            poller.poll(20)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.link.close()
+        self.router.close(linger=0)
+        self.metrics.close()
+

@@ -1,0 +1,236 @@
+"""Run metrics: JSONL + TensorBoard writer, live progress display, summary table and plot.
+
+Every record is a flat dict with a `kind` (``train``, ``eval``, ``worker``, ``event``) and
+a `step`. Records go to `metrics.jsonl` (one JSON object per line, fsynced, so a record
+survives a SIGKILL of the writer) and numeric fields to TensorBoard as ``kind/field``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Iterable
+from typing import IO, Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from rlax_controller.fsutil import append_line_durable
+
+__all__ = [
+    "MetricsWriter",
+    "ProgressDisplay",
+    "latest_per_step",
+    "plot_run",
+    "read_metrics",
+    "summary_rows",
+    "summary_table",
+]
+
+
+class MetricsWriter:
+    """Appends metric records to `folder/metrics.jsonl` and to TensorBoard event files."""
+
+    def __init__(self, folder: str | pathlib.Path, *, tensorboard: bool = True) -> None:
+        self.folder = pathlib.Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / "metrics.jsonl"
+        self._tb: Any = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.folder / "tensorboard"), flush_secs=5)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if "kind" not in record or "step" not in record:
+            raise ValueError(f"a metrics record needs `kind` and `step`, got keys {sorted(record)}")
+        record = {"time": time.time(), **record}
+        append_line_durable(self.path, json.dumps(record, allow_nan=True))
+        if self._tb is not None:
+            step = int(record["step"])
+            for key, value in record.items():
+                if key in ("time", "step") or isinstance(value, bool):
+                    continue
+                if isinstance(value, int | float) and math.isfinite(value):
+                    # TensorBoard tag names allow no "@": pass@8 -> pass_at_8.
+                    self._tb.add_scalar(f"{record['kind']}/{key.replace('@', '_at_')}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str | pathlib.Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl (of one `kind` when given); a torn last line is ignored,
+    any other bad line raises an error naming the file and line."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                break  # the writer was killed mid-line
+            raise ValueError(f"{path}:{number}: not a JSON metrics record ({error})") from None
+        if kind is None or record.get("kind") == kind:
+            records.append(record)
+    return records
+
+
+def latest_per_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step (the last written), sorted by step: a restarted writer may repeat a step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in records:
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+class ProgressDisplay:
+    """Live progress: a rich table redrawn in place on a terminal, plain log lines otherwise."""
+
+    COLUMNS = (
+        ("step", "step"),
+        ("version", "version"),
+        ("reward", "reward_mean"),
+        ("pass rate", "pass_rate"),
+        ("gen tok/s", "gen_tokens_per_s"),
+        ("staleness", "staleness_max"),
+        ("queue", "queue_depth"),
+        ("in flight", "inflight_groups"),
+        ("workers", "workers_alive"),
+    )
+
+    def __init__(self, total_steps: int, *, stream: IO[str] | None = None, live: bool | None = None) -> None:
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self.live_mode = self.stream.isatty() if live is None else live
+        self.console = Console(file=self.stream, force_terminal=self.live_mode or None)
+        self.last: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self._live: Live | None = None
+        if self.live_mode:
+            self._live = Live(self._table(), console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def _table(self) -> Table:
+        table = Table(title=f"RLAX run: step {self.last.get('step', 0)}/{self.total_steps}")
+        for title, _ in self.COLUMNS:
+            table.add_column(title, justify="right")
+        table.add_row(*(_fmt(self.last.get(key)) for _, key in self.COLUMNS))
+        if self.last_eval:
+            evals = ", ".join(f"{k}={_fmt(v)}" for k, v in self.last_eval.items() if k.startswith(("pass@", "reward")))
+            table.caption = f"eval @ step {self.last_eval.get('step')}: {evals}"
+        return table
+
+    def update(self, record: dict[str, Any]) -> None:
+        if record.get("kind") == "eval":
+            self.last_eval = record
+        else:
+            self.last = record
+        if self._live is not None:
+            self._live.update(self._table())
+            return
+        if record.get("kind") == "eval":
+            values = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k.startswith(("pass@", "reward", "avg")))
+            print(f"[eval] step={record.get('step')} {values}", file=self.stream, flush=True)
+        else:
+            values = " ".join(f"{title.replace(' ', '_')}={_fmt(record.get(key))}" for title, key in self.COLUMNS[1:])
+            print(f"[train] step={record.get('step')}/{self.total_steps} {values}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(metric, start, end, change) rows: evaluation scores first, then training figures."""
+    rows: list[tuple[str, str, str, str]] = []
+    evals = latest_per_step(read for read in records if read.get("kind") == "eval")
+    if evals:
+        first, last = evals[0], evals[-1]
+        keys = [k for k in first if k.startswith(("pass@", "reward_mean", "avg@"))]
+        for key in keys:
+            a, b = first.get(key), last.get(key)
+            change = f"{100 * (b - a):+.1f} pts" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
+            rows.append((f"eval {key} (step {first['step']} -> {last['step']})", _fmt(a), _fmt(b), change))
+    train = latest_per_step(r for r in records if r.get("kind") == "train")
+    if train:
+        first, last = train[0], train[-1]
+        for key in ("reward_mean", "pass_rate", "staleness_max", "abs_dlogprob_p95", "gen_tokens_per_s"):
+            if key in last:
+                a, b = first.get(key), last.get(key)
+                change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
+                rows.append((f"train {key}", _fmt(a), _fmt(b), change))
+        rows.append(("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}"))
+    return rows
+
+
+def summary_table(records: list[dict[str, Any]], title: str = "RLAX run summary") -> Table:
+    table = Table(title=title)
+    for column in ("metric", "start", "end", "change"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for row in summary_rows(records):
+        table.add_row(*row)
+    return table
+
+
+def plot_run(records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "RLAX run") -> pathlib.Path:
+    """PNG with training reward, evaluation pass@k and |Δ logprob| against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = latest_per_step(r for r in records if r.get("kind") == "train")
+    evals = latest_per_step(r for r in records if r.get("kind") == "eval")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    steps = [r["step"] for r in train]
+    axes[0].plot(steps, [r.get("reward_mean", math.nan) for r in train], marker=".", label="train reward (mean)")
+    axes[0].set_title("training reward")
+    eval_keys = sorted({k for r in evals for k in r if k.startswith(("pass@", "reward_mean"))})
+    for key in eval_keys:
+        axes[1].plot([r["step"] for r in evals], [r.get(key, math.nan) for r in evals], marker="o", label=key)
+    axes[1].set_title("evaluation")
+    axes[1].set_ylim(-0.02, 1.02)
+    for key in ("abs_dlogprob_p50", "abs_dlogprob_p95", "abs_dlogprob_max"):
+        values = [r.get(key, math.nan) for r in train]
+        if any(isinstance(v, int | float) and math.isfinite(v) for v in values):
+            axes[2].plot(steps, values, marker=".", label=key.replace("abs_dlogprob_", "|Δ logprob| "))
+    axes[2].set_title("trainer vs worker |Δ logprob|")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def print_summary(records: list[dict[str, Any]], console: Console | None = None, title: str = "RLAX run summary") -> None:
+    (console or Console()).print(summary_table(records, title))

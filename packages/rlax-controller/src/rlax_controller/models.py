@@ -1,0 +1,56 @@
+"""The run's model (`rlax_model.ModelConfig` and initial parameters) from the run config.
+
+The trainer and every worker call `build_model_config` with the same config and
+tokenizer, so they agree on every shape without exchanging anything but weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlax_controller.config import RunConfig
+
+__all__ = ["build_model_config", "initial_params"]
+
+
+def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
+    """`rlax_model.ModelConfig` of the run (shapes only; loading a file reads its header)."""
+    from rlax_model import ModelConfig
+
+    m = config.model
+    if m.source == "tiny":
+        return ModelConfig.tiny(
+            vocab_size=int(tokenizer.vocab_size),
+            hidden_size=m.d_model,
+            intermediate_size=m.d_ff,
+            num_layers=m.n_layers,
+            num_heads=m.n_heads,
+            num_kv_heads=m.n_kv_heads,
+            head_dim=m.d_model // m.n_heads,
+            max_position_embeddings=m.max_seq_len,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            param_dtype=m.param_dtype,
+        )
+    if m.source == "gguf":
+        from rlax_model.gguf_import import GGUFFile, find_smollm2_gguf, gguf_config
+
+        return gguf_config(GGUFFile(m.path or find_smollm2_gguf()), param_dtype=m.param_dtype)
+    from rlax_model import load_hf_config
+
+    return load_hf_config(m.path, param_dtype=m.param_dtype)
+
+
+def initial_params(config: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """(ModelConfig, params): random init for `tiny` (seeded by run.seed), else the file's weights."""
+    import jax
+    from rlax_model import init_params, load_hf_checkpoint
+    from rlax_model.gguf_import import find_smollm2_gguf, load_gguf
+
+    m = config.model
+    if m.source == "tiny":
+        model_config = build_model_config(config, tokenizer)
+        return model_config, init_params(model_config, jax.random.key(config.run.seed))
+    if m.source == "gguf":
+        return load_gguf(m.path or find_smollm2_gguf(), param_dtype=m.param_dtype)
+    return load_hf_checkpoint(m.path, param_dtype=m.param_dtype)

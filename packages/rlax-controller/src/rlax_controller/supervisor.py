@@ -1,0 +1,285 @@
+"""Local process supervisor behind `rlax launch`.
+
+Starts every component as a subprocess in its own process group (so a component's
+children die with it), restarts a process that exits or crashes with exponential
+back-off, stops the run with a report when one process needs too many restarts, and
+shuts everything down on SIGINT/SIGTERM (SIGTERM to each group, SIGKILL after a grace
+period). Chaos mode SIGKILLs a random component at seeded random moments; each round
+of kills visits every targeted role once, in a shuffled order, so a short run still
+hits all of them. Every start, exit, restart and kill is appended to `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlax_controller.config import ChaosConfig, SupervisorConfig
+from rlax_controller.fsutil import append_line_durable
+
+__all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """One component to run. `completes_run`: its clean exit (code 0) ends the whole run."""
+
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    completes_run: bool = False
+
+
+@dataclasses.dataclass
+class ManagedProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    consecutive_failures: int = 0
+    restart_at: float | None = None
+    killed_by_chaos: bool = False
+    exit_codes: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+@dataclasses.dataclass
+class SupervisorReport:
+    success: bool
+    reason: str
+    restarts: dict[str, int]
+    chaos_kills: list[tuple[str, str]]
+    exit_codes: dict[str, list[int]]
+    log_dir: pathlib.Path
+
+    def render(self) -> str:
+        lines = [f"run {'finished' if self.success else 'stopped'}: {self.reason}"]
+        for name, count in sorted(self.restarts.items()):
+            codes = ", ".join(str(c) for c in self.exit_codes.get(name, [])[-5:])
+            lines.append(f"  {name}: {count} restart(s); last exit codes [{codes}]")
+        if self.chaos_kills:
+            lines.append(f"  chaos kills: {len(self.chaos_kills)} ({', '.join(n for n, _ in self.chaos_kills)})")
+        lines.append(f"  logs: {self.log_dir}")
+        return "\n".join(lines)
+
+
+def _tail(path: pathlib.Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class Supervisor:
+    """Runs and supervises a set of `ProcessSpec`s until one with `completes_run` exits 0."""
+
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        log_dir: str | pathlib.Path,
+        policy: SupervisorConfig | None = None,
+        chaos: ChaosConfig | None = None,
+        *,
+        poll_s: float = 0.05,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names must be unique, got {names}")
+        self.policy = policy or SupervisorConfig()
+        self.chaos = chaos or ChaosConfig()
+        self.log_dir = pathlib.Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.log_dir / "events.jsonl"
+        self.procs = [ManagedProcess(spec) for spec in specs]
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._rng = random.Random(self.chaos.seed)
+        self._chaos_round: list[str] = []
+        self._next_kill = 0.0
+        self.chaos_kills: list[tuple[str, str]] = []
+
+    # -- events -------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": kind, **fields}
+        append_line_durable(self.events_path, json.dumps(record))
+
+    # -- process control ----------------------------------------------------------------
+    def _start(self, proc: ManagedProcess) -> None:
+        log = open(self.log_dir / f"{proc.spec.name}.log", "ab")
+        env = dict(os.environ)
+        env.update(proc.spec.env or {})
+        try:
+            proc.popen = subprocess.Popen(
+                proc.spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=proc.spec.cwd,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        proc.started_at = time.monotonic()
+        proc.restart_at = None
+        proc.killed_by_chaos = False
+        self._event("start", name=proc.spec.name, role=proc.spec.role, pid=proc.popen.pid, restarts=proc.restarts)
+
+    def _signal_group(self, proc: ManagedProcess, sig: int) -> None:
+        if proc.popen is None:
+            return
+        try:
+            os.killpg(proc.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ask the run loop to shut everything down (thread-safe; used by signal handlers)."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def _handle_signal(self, signum: int, _frame: Any) -> None:
+        self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def _shutdown(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.running:
+                self._signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.policy.shutdown_grace_s
+        while time.monotonic() < deadline and any(p.running for p in self.procs):
+            time.sleep(self.poll_s)
+        for proc in self.procs:
+            # SIGKILL the group even if the leader exited: its children may linger.
+            self._signal_group(proc, signal.SIGKILL)
+            if proc.popen is not None:
+                proc.popen.wait()
+        self._event("shutdown", reason=self._stop_reason)
+
+    # -- chaos --------------------------------------------------------------------------
+    def _schedule_kill(self, now: float) -> None:
+        self._next_kill = now + self.chaos.interval * self._rng.uniform(0.5, 1.5)
+
+    def _chaos_tick(self, now: float) -> None:
+        if self.chaos.interval <= 0 or now < self._next_kill:
+            return
+        if self.chaos.max_kills and len(self.chaos_kills) >= self.chaos.max_kills:
+            return
+        roles = sorted({p.spec.role for p in self.procs if p.spec.role in self.chaos.targets})
+        if not roles:
+            return
+        if not self._chaos_round:
+            self._chaos_round = self._rng.sample(roles, len(roles))
+        role = self._chaos_round[0]
+        candidates = [p for p in self.procs if p.spec.role == role and p.running]
+        if not candidates:
+            return  # that role is restarting; try again at the next tick
+        self._chaos_round.pop(0)
+        victim = self._rng.choice(candidates)
+        assert victim.popen is not None
+        self._event("chaos_kill", name=victim.spec.name, role=role, pid=victim.popen.pid)
+        victim.killed_by_chaos = True
+        self._signal_group(victim, signal.SIGKILL)
+        self.chaos_kills.append((victim.spec.name, role))
+        self._schedule_kill(now)
+
+    # -- main loop ----------------------------------------------------------------------
+    def _backoff(self, proc: ManagedProcess) -> float:
+        return min(self.policy.backoff_initial_s * 2 ** max(0, proc.consecutive_failures - 1), self.policy.backoff_max_s)
+
+    def _on_exit(self, proc: ManagedProcess, code: int, now: float) -> SupervisorReport | None:
+        proc.exit_codes.append(code)
+        by_chaos = proc.killed_by_chaos
+        self._event("exit", name=proc.spec.name, role=proc.spec.role, code=code, chaos=by_chaos)
+        if proc.spec.completes_run and code == 0:
+            self._stop_reason = f"{proc.spec.name} completed the run"
+            return self._finish(True, self._stop_reason)
+        if by_chaos:
+            proc.consecutive_failures = 0
+        else:
+            if now - proc.started_at >= self.policy.stable_after_s:
+                proc.consecutive_failures = 0
+            proc.consecutive_failures += 1
+            if proc.restarts - self._chaos_restarts(proc) >= self.policy.max_restarts:
+                reason = (
+                    f"{proc.spec.name} exited with code {code} and was restarted {proc.restarts} time(s), "
+                    f"over the limit supervisor.max_restarts={self.policy.max_restarts}. "
+                    f"Last lines of {self.log_dir / (proc.spec.name + '.log')}:\n{_tail(self.log_dir / (proc.spec.name + '.log'))}"
+                )
+                self._stop_reason = reason
+                return self._finish(False, reason)
+        delay = self.policy.backoff_initial_s if by_chaos else self._backoff(proc)
+        proc.restart_at = now + delay
+        self._event("restart_scheduled", name=proc.spec.name, delay_s=delay)
+        return None
+
+    def _chaos_restarts(self, proc: ManagedProcess) -> int:
+        return sum(1 for name, _ in self.chaos_kills if name == proc.spec.name)
+
+    def _finish(self, success: bool, reason: str) -> SupervisorReport:
+        self._shutdown()
+        return SupervisorReport(
+            success=success,
+            reason=reason,
+            restarts={p.spec.name: p.restarts for p in self.procs},
+            chaos_kills=list(self.chaos_kills),
+            exit_codes={p.spec.name: list(p.exit_codes) for p in self.procs},
+            log_dir=self.log_dir,
+        )
+
+    def run(
+        self, *, install_signal_handlers: bool = True, on_tick: Callable[[], None] | None = None
+    ) -> SupervisorReport:
+        """Start everything and supervise until the run completes, fails or is stopped.
+        `on_tick` runs every ~0.25 s in the supervising thread (progress display)."""
+        previous: dict[int, Any] = {}
+        if install_signal_handlers:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._handle_signal)
+        try:
+            for proc in self.procs:
+                self._start(proc)
+            self._schedule_kill(time.monotonic())
+            last_tick = 0.0
+            while True:
+                if self._stop.is_set():
+                    return self._finish(False, self._stop_reason)
+                now = time.monotonic()
+                for proc in self.procs:
+                    if proc.popen is not None and proc.restart_at is None:
+                        code = proc.popen.poll()
+                        if code is not None:
+                            report = self._on_exit(proc, code, now)
+                            if report is not None:
+                                return report
+                    if proc.restart_at is not None and now >= proc.restart_at:
+                        proc.restarts += 1
+                        self._start(proc)
+                self._chaos_tick(now)
+                if on_tick is not None and now - last_tick >= 0.25:
+                    last_tick = now
+                    on_tick()
+                self._stop.wait(self.poll_s)
+        except BaseException:
+            self._stop_reason = self._stop_reason or "supervisor error"
+            self._shutdown()
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

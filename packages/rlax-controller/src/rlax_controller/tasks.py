@@ -1,0 +1,137 @@
+"""The run's task as the controller and trainer see it: records from `rlax_data`, token
+ids from the model's tokenizer, a verifier, evaluation prompts and SFT examples.
+
+Both the controller and the trainer build it from the same config, so the training
+prompts, evaluation prompts and SFT targets are identical in every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from rlax_controller.config import RunConfig
+from rlax_controller.scheduling import PromptItem
+
+__all__ = ["RunTask", "build_task", "build_tokenizer"]
+
+EVAL_SEED_OFFSET = 1_000_003  # evaluation records come from a seed no training record uses
+
+
+def model_path(config: RunConfig) -> pathlib.Path:
+    if config.model.source == "gguf" and not config.model.path:
+        from rlax_model.gguf_import import find_smollm2_gguf
+
+        return find_smollm2_gguf()
+    return pathlib.Path(config.model.path)
+
+
+def build_tokenizer(config: RunConfig, alphabet: str) -> Any:
+    """The run's tokenizer: a character tokenizer over the task's alphabet for `tiny`."""
+    from rlax_model.tokenizer import CharTokenizer, Tokenizer
+
+    if config.model.source == "tiny":
+        return CharTokenizer(alphabet)
+    if config.model.source == "gguf":
+        return Tokenizer.from_gguf(model_path(config))
+    return Tokenizer.from_pretrained(model_path(config))
+
+
+def _make_task(config: RunConfig) -> Any:
+    from rlax_data.tasks import ArithmeticTask, CountdownTask, SortingTask, make_task
+
+    classes = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "sorting": SortingTask}
+    data = config.data
+    if data.task not in classes:
+        raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(classes)}")
+    task = make_task(data.task, data.difficulty)
+    if data.task_args:
+        try:
+            task = dataclasses.replace(task, **data.task_args)
+        except TypeError as error:
+            raise ValueError(f"data.task_args = {data.task_args!r}: {error}") from None
+    return task
+
+
+class _StreamAdapter:
+    """`rlax_data.PromptStream` as the scheduler's `PromptSource` (records -> token ids)."""
+
+    def __init__(self, stream: Any, encode: Any) -> None:
+        self.stream = stream
+        self.encode = encode
+
+    def next_prompt(self) -> PromptItem:
+        record = next(self.stream)
+        return PromptItem(record.id, tuple(self.encode(record)), record=record)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.stream.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
+
+
+@dataclasses.dataclass
+class RunTask:
+    config: RunConfig
+    task: Any
+    tokenizer: Any
+    verifier: Any
+
+    @property
+    def chat(self) -> bool:
+        return self.config.model.source != "tiny"
+
+    def encode_prompt(self, record: Any) -> list[int]:
+        if self.chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": record.prompt_text()}]))
+        return list(self.tokenizer.encode(record.prompt_text(), add_bos=True))
+
+    def target_ids(self, record: Any) -> list[int]:
+        """The SFT target: the reference answer then end-of-sequence."""
+        answer = self.task.format.answer_template.format(answer=record.answer)
+        return list(self.tokenizer.encode(answer)) + [self.tokenizer.eos_id]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (int(self.tokenizer.eos_id),)
+
+    def train_records(self) -> list[Any]:
+        if self.config.data.dataset:
+            from rlax_data import load_dataset
+
+            return list(load_dataset(self.config.data.dataset))
+        return list(self.task.generate(self.config.data.num_train, seed=self.config.data.seed))
+
+    def prompt_source(self) -> _StreamAdapter:
+        from rlax_data import PromptStream, StreamSource
+
+        stream = PromptStream([StreamSource("train", self.train_records())], seed=self.config.data.seed)
+        return _StreamAdapter(stream, self.encode_prompt)
+
+    def eval_records(self) -> list[Any]:
+        n = self.config.eval.num_prompts
+        return list(self.task.generate(n, seed=self.config.data.seed + EVAL_SEED_OFFSET)) if n else []
+
+    def eval_items(self) -> list[PromptItem]:
+        return [PromptItem(r.id, tuple(self.encode_prompt(r)), record=r) for r in self.eval_records()]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        ids = list(token_ids)
+        eos = self.tokenizer.eos_id
+        if eos in ids:
+            ids = ids[: ids.index(eos)]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]:
+        """`RolloutScorer`: verify every completion of one prompt in one batched call."""
+        results = self.verifier.verify([(self.decode(c), item.record) for c in completions])
+        return [(float(r.reward), bool(r.correct)) for r in results]
+
+
+def build_task(config: RunConfig) -> RunTask:
+    task = _make_task(config)
+    tokenizer = build_tokenizer(config, task.format.alphabet)
+    return RunTask(config=config, task=task, tokenizer=tokenizer, verifier=task.verifier())

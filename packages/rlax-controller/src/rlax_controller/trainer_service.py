@@ -1,0 +1,278 @@
+"""The trainer process (`rlax trainer`): the loop around `rlax_trainer.Learner`.
+
+    restore the newest checkpoint, or: init (or load) the model, SFT warm start, save step 0
+    make sure the parameter server holds the version of that step
+    loop: ask the controller for the batch of step s  ->  update  ->  log the trained ids
+          ->  checkpoint step s+1 (and wait for it)  ->  push version s+1
+
+The checkpoint is the commit point of a step: a crash before it retrains the same step
+(the controller resends the same batch, or rebuilds it from the snapshot of step s); a
+crash after it resumes at s+1 and re-pushes the weights if the parameter server lacks
+them. The controller learns that step s is done from the next request (step s+1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from rlax_controller.config import RunConfig
+from rlax_controller.fsutil import append_line_durable
+from rlax_controller.links import ControlClient
+from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, TrainBatch, decode_control, encode_control
+
+__all__ = ["TrainerLoop", "learner_config", "run"]
+
+log = logging.getLogger("rlax.trainer")
+
+
+def learner_config(config: RunConfig, *, mode: str) -> Any:
+    """`rlax_trainer.LearnerConfig` for RL (the preset plus overrides) or the SFT warm start."""
+    from rlax_trainer import learner_config_from_dict
+
+    t = config.trainer
+    if mode == "sft":
+        data: dict[str, Any] = {
+            "mode": "sft",
+            "group_size": 1,
+            "global_batch": t.sft_batch,
+            "param_dtype": config.model.param_dtype,
+            "optimizer": {"lr": t.sft_lr, "max_grad_norm": t.max_grad_norm},
+        }
+    else:
+        data = {
+            "mode": "rl",
+            "objective": {"base": t.preset, **t.objective},
+            "group_size": config.data.group_size,
+            "global_batch": config.batch_size,
+            "micro_batch": t.micro_batch,
+            "param_dtype": config.model.param_dtype,
+            "remat": t.remat,
+            "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
+            "optimizer": {
+                "lr": t.lr,
+                "warmup_steps": t.warmup_steps,
+                "weight_decay": t.weight_decay,
+                "max_grad_norm": t.max_grad_norm,
+            },
+        }
+    try:
+        return learner_config_from_dict(data)
+    except ValueError as error:
+        raise ValueError(f"trainer config ({mode}): {error}") from None
+
+
+def _to_numpy_tree(tree: Any, dtype: str) -> Any:
+    import jax
+    import ml_dtypes
+
+    target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    return jax.tree.map(lambda x: np.asarray(x).astype(target), tree)
+
+
+class TrainerLoop:
+    """State and steps of the trainer process (constructed once per process life)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        import jax
+        from rlax_paramserver import ParamClient
+        from rlax_trainer import Learner
+        from rlax_trainer.checkpoint import CheckpointManager
+
+        from rlax_controller.models import initial_params
+        from rlax_controller.tasks import build_task
+
+        self.config = config
+        self.output = config.output_dir
+        self.task = build_task(config)
+        self.pad_id = int(self.task.tokenizer.pad_id)
+        self.seq_len = config.model.max_seq_len
+        self.model_config, init = initial_params(config, self.task.tokenizer)
+        self.rl_config = learner_config(config, mode="rl")
+        self.checkpoints = CheckpointManager(
+            self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True
+        )
+        self.params_client = ParamClient(config.paramserver.address, timeout_s=config.controller.request_timeout_s)
+        self.metrics_path = self.output / "trainer_metrics.jsonl"
+        template = Learner(self.model_config, self.rl_config, init, seed=config.run.seed)
+        restored = self.checkpoints.restore(template.state)
+        reference_store = CheckpointManager(self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False)
+        if restored is None:
+            params = self.sft_warm_start(init) if config.trainer.sft_steps else init
+            self.learner = Learner(self.model_config, self.rl_config, params, seed=config.run.seed)
+            if self.learner.uses_reference:
+                reference_store.save(self.learner.state, version=0)
+                reference_store.wait()
+            self.checkpoints.save(self.learner.state, version=0, extra={"rollout_ids": []})
+            self.checkpoints.wait()
+            log.info("initial checkpoint saved (step 0)")
+        else:
+            state, info = restored
+            reference = None
+            if template.uses_reference:
+                found = reference_store.restore(template.state)
+                if found is None:
+                    raise RuntimeError(f"{reference_store.directory}: the KL reference weights are missing")
+                reference = found[0].params["policy"]
+            self.learner = Learner(self.model_config, self.rl_config, init, reference_params=reference, seed=config.run.seed)
+            self.learner.load_state(state)
+            log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
+        reference_store.close()
+        del template
+        jax.clear_caches()
+        self.step = self.learner.step
+
+    # ------------------------------------------------------------------ SFT
+    def sft_warm_start(self, params: Any) -> Any:
+        """Cross-entropy on the task's reference answers (deterministic order from data.seed)."""
+        from rlax_protocol import Rollout
+        from rlax_trainer import Learner, collate
+
+        cfg = self.config
+        learner = Learner(self.model_config, learner_config(cfg, mode="sft"), params, seed=cfg.run.seed)
+        records = self.task.train_records()
+        order = np.random.default_rng(cfg.data.seed + 17).permutation(len(records))
+        batch_size = cfg.trainer.sft_batch
+        started = time.monotonic()
+        for step in range(cfg.trainer.sft_steps):
+            picked = [records[int(order[(step * batch_size + i) % len(records)])] for i in range(batch_size)]
+            groups = []
+            for record in picked:
+                target = self.task.target_ids(record)
+                groups.append(
+                    [
+                        Rollout(
+                            prompt_id=record.id,
+                            group_index=0,
+                            prompt_token_ids=tuple(self.task.encode_prompt(record)),
+                            completion_token_ids=tuple(target),
+                            worker_logprobs=(0.0,) * len(target),
+                            policy_version=0,
+                            reward=0.0,
+                        )
+                    ]
+                )
+            metrics = learner.update(collate(groups, pad_id=self.pad_id, seq_len=self.seq_len))
+            if step % 10 == 0 or step == cfg.trainer.sft_steps - 1:
+                log.info("SFT step %d/%d: %s", step + 1, cfg.trainer.sft_steps, {k: round(v, 4) for k, v in metrics.items()})
+        append_line_durable(
+            self.metrics_path,
+            json.dumps({"kind": "sft", "steps": cfg.trainer.sft_steps, "seconds": time.monotonic() - started, **metrics}),
+        )
+        return learner.host_params()["policy"]
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self) -> None:
+        """Push the weights of `self.step` unless the parameter server already has them,
+        retrying while the parameter server restarts (up to controller.request_timeout_s)."""
+        from rlax_protocol.errors import ProtocolTimeoutError
+
+        deadline = time.monotonic() + self.config.controller.request_timeout_s
+        while True:
+            try:
+                return self._publish_once()
+            except (ProtocolTimeoutError, ConnectionError) as error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cannot publish version {self.step} to {self.config.paramserver.address}: {error}") from None
+                log.warning("publishing version %d failed (%s); retrying", self.step, error)
+                time.sleep(0.5)
+
+    def _publish_once(self) -> None:
+        from rlax_paramserver import StaleVersionError
+
+        latest = self.params_client.latest()
+        if latest is not None and latest >= self.step:
+            return
+        tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
+        try:
+            self.params_client.push(tree, self.step, {"step": self.step})
+        except StaleVersionError:
+            return  # pushed by a previous life of this process, or concurrently
+        log.info("published version %d", self.step)
+
+    # ------------------------------------------------------------------ training
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        from rlax_trainer import collate
+
+        if batch.step != self.step:
+            raise RuntimeError(f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}")
+        g = batch.group_size
+        groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
+        arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
+        started = time.monotonic()
+        metrics = self.learner.update(arrays)
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        metrics["train_seconds"] = time.monotonic() - started
+        # Logged before the checkpoint commits: the last line of a step is the committed one.
+        append_line_durable(
+            self.metrics_path,
+            json.dumps({"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}),
+        )
+        self.checkpoints.save(self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)})
+        self.checkpoints.wait()
+        self.step = self.learner.step
+        self.publish()
+        return metrics
+
+    def close(self) -> None:
+        self.checkpoints.close()
+        self.params_client.close()
+
+
+def run(config: RunConfig) -> int:
+    """Serve the controller until it says the run is complete."""
+    from rlax_protocol.errors import ProtocolTimeoutError
+
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it touches at INFO
+
+    loop = TrainerLoop(config)
+    client = ControlClient(
+        config.controller.address,
+        encode=encode_control,
+        decode=decode_control,
+        timeout_s=min(10.0, config.controller.request_timeout_s),
+        role="trainer",
+    )
+    metrics: dict[str, float] = {}
+    last_contact = time.monotonic()
+    last_publish_check = 0.0
+    try:
+        loop.publish()
+        while True:
+            try:
+                reply = client.call(BatchRequest(trainer_step=loop.step, metrics=metrics))
+            except ProtocolTimeoutError as error:
+                silent = time.monotonic() - last_contact
+                if silent > config.controller.request_timeout_s:
+                    raise TimeoutError(
+                        f"no answer from the controller at {config.controller.address} for {silent:.0f}s "
+                        f"(controller.request_timeout_s={config.controller.request_timeout_s}): {error}"
+                    ) from None
+                continue
+            last_contact = time.monotonic()
+            if isinstance(reply, RunComplete):
+                log.info("run complete at step %d; waiting to be stopped", reply.final_step)
+                # Exiting now would look like a crash to the supervisor, which would restart
+                # the trainer while the controller finishes; the controller's exit ends the run.
+                time.sleep(config.controller.request_timeout_s)
+                return 0
+            if isinstance(reply, NoBatchYet):
+                if last_contact - last_publish_check > 5.0:
+                    # A restarted parameter server may have lost the newest version.
+                    last_publish_check = last_contact
+                    loop.publish()
+                time.sleep(reply.retry_after_s)
+                continue
+            if isinstance(reply, TrainBatch):
+                metrics = loop.train(reply)
+                log.info("step %d done: %s", loop.step, {k: round(v, 4) for k, v in metrics.items()})
+                continue
+            raise RuntimeError(f"unexpected reply from the controller: {type(reply).__name__}")
+    finally:
+        client.close()
+        loop.close()

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+
+from rlax_controller.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+
+
+def write(tmp_path: pathlib.Path, data: object) -> pathlib.Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_are_valid() -> None:
+    config = load_config(None)
+    assert isinstance(config, RunConfig)
+    assert config.batch_size == config.data.prompts_per_step * config.data.group_size
+
+
+def test_yaml_and_dotted_overrides(tmp_path: pathlib.Path) -> None:
+    path = write(tmp_path, {"run": {"name": "x", "steps": 3}, "trainer": {"preset": "dapo"}})
+    config = load_config(path, ["trainer.lr=1e-6", "chaos.interval=5", "workers.count=3", "data.dynamic_filter=true"])
+    assert config.run.steps == 3 and config.trainer.preset == "dapo"
+    assert config.trainer.lr == pytest.approx(1e-6)
+    assert config.chaos.interval == 5.0
+    assert config.workers.count == 3
+    assert config.data.dynamic_filter is True
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("workers.count=0", ["workers.count", "0"]),
+        ("trainer.lr=-1", ["trainer.lr", "-1"]),
+        ("trainer.preset=foo", ["trainer.preset", "foo"]),
+        ("trainer.k=abc", ["trainer.k", "abc"]),
+        ("trainer.bogus=1", ["trainer.bogus", "unknown"]),
+        ("nosuch.x=1", ["nosuch", "unknown"]),
+        ("controller.address=http://x", ["controller.address", "http://x"]),
+        ("eval.pass_k=[1,99]", ["eval.pass_k[1]", "99"]),
+    ],
+)
+def test_bad_values_name_field_and_value(override: str, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_bad_yaml_file_and_types(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="mapping"):
+        parse_config([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["trainer.lr"])
+
+
+def test_dump_and_reload_round_trip(tmp_path: pathlib.Path) -> None:
+    config = load_config(None, ["run.name=rt", "workers.j=4", "trainer.k=8"])
+    path = dump_config(config, tmp_path / "resolved.yaml")
+    assert load_config(path) == config

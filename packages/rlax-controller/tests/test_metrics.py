@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import io
+import pathlib
+
+import pytest
+from rich.console import Console
+
+from rlax_controller.metrics import (
+    MetricsWriter,
+    ProgressDisplay,
+    latest_per_step,
+    plot_run,
+    read_metrics,
+    summary_rows,
+    summary_table,
+)
+
+
+def fill(writer: MetricsWriter) -> None:
+    for step in range(1, 6):
+        writer.write(
+            {
+                "kind": "train",
+                "step": step,
+                "reward_mean": 0.1 * step,
+                "pass_rate": 0.1 * step,
+                "staleness_max": 1,
+                "abs_dlogprob_p50": 1e-4,
+                "abs_dlogprob_p95": 2e-4,
+                "abs_dlogprob_max": 5e-4,
+            }
+        )
+    writer.write({"kind": "eval", "step": 0, "pass@1": 0.10, "pass@8": 0.30, "reward_mean": 0.1})
+    writer.write({"kind": "eval", "step": 5, "pass@1": 0.40, "pass@8": 0.75, "reward_mean": 0.4})
+
+
+def test_writer_jsonl_tensorboard_and_reader(tmp_path: pathlib.Path) -> None:
+    writer = MetricsWriter(tmp_path)
+    fill(writer)
+    writer.write({"kind": "train", "step": 5, "reward_mean": 0.55})  # a restarted writer repeats a step
+    writer.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 8
+    train = latest_per_step(read_metrics(tmp_path / "metrics.jsonl", kind="train"))
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and train[-1]["reward_mean"] == 0.55
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    with pytest.raises(ValueError, match="kind"):
+        MetricsWriter(tmp_path / "x", tensorboard=False).write({"step": 1})
+
+
+def test_reader_tolerates_torn_last_line_only(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "tr')
+    assert len(read_metrics(path)) == 1
+    path.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(path)
+
+
+def test_summary_and_plot(tmp_path: pathlib.Path) -> None:
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    fill(writer)
+    records = read_metrics(writer.path)
+    rows = {r[0]: r for r in summary_rows(records)}
+    assert rows["eval pass@8 (step 0 -> 5)"][3] == "+45.0 pts"
+    out = io.StringIO()
+    Console(file=out, width=120).print(summary_table(records))
+    assert "pass@8" in out.getvalue()
+    png = plot_run(records, tmp_path / "plot.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_plain_lines_when_not_a_tty() -> None:
+    out = io.StringIO()
+    display = ProgressDisplay(10, stream=out)
+    display.update({"kind": "train", "step": 3, "reward_mean": 0.5, "queue_depth": 2})
+    display.update({"kind": "eval", "step": 3, "pass@8": 0.6})
+    display.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[train] step=3/10") and "reward=0.500" in lines[0] and "queue=2" in lines[0]
+    assert lines[1] == "[eval] step=3 pass@8=0.600"
+
+
+def test_progress_live_table_on_a_terminal() -> None:
+    out = io.StringIO()
+    display = ProgressDisplay(10, stream=out, live=True)
+    display.update({"kind": "train", "step": 4, "reward_mean": 0.25})
+    display.close()
+    assert "step 4/10" in out.getvalue() and "0.250" in out.getvalue()

@@ -1,0 +1,175 @@
+"""The supervisor with real child processes (small Python programs written here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from rlax_controller.config import ChaosConfig, SupervisorConfig
+from rlax_controller.supervisor import ProcessSpec, Supervisor
+
+FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def events(log_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "events.jsonl").read_text().splitlines()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_crashing_process_restarts_then_run_completes(tmp_path: pathlib.Path) -> None:
+    counter = tmp_path / "count"
+    # Crashes on its first two starts, then completes the run.
+    child = py(
+        f"""
+        import pathlib, sys
+        p = pathlib.Path({str(counter)!r})
+        n = int(p.read_text()) if p.exists() else 0
+        p.write_text(str(n + 1))
+        sys.exit(0 if n >= 2 else 3)
+        """
+    )
+    sleeper = py("import time; time.sleep(60)")
+    sup = Supervisor(
+        [ProcessSpec("main", "controller", child, completes_run=True), ProcessSpec("side", "worker", sleeper)],
+        tmp_path / "logs",
+        FAST,
+    )
+    report = sup.run(install_signal_handlers=False)
+    assert report.success, report.render()
+    assert counter.read_text() == "3"
+    assert report.restarts["main"] == 2 and report.exit_codes["main"] == [3, 3, 0]
+    side_pid = next(e["pid"] for e in events(tmp_path / "logs") if e["event"] == "start" and e["name"] == "side")
+    assert not alive(side_pid)
+    delays = [e["delay_s"] for e in events(tmp_path / "logs") if e["event"] == "restart_scheduled"]
+    assert delays == [0.05, 0.1]  # exponential back-off
+
+
+def test_too_many_restarts_stops_the_run_with_a_report(tmp_path: pathlib.Path) -> None:
+    crasher = py("import sys; print('boom: bad thing happened', flush=True); sys.exit(7)")
+    sup = Supervisor(
+        [
+            ProcessSpec("trainer", "trainer", crasher),
+            ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
+        ],
+        tmp_path,
+        FAST,
+    )
+    report = sup.run(install_signal_handlers=False)
+    assert not report.success
+    assert "trainer exited with code 7" in report.reason
+    assert "max_restarts=3" in report.reason
+    assert "boom: bad thing happened" in report.reason  # the tail of its log
+    assert report.restarts["trainer"] == 3
+    assert "trainer: 3 restart(s)" in report.render()
+
+
+def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path) -> None:
+    # A launcher process running the supervisor; its children spawn grandchildren.
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "launch.py"
+    child = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time, pathlib
+        g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])
+        pathlib.Path({str(pids)!r}, str(os.getpid())).write_text(str(g.pid))
+        time.sleep(120)
+        """
+    )
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from rlax_controller.config import SupervisorConfig
+            from rlax_controller.supervisor import ProcessSpec, Supervisor
+            child = [sys.executable, '-c', {child!r}]
+            specs = [ProcessSpec(f'p{{i}}', 'worker', child) for i in range(3)]
+            report = Supervisor(specs, {str(tmp_path / 'logs')!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
+            print(report.reason, flush=True)
+            sys.exit(0 if 'SIGINT' in report.reason else 1)
+            """
+        )
+    )
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        recorded = {int(p.name): int(p.read_text()) for p in pids.iterdir()}
+        assert len(recorded) == 3
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    assert "received SIGINT" in out
+    time.sleep(0.2)
+    for child_pid, grandchild_pid in recorded.items():
+        assert not alive(child_pid)
+        assert not alive(grandchild_pid), "grandchild survived: the process group was not killed"
+
+
+def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) -> None:
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    child = py(
+        f"""
+        import os, pathlib, time
+        pathlib.Path({str(starts)!r}, str(os.getpid())).touch()
+        time.sleep(120)
+        """
+    )
+    done = py("import time; time.sleep(3.0)")
+    roles = ["worker", "trainer", "paramserver"]
+    specs = [ProcessSpec(f"{r}0", r, child) for r in roles] + [ProcessSpec("w1", "worker", child)]
+    specs.append(ProcessSpec("main", "controller", done, completes_run=True))
+    chaos = ChaosConfig(interval=0.2, seed=3, targets=roles)
+    report = Supervisor(specs, tmp_path / "logs", FAST, chaos).run(install_signal_handlers=False)
+    assert report.success, report.render()
+    killed_roles = {role for _, role in report.chaos_kills}
+    assert killed_roles == set(roles)
+    log = events(tmp_path / "logs")
+    for name, _ in report.chaos_kills:
+        assert any(e["event"] == "exit" and e["name"] == name and e["chaos"] for e in log)
+    # Every chaos victim was started again.
+    n_starts = len(list(starts.iterdir()))
+    assert n_starts >= 4 + len({n for n, _ in report.chaos_kills}) - 1
+    for p in starts.iterdir():
+        assert not alive(int(p.name))
+
+
+def test_chaos_schedule_is_seeded(tmp_path: pathlib.Path) -> None:
+    def schedule(seed: int) -> list[float]:
+        sup = Supervisor([ProcessSpec("a", "worker", ["true"])], tmp_path / f"s{seed}", chaos=ChaosConfig(interval=1.0, seed=seed))
+        out = []
+        for _ in range(5):
+            sup._schedule_kill(0.0)
+            out.append(sup._next_kill)
+        return out
+
+    assert schedule(1) == schedule(1)
+    assert schedule(1) != schedule(2)

@@ -1,0 +1,100 @@
+"""Multi-digit arithmetic: "12+7=" -> "19"."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rlax_data.datasets import Record
+from rlax_data.tasks.base import TaskFormat, check_count, record_rng
+from rlax_data.verify.answers import ExactMatchConfig, ExactMatchVerifier
+
+__all__ = ["ArithmeticTask"]
+
+_PRESETS = {
+    "easy": dict(digits=2, operands=2, ops="+"),
+    "medium": dict(digits=3, operands=2, ops="+-"),
+    "hard": dict(digits=4, operands=3, ops="+-*"),
+}
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Sums, differences and products of random integers with up to `digits` digits.
+
+    Results are never negative (`allow_negative=False` reorders operands of a
+    subtraction), so answers are plain digit strings. Evaluation is left to right with
+    the usual precedence of * over + and -.
+    """
+
+    digits: int = 2
+    operands: int = 2
+    ops: str = "+"
+    allow_negative: bool = False
+    name: str = "arithmetic"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 18:
+            raise ValueError(f"field `digits`: must be in [1, 18], got {self.digits}")
+        if not 2 <= self.operands <= 8:
+            raise ValueError(f"field `operands`: must be in [2, 8], got {self.operands}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"field `ops`: must be a non-empty subset of '+-*', got {self.ops!r}")
+
+    @classmethod
+    def preset(cls, difficulty: str) -> ArithmeticTask:
+        if difficulty not in _PRESETS:
+            raise ValueError(f"difficulty: {difficulty!r} is not one of {sorted(_PRESETS)}")
+        return cls(**_PRESETS[difficulty])  # type: ignore[arg-type]
+
+    @property
+    def format(self) -> TaskFormat:
+        return TaskFormat(
+            "{expression}=", "{answer}", "0123456789" + self.ops + "=" + ("-" if self.allow_negative else "")
+        )
+
+    def _one(self, seed: int, i: int) -> Record:
+        cfg = dataclasses.astuple(self)
+        rng = record_rng(self.name, cfg, seed, i)
+        for _ in range(1000):
+            nums = [rng.randint(0, 10**self.digits - 1) for _ in range(self.operands)]
+            ops = [rng.choice(self.ops) for _ in range(self.operands - 1)]
+            expr = str(nums[0]) + "".join(o + str(n) for o, n in zip(ops, nums[1:]))
+            value = _evaluate(nums, ops)
+            if value >= 0 or self.allow_negative:
+                break
+            if self.operands == 2:
+                nums.reverse()
+                expr = f"{nums[0]}{ops[0]}{nums[1]}"
+                value = _evaluate(nums, ops)
+                break
+        else:  # pragma: no cover - needs 1000 negative draws in a row
+            raise RuntimeError(f"arithmetic: no non-negative expression for seed {seed}, index {i}")
+        answer = str(value)
+        return Record(
+            id=f"{self.name}-{seed}-{i}",
+            prompt=self.format.prompt_template.format(expression=expr),
+            answer=answer,
+            task=self.name,
+            metadata={"difficulty": {"digits": self.digits, "operands": self.operands, "ops": self.ops}},
+        )
+
+    def generate(self, n: int, *, seed: int) -> list[Record]:
+        check_count(n)
+        return [self._one(seed, i) for i in range(n)]
+
+    def verifier(self) -> ExactMatchVerifier:
+        return ExactMatchVerifier(ExactMatchConfig(extract="first_line"))
+
+
+def _evaluate(nums: list[int], ops: list[str]) -> int:
+    # Precedence without eval: fold products first, then the sums/differences.
+    terms = [nums[0]]
+    signs = [1]
+    for op, n in zip(ops, nums[1:]):
+        if op == "*":
+            terms[-1] *= n
+        else:
+            terms.append(n)
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms))

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+
+import pytest
+from rich.console import Console
+
+from rlax_data import PromptStream, Record, load_jsonl
+from rlax_data.curation import (
+    ContaminationConfig,
+    DedupConfig,
+    PassRateConfig,
+    bucket_sources,
+    deduplicate,
+    difficulty_buckets,
+    filter_by_length,
+    find_contamination,
+    prefilter_by_pass_rate,
+    render_summary,
+)
+from rlax_data.tasks import ArithmeticTask, CountdownTask
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu apple river stone cloud maple ember"
+).split()
+
+
+def _sentence(rng: random.Random, n: int = 40) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _perturb(text: str, rng: random.Random, edits: int) -> str:
+    words = text.split()
+    for _ in range(edits):
+        i = rng.randrange(len(words))
+        words[i] = rng.choice([w for w in WORDS if w != words[i]])
+    return " ".join(words)
+
+
+def test_planted_exact_and_near_duplicates_are_found():
+    rng = random.Random(0)
+    base = [Record(id=f"r{i}", prompt=_sentence(rng), answer="x") for i in range(300)]
+    planted_exact = {f"e{i}": base[i].id for i in range(0, 40, 4)}
+    planted_near = {f"n{i}": base[i].id for i in range(100, 200, 5)}
+    recs = list(base)
+    for dup, src in planted_exact.items():
+        # same text up to case, punctuation and spacing
+        text = "  " + base[int(src[1:])].prompt.upper().replace(" ", " ,  ") + "!"
+        recs.append(Record(id=dup, prompt=text, answer="x"))
+    for dup, src in planted_near.items():
+        recs.append(Record(id=dup, prompt=_perturb(base[int(src[1:])].prompt, rng, 1), answer="x"))
+    tail = recs[300:]
+    rng.shuffle(tail)
+    recs = recs[:300] + tail
+    kept, rep = deduplicate(recs, DedupConfig(threshold=0.7))
+    removed = set(rep.removed)
+    assert set(planted_exact) <= removed
+    assert set(planted_near) <= removed
+    assert removed <= set(planted_exact) | set(planted_near)  # no original was dropped
+    assert {g[0]: set(g[1:]) for g in rep.exact_groups} == {
+        src: {d for d, s in planted_exact.items() if s == src} for src in set(planted_exact.values())
+    }
+    assert {(a, b) for a, b, _ in rep.near_pairs} == {(src, d) for d, src in planted_near.items()}
+    assert all(s >= 0.7 for _, _, s in rep.near_pairs)
+    assert rep.kept == len(kept) == 300
+    exact_only, rep2 = deduplicate(recs, DedupConfig(near=False))
+    assert len(exact_only) == 300 + len(planted_near) and rep2.near_pairs == []
+
+
+def test_contamination_against_an_eval_set():
+    rng = random.Random(1)
+    eval_set = [Record(id=f"ev{i}", prompt=_sentence(rng, 30), answer="x") for i in range(20)]
+    train = [Record(id=f"t{i}", prompt=_sentence(rng, 30), answer="x") for i in range(50)]
+    leaked = [
+        Record(id="leak0", prompt="Question: " + eval_set[3].prompt, answer="x"),
+        Record(id="leak1", prompt=eval_set[7].prompt[: len(eval_set[7].prompt) * 3 // 4], answer="x"),
+    ]
+    kept, rep = find_contamination(train + leaked, eval_set, ContaminationConfig(n=8, min_overlap=0.5))
+    assert set(rep.flagged) == {"leak0", "leak1"}
+    assert rep.flagged["leak0"]["eval_ids"] == ["ev3"] and rep.flagged["leak1"]["eval_ids"] == ["ev7"]
+    assert len(kept) == 50
+
+
+def test_length_filter_with_a_tokenizer():
+    def tokenize(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    recs = [Record(id=str(i), prompt="x" * i, answer="y" * (10 - i)) for i in range(1, 10)]
+    kept, rep = filter_by_length(recs, tokenize, max_prompt_tokens=6, max_answer_tokens=6)
+    assert [r.id for r in kept] == ["4", "5", "6"]
+    assert rep.too_long_prompt == ["7", "8", "9"] and rep.too_long_answer == ["1", "2", "3"]
+    assert rep.prompt_tokens["max"] == 9
+
+
+class NoisySampler:
+    """A stand-in for a tiny model: prompt p is answered right with probability q(p)
+    (a hash of the prompt), each sample decided by a seeded draw. Deterministic, so the
+    test can recount exactly what the pre-filter saw."""
+
+    def __init__(self, answers: dict[str, str], seed: int = 0) -> None:
+        self.answers = answers
+        self.seed = seed
+        self.calls = 0
+
+    def prob(self, prompt: str) -> float:
+        h = hashlib.sha256(f"{self.seed}|{prompt}".encode()).digest()
+        return [0.0, 1.0, int.from_bytes(h[:4], "little") / 2**32][h[4] % 3]
+
+    def __call__(self, prompts, n):
+        self.calls += 1
+        out = []
+        for p in prompts:
+            q = self.prob(p)
+            row = []
+            for j in range(n):
+                right = random.Random(f"{self.seed}|{p}|{j}").random() < q
+                row.append(self.answers[p] if right else self.answers[p] + "7")
+            out.append(row)
+        return out
+
+
+@pytest.mark.parametrize(("lower", "upper"), [(0.0, 1.0), (0.25, 0.75)])
+def test_pass_rate_prefilter_keeps_strictly_between_bounds(tmp_path, lower, upper):
+    task = ArithmeticTask()
+    recs = task.generate(120, seed=4)
+    sampler = NoisySampler({r.prompt: r.answer for r in recs})
+    cfg = PassRateConfig(n=8, lower=lower, upper=upper, batch_size=50)
+    out, rep_path = tmp_path / "curated.jsonl", tmp_path / "report.json"
+    kept, rep = prefilter_by_pass_rate(
+        recs, sampler, task.verifier(), cfg, out_path=out, report_path=rep_path
+    )
+    assert sampler.calls == 3  # 120 prompts in batches of 50
+    # Recount: draw the same samples again and count correct answers by hand.
+    samples = sampler([r.prompt for r in recs], 8)
+    rates = {r.id: sum(s == r.answer for s in row) / 8 for r, row in zip(recs, samples)}
+    expected = [r.id for r in recs if lower < rates[r.id] < upper]
+    assert [r.id for r in kept] == expected
+    assert 0 < len(expected) < len(recs)
+    assert all(lower < r.metadata["pass_rate"] < upper for r in kept)
+    assert [r.id for r in load_jsonl(out)] == expected
+    saved = json.loads(rep_path.read_text())
+    assert saved["pass_rates"] == rates and saved["kept"] == len(expected)
+    assert saved["too_hard"] == sum(v <= lower for v in rates.values())
+    assert saved["too_easy"] == sum(v >= upper for v in rates.values())
+    assert sum(saved["histogram"].values()) == 120
+    buckets = difficulty_buckets(kept)
+    assert list(buckets)[0] == "[0.75, 1.00]" and list(buckets)[-1] == "[0.00, 0.25)"
+    assert sum(len(b) for b in buckets.values()) == len(kept)
+    for name, members in buckets.items():
+        lo, hi = (float(x) for x in name.strip("[])").split(","))
+        assert all(lo <= r.metadata["pass_rate"] <= hi for r in members)
+    sources = bucket_sources(buckets, {"[0.75, 1.00]": 3.0}, epochs=1)
+    assert [s.name for s in sources] == [n for n, b in buckets.items() if b]
+    streamed = [r.id for r in PromptStream(sources, seed=0)]
+    assert sorted(streamed) == sorted(r.id for r in kept)
+
+
+def test_prefilter_config_and_buckets_validate():
+    with pytest.raises(ValueError, match="lower"):
+        PassRateConfig(lower=0.5, upper=0.5)
+    with pytest.raises(ValueError, match="pass_rate"):
+        difficulty_buckets(CountdownTask().generate(1, seed=0))
+    with pytest.raises(ValueError, match="edges"):
+        difficulty_buckets([], edges=(0.5, 0.2))
+
+
+def test_rich_summary():
+    recs = ArithmeticTask().generate(30, seed=0)
+    _, d = deduplicate(recs + recs[:3])
+    with open(os.devnull, "w") as sink:
+        text = render_summary({"dedup": d}, console=Console(file=sink, width=100))
+    assert "dedup" in text and "33" in text and "30" in text

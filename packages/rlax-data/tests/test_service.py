@@ -1,0 +1,187 @@
+"""`rlax-verifier` on loopback: batches served, malformed requests answered, still serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+import rlax_protocol as rp
+from rlax_data import CallCase, CodeTests, Record
+from rlax_data.service import RemoteVerifier, VerifierService, default_routes
+from rlax_data.tasks import ArithmeticTask, CountdownTask
+from rlax_data.verify import build_verifier
+from rlax_protocol.transport import pack_request_id
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout_s):
+            raise TimeoutError("rlax-verifier did not print its address")
+        return proc.stdout.readline().strip()
+    finally:
+        sel.close()
+
+
+@pytest.fixture
+def service_address(tmp_path):
+    cfg = tmp_path / "verifier.yaml"
+    routes = msgspec.to_builtins(default_routes())
+    routes["routes"]["code"]["sandbox"] = {"workers": 2, "timeout_s": 5}
+    cfg.write_text(json.dumps(routes))  # JSON is YAML
+    exe = os.path.join(os.path.dirname(sys.executable), "rlax-verifier")
+    proc = subprocess.Popen(
+        [exe, "--bind", "tcp://127.0.0.1:*", "--config", str(cfg), "--poll-s", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield _read_line(proc, 60), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def _mixed_batch() -> list[tuple[str, Record]]:
+    arith = ArithmeticTask().generate(3, seed=0)
+    cd = CountdownTask().generate(2, seed=0)
+    code = Record(
+        id="sq",
+        prompt="square",
+        task="code",
+        tests=CodeTests(
+            entry_point="sq", calls=[CallCase(args=[3], expected=9), CallCase(args=[-2], expected=4)]
+        ),
+    )
+    math = Record(id="m", prompt="half?", answer="\\frac{1}{2}", task="math")
+    return [
+        (arith[0].answer, arith[0]),
+        ("0", arith[1]),
+        (cd[0].answer, cd[0]),
+        ("1+1", cd[1]),
+        ("def sq(x):\n    return x * x\n", code),
+        ("def sq(x):\n    return x * x if x > 0 else x\n", code),
+        ("so \\boxed{0.5}", math),
+        (arith[2].answer, arith[2]),
+    ]
+
+
+def test_remote_verifier_matches_local(service_address):
+    address, _ = service_address
+    items = _mixed_batch()
+    remote = RemoteVerifier(address, timeout_s=60)
+    try:
+        got = remote.verify(items)
+    finally:
+        remote.close()
+    want = build_verifier(default_routes()).verify(items)
+    assert [r.correct for r in got] == [True, False, True, False, True, False, True, True]
+    assert [(r.reward, r.correct) for r in got] == [(r.reward, r.correct) for r in want]
+    assert got[5].details["passed"] == 1
+
+
+def _raw_call(sock: zmq.Socket, parts: list[bytes], rid: int = 0) -> rp.Message:
+    rp.send_within(sock, parts, timeout_s=5, peer="svc", operation="raw")
+    frames = rp.recv_within(sock, timeout_s=30, peer="svc", operation="raw")
+    return rp.decode(frames[1].buffer)
+
+
+def test_malformed_requests_get_errors_and_service_keeps_serving(service_address):
+    address, proc = service_address
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    try:
+        pid = pack_request_id
+        good = rp.VerifyRequest(request_id="g", verifier="arithmetic", completion="19", reference="19")
+        # before Hello
+        r = _raw_call(sock, [pid(1), rp.encode(good)])
+        assert isinstance(r, rp.ErrorReply) and r.code == "handshake_required"
+        hello = rp.Hello(protocol_version=rp.PROTOCOL_VERSION, client_id="t", role="test")
+        assert isinstance(_raw_call(sock, [pid(2), rp.encode(hello)]), rp.Welcome)
+        cases = [
+            ([pid(3), b"\xc1garbage"], "malformed"),
+            ([b"short", rp.encode(good)], "malformed"),
+            ([pid(4)], "malformed"),
+            ([pid(5), rp.encode(rp.LatestQuery())], "unknown_message"),
+            (
+                [pid(6), rp.encode(rp.VerifyRequest(request_id="x", verifier="nope", completion="1"))],
+                "not_found",
+            ),
+            (
+                [
+                    pid(7),
+                    rp.encode(
+                        rp.VerifyRequest(
+                            request_id="x", verifier="code", completion="1", extra={"record": "{"}
+                        )
+                    ),
+                ],
+                "malformed",
+            ),
+            (
+                [pid(8), rp.encode(rp.VerifyRequest(request_id="x", verifier="countdown", completion="1+2"))],
+                "bad_request",
+            ),
+        ]
+        for parts, code in cases:
+            reply = _raw_call(sock, parts)
+            assert isinstance(reply, rp.ErrorReply) and reply.code == code, (parts, reply)
+            ok = _raw_call(sock, [pid(9), rp.encode(good)])
+            assert isinstance(ok, rp.VerifyResult) and ok.correct and ok.request_id == "g"
+        # The request's timeout caps the sandbox: a sleeping program is cut at 1 s.
+        slow = Record(id="slow", prompt="p", tests=CodeTests(script="pass"))
+        req = rp.VerifyRequest(
+            request_id="s",
+            verifier="code",
+            completion="import time\ntime.sleep(30)\n",
+            extra={"record": msgspec.json.encode(slow).decode()},
+            timeout_s=1.0,
+        )
+        res = _raw_call(sock, [pid(10), rp.encode(req)])
+        assert isinstance(res, rp.VerifyResult) and not res.correct
+        assert "timed out after 1s" in res.detail
+        assert proc.poll() is None
+    finally:
+        sock.close(linger=0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+
+
+def test_in_process_service_batches_pipelined_requests():
+    verifier = build_verifier(default_routes())
+    svc = VerifierService(verifier, address="tcp://127.0.0.1:*", poll_s=0.05, batch_window_s=0.2)
+    thread = threading.Thread(target=svc.serve)
+    recs = ArithmeticTask().generate(40, seed=2)
+    thread.start()
+    try:
+        client = rp.RpcClient(svc.bound_address, timeout_s=10)
+        remote = RemoteVerifier(client=client, timeout_s=30)
+        res = remote.verify([(r.answer, r) for r in recs])
+        assert all(r.correct for r in res)
+        assert svc.stats["batches"] < 40  # pipelined requests were scored together
+        remote.close()
+    finally:
+        svc.stop()
+        thread.join(timeout=10)
+        svc.close()
+    assert not thread.is_alive()

@@ -1,0 +1,157 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks with reference counts.
+
+A sequence owns a `BlockTable` (the physical block ids that hold its KV entries, in
+order). Forking a table (the G samples of one prompt) shares every block by raising
+its reference count; the first write into a shared, partly filled last block copies it
+(copy-on-write), so samples never see each other's tokens while the prompt's full
+blocks stay stored once.
+
+Physical page 0 of the device cache is never handed out: padded rows of a batch write
+their throw-away K/V there, so block ids run from 1 to `num_blocks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NULL_BLOCK = 0
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation needs more blocks than the pool has free."""
+
+
+class BlockPool:
+    """Reference-counted free list of KV blocks `1..num_blocks` (0 is the null page)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refcount = [0] * (num_blocks + 1)
+        # Popping from the end hands out low ids first, which keeps tests readable.
+        self._free = list(range(num_blocks, 0, -1))
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        self._check_id(block)
+        return self._refcount[block]
+
+    def allocate(self) -> int:
+        """Take one free block; its reference count becomes 1."""
+        if not self._free:
+            raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
+        block = self._free.pop()
+        self._refcount[block] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return block
+
+    def incref(self, block: int) -> None:
+        self._check_live(block)
+        self._refcount[block] += 1
+
+    def decref(self, block: int) -> None:
+        """Drop one reference; the block returns to the free list at zero."""
+        self._check_live(block)
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            self._free.append(block)
+
+    def _check_id(self, block: int) -> None:
+        if not 1 <= block <= self.num_blocks:
+            raise ValueError(f"block id {block} outside 1..{self.num_blocks}")
+
+    def _check_live(self, block: int) -> None:
+        self._check_id(block)
+        if self._refcount[block] <= 0:
+            raise ValueError(f"block {block} is free (reference count 0)")
+
+
+@dataclass
+class BlockTable:
+    """Physical blocks of one sequence's KV cache and how many tokens they hold."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SlotAssignment:
+    """Where the next token's K/V goes, and a block copy to run before writing it."""
+
+    slot: int  # physical slot = block * block_size + offset
+    copy_from: int | None = None  # copy-on-write: copy this block into `copy_to` first
+    copy_to: int | None = None
+
+
+class KVCacheManager:
+    """Allocates, forks, extends and frees block tables over one `BlockPool`."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_cow_copies = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, num_tokens: int) -> BlockTable:
+        """A fresh table with room for `num_tokens` tokens (all blocks exclusive)."""
+        need = self.blocks_for(num_tokens)
+        if need > self.pool.num_free:
+            raise NoFreeBlocksError(f"need {need} blocks for {num_tokens} tokens, {self.pool.num_free} free")
+        return BlockTable([self.pool.allocate() for _ in range(need)], num_tokens)
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second table that shares every block of `table` (reference counts + 1)."""
+        for block in table.blocks:
+            self.pool.incref(block)
+        return BlockTable(list(table.blocks), table.num_tokens)
+
+    def blocks_needed_to_append(self, table: BlockTable) -> int:
+        """0 or 1: the blocks `append_slot` would allocate."""
+        if table.num_tokens % self.block_size == 0:
+            return 1
+        return 1 if self.pool.refcount(table.blocks[-1]) > 1 else 0
+
+    def append_slot(self, table: BlockTable) -> SlotAssignment:
+        """Reserve the slot of token `table.num_tokens`, copying a shared tail block first."""
+        offset = table.num_tokens % self.block_size
+        copy_from = copy_to = None
+        if offset == 0:
+            table.blocks.append(self.pool.allocate())
+        else:
+            last = table.blocks[-1]
+            if self.pool.refcount(last) > 1:
+                new = self.pool.allocate()
+                self.pool.decref(last)
+                table.blocks[-1] = new
+                copy_from, copy_to = last, new
+                self.num_cow_copies += 1
+        table.num_tokens += 1
+        return SlotAssignment(table.blocks[-1] * self.block_size + offset, copy_from, copy_to)
+
+    def free(self, table: BlockTable) -> None:
+        for block in table.blocks:
+            self.pool.decref(block)
+        table.blocks.clear()
+        table.num_tokens = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used

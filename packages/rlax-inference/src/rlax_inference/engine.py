@@ -1,0 +1,378 @@
+"""`LLMEngine`: scheduler + block pool + model runner + sampler, one `step()` at a time.
+
+```python
+engine = LLMEngine(model_config, params, EngineConfig(num_blocks=512, max_model_len=512))
+outs = engine.generate([[1, 5, 9], [1, 7]], SamplingParams(n=8, temperature=1.0, max_tokens=64, seed=3))
+outs[0].outputs[5].tokens, outs[0].outputs[5].logprobs, outs[0].outputs[5].weight_version
+```
+
+Weight hot-swap (`update_weights`) happens between steps. Under the `drop` policy (the
+paper's) every sample that has started generating is reset and regenerated from its prompt
+under the new weights; under `finish` the swap waits until running samples have finished
+under the old weights, and no new request starts meanwhile. Every output names the weight
+version that produced all of its tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from rlax_inference.block_pool import KVCacheManager
+from rlax_inference.model_runner import AttentionBackend, ModelRunner
+from rlax_inference.scheduler import PrefillJob, Scheduler, SchedulerConfig
+from rlax_inference.sequence import FinishReason, Request, SamplingParams, SequenceStatus
+from rlax_inference.sequence import Sequence as Seq
+from rlax_model import ModelConfig, Params
+
+
+class SwapPolicy(enum.StrEnum):
+    DROP = "drop"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine. `num_blocks * block_size` tokens of KV fit in the cache.
+
+    eos_token_ids: None means the model config's `eos_token_ids`.
+    max_prefill_rows: prompts per prefill call (larger batches are split).
+    attention: decode attention backend of `rlax_kernels.paged_attention` ("auto" = Pallas on
+      TPU/GPU, the XLA reference path on CPU; or "xla", "pallas_tpu", "pallas_gpu").
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 1024
+    max_prefill_rows: int = 16
+    eos_token_ids: tuple[int, ...] | None = None
+    swap_policy: SwapPolicy = SwapPolicy.DROP
+    attention: AttentionBackend = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_prefill_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.attention not in ("auto", "xla", "pallas_tpu", "pallas_gpu"):
+            raise ValueError(
+                f"EngineConfig.attention must be one of auto|xla|pallas_tpu|pallas_gpu, got {self.attention!r}"
+            )
+        object.__setattr__(self, "swap_policy", SwapPolicy(self.swap_policy))
+        self.scheduler_config()  # validates the scheduler limits
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. logprobs: [len(tokens)]; top_logprobs: per token, (id, logprob) pairs."""
+
+    sample_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int | None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_string: str | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one request, or the error that kept it from running."""
+
+    request_id: str
+    prompt: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        """The one weight version behind every sample (None if nothing was generated)."""
+        versions = {c.weight_version for c in self.outputs if c.weight_version is not None}
+        if len(versions) > 1:
+            raise AssertionError(f"request {self.request_id} mixes weight versions {sorted(versions)}")
+        return versions.pop() if versions else None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: Params,
+        config: EngineConfig | None = None,
+        *,
+        weight_version: int = 0,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config = config or EngineConfig()
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_config.max_position_embeddings}"
+            )
+        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        self.runner = ModelRunner(
+            model_config,
+            params,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_prefill_rows=config.max_prefill_rows,
+            attention=config.attention,
+        )
+        self.weight_version = weight_version
+        self.detokenize = detokenize
+        eos = config.eos_token_ids if config.eos_token_ids is not None else model_config.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        self._pending_weights: tuple[Params, int] | None = None
+        self._finished: list[RequestOutput] = []
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (engine state untouched) when it cannot run."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        tokens = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(
+                f"request {request_id!r}: prompt token {t} at index {i} is outside the vocabulary [0, {vocab})"
+            )
+        if params.stop and self.detokenize is None:
+            raise ValueError(f"request {request_id!r}: stop strings need an engine built with detokenize=")
+        request = Request(request_id, tokens, params, next(self._arrival))
+        try:
+            self.scheduler.add(request)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        self._requests[request_id] = request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its output (aborted samples have reason ABORT)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # -- weights --------------------------------------------------------------------
+    def update_weights(self, params: Params, version: int, *, policy: SwapPolicy | str | None = None) -> None:
+        """Swap in new weights between steps (see the module docstring for the policies)."""
+        _check_same_structure(self.runner.params, params)
+        policy = SwapPolicy(policy or self.config.swap_policy)
+        if policy is SwapPolicy.FINISH and self._started_sequences():
+            self._pending_weights = (params, version)
+            return
+        if policy is SwapPolicy.DROP:
+            self._restart_started()
+        self._apply_weights(params, version)
+
+    def _apply_weights(self, params: Params, version: int) -> None:
+        self.runner.params = params
+        self.weight_version = version
+        self._pending_weights = None
+
+    def _started_sequences(self) -> list[Seq]:
+        return [
+            s
+            for r in self._requests.values()
+            for s in r.sequences
+            if s.status is not SequenceStatus.FINISHED and s.num_generated > 0
+        ]
+
+    def _restart_started(self) -> None:
+        """Reset every request with a started sample to its prompt and queue it first.
+
+        The whole request restarts (finished samples too), so all its samples come from one
+        weight version.
+        """
+        sched = self.scheduler
+        restart = [r for r in self._requests.values() if any(s.num_generated > 0 for s in r.sequences)]
+        jobs = []
+        for request in restart:
+            for job in [j for j in sched.waiting if j.request is request]:
+                sched.waiting.remove(job)
+            for seq in request.sequences:
+                if seq.table is not None:
+                    self.kv.free(seq.table)
+                    seq.table = None
+                if seq in sched.running:
+                    sched.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.finish_reason = None
+                seq.stop_string = None
+                del seq.tokens[seq.prompt_len :]
+                seq.logprobs.clear()
+                seq.top_logprobs.clear()
+                seq.weight_version = None
+            jobs.append(PrefillJob(request, list(request.sequences), list(request.prompt)))
+        for job in sorted(jobs, key=lambda j: j.request.arrival, reverse=True):
+            sched.waiting.appendleft(job)
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the requests that finished in it."""
+        if self._pending_weights is not None and not self._started_sequences():
+            self._apply_weights(*self._pending_weights)
+        sched = self.scheduler
+        out = sched.schedule(admit_new=self._pending_weights is None)
+        self.runner.copy_blocks(out.copies)
+        num_top = max(
+            [s.request.params.logprobs for s in out.decodes]
+            + [j.request.params.logprobs for j in out.prefills]
+            + [0]
+        )
+        if out.decodes:
+            res = self.runner.decode(
+                [s.tokens[-1] for s in out.decodes],
+                out.decode_slots,
+                [s.table.blocks for s in out.decodes],  # type: ignore[union-attr]
+                [len(s.tokens) for s in out.decodes],
+                [_sampling_row(s) for s in out.decodes],
+                num_top=num_top,
+            )
+            self._append(out.decodes, res)
+        # Similar lengths together waste less padding; a call holds at most max_prefill_rows prompts.
+        jobs = sorted(out.prefills, key=lambda j: len(j.tokens))
+        rows = self.config.max_prefill_rows
+        for chunk in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
+            samples = [(i, _sampling_row(s)) for i, j in enumerate(chunk) for s in j.seqs]
+            res = self.runner.prefill(
+                [j.tokens for j in chunk], [self._slots(j) for j in chunk], samples, num_top=num_top
+            )
+            seqs = []
+            for job in chunk:
+                sched.start_running(job)
+                seqs += job.seqs
+            self._append(seqs, res)
+        self.num_steps += 1
+        finished, self._finished = self._finished, []
+        return finished
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion; bad requests get `error` set, the others run normally."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        results: dict[str, RequestOutput] = {}
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = f"gen-{next(self._arrival)}"
+            ids.append(request_id)
+            try:
+                self.add_request(request_id, prompt, p)
+            except (ValueError, TypeError) as e:
+                results[request_id] = RequestOutput(request_id, list(prompt), error=str(e))
+        while any(i not in results for i in ids):
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    # -- internals ------------------------------------------------------------------
+    def _slots(self, job: PrefillJob) -> list[int]:
+        bs = self.config.block_size
+        blocks = job.table.blocks  # type: ignore[union-attr]
+        return [blocks[i // bs] * bs + i % bs for i in range(len(job.tokens))]
+
+    def _append(self, seqs: list[Seq], res) -> None:  # type: ignore[no-untyped-def]
+        tokens = res.tokens.tolist()
+        logprobs = res.logprobs.tolist()
+        for i, seq in enumerate(seqs):
+            if seq.weight_version is None:
+                seq.weight_version = self.weight_version
+            seq.tokens.append(tokens[i])
+            seq.logprobs.append(logprobs[i])
+            n_top = seq.request.params.logprobs
+            if n_top:
+                seq.top_logprobs.append(
+                    list(zip(res.top_ids[i, :n_top].tolist(), res.top_logprobs[i, :n_top].tolist()))
+                )
+            self.num_generated_tokens += 1
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                if seq.request.finished and seq.request.request_id in self._requests:
+                    del self._requests[seq.request.request_id]
+                    self._finished.append(self._output(seq.request))
+
+    def _stop_reason(self, seq: Seq) -> FinishReason | None:
+        p = seq.request.params
+        token = seq.tokens[-1]
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.EOS
+        if p.stop:
+            text = self.detokenize(seq.output_tokens)  # type: ignore[misc]
+            for s in p.stop:
+                if s in text:
+                    seq.stop_string = s
+                    return FinishReason.STOP
+        if seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _output(request: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                s.sample_index,
+                s.output_tokens,
+                list(s.logprobs),
+                s.finish_reason or FinishReason.ABORT,
+                s.weight_version,
+                list(s.top_logprobs),
+                s.stop_string,
+                s.num_preemptions,
+            )
+            for s in request.sequences
+        ]
+        return RequestOutput(request.request_id, list(request.prompt), outs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free
+
+
+def _sampling_row(seq: Seq) -> tuple[float, float, int, int, int, int]:
+    p = seq.request.params
+    return (float(p.temperature), float(p.top_p), p.top_k, p.seed, seq.sample_index, seq.num_generated)
+
+
+def _check_same_structure(old: Params, new: Params) -> None:
+    old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
+    new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
+    if jax.tree_util.tree_structure(old) != new_def:
+        raise ValueError("update_weights: new params have a different tree structure than the loaded ones")
+    for (path, a), (_, b) in zip(old_leaves, new_leaves, strict=True):
+        if np.shape(a) != np.shape(b) or a.dtype != b.dtype:
+            raise ValueError(
+                f"update_weights: {jax.tree_util.keystr(path)} is {b.dtype}{list(np.shape(b))}, "
+                f"expected {a.dtype}{list(np.shape(a))}"
+            )

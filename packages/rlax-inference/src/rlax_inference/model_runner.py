@@ -1,0 +1,292 @@
+"""Jit-compiled prefill and decode steps over a paged KV cache, at bucketed shapes.
+
+The cache is `{"k": ..., "v": ...}`, each `[num_layers, num_kv_heads, num_pages, page_size,
+head_dim]` in the model's compute dtype: per layer, the layout of `rlax_kernels`
+(`[num_kv_heads, total_pages, page_size, head_dim]`). K/V are written with
+`rlax_kernels.write_kv` (padding rows carry slot -1 and are skipped) and decode attention is
+`rlax_kernels.paged_attention` (Pallas on TPU/GPU, the XLA reference path on CPU). Page 0
+is never handed out by the block pool: padded decode rows point their block table at it.
+
+Shapes are rounded up to buckets (powers of two) so that new request lengths reuse
+compiled code: decode is compiled per (batch bucket, block-table width bucket), prefill per
+(batch bucket, length bucket, sample-row bucket). Each jitted function counts its traces
+in `ModelRunner.num_compilations`.
+
+Prefill starts every sequence from an empty cache (prefix sharing happens by forking block
+tables after the prefill), so it runs dense causal attention over the padded prompt rows
+and scatters their K/V into the pages; decode writes one token per row and runs paged
+decode attention.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlax_kernels
+from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
+from rlax_model import (
+    ModelConfig,
+    Params,
+    causal_valid_mask,
+    dense_attention_reference,
+    hidden_states,
+    project_logits,
+)
+
+AttentionBackend = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
+KVCache = dict[str, jax.Array]
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """Smallest power-of-two multiple of `minimum` >= n, capped at `maximum` (n must fit)."""
+    if n > maximum:
+        raise ValueError(f"size {n} exceeds the largest bucket {maximum}")
+    b = minimum
+    while b < n:
+        b *= 2
+    return min(b, maximum)
+
+
+class _PrefillContext(NamedTuple):
+    valid: jax.Array  # [batch, seq] bool
+    slots: jax.Array  # [batch, seq] int32, physical slot of each token (-1 for padding)
+
+
+class _DecodeContext(NamedTuple):
+    slots: jax.Array  # [batch] int32
+    lengths: jax.Array  # [batch] int32, tokens in the cache including this one
+    block_tables: jax.Array  # [batch, width] int32
+
+
+def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
+    """Scatter k, v `[tokens, kv_heads, head_dim]` into `slots` `[tokens]` (negative = padding, skipped)."""
+    new_k, new_v = rlax_kernels.write_kv(layer_cache["k"], layer_cache["v"], k, v, slots)
+    return {"k": new_k, "v": new_v}
+
+
+def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
+    b, s = q.shape[:2]
+    out = dense_attention_reference(q, k, v, causal_valid_mask(ctx.valid))
+    new_cache = _write(
+        layer_cache, k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]), ctx.slots.reshape(-1)
+    )
+    return out, new_cache
+
+
+def _make_decode_attention(backend: AttentionBackend) -> Callable[..., Any]:
+    def attention(q, k, v, layer_cache, ctx: _DecodeContext):  # type: ignore[no-untyped-def]
+        new_cache = _write(layer_cache, k[:, 0], v[:, 0], ctx.slots)
+        out = rlax_kernels.paged_attention(
+            q[:, 0], new_cache["k"], new_cache["v"], ctx.lengths, ctx.block_tables, backend=backend
+        )
+        return out[:, None], new_cache
+
+    return attention
+
+
+COMPILATIONS: collections.Counter[str] = collections.Counter()
+
+
+def _counted(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            COMPILATIONS[name] += 1  # runs only while jax traces, i.e. once per compiled shape
+            return fn(*args, **kwargs)
+
+        return traced
+
+    return wrap
+
+
+_STEP_STATICS = ("config", "use_filters", "num_top")
+
+
+@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnums=(1,))
+@_counted("prefill")
+def _prefill_step(
+    params, cache, tokens, lengths, slots, row_of_sample, sampling, *, config, use_filters, num_top
+):  # type: ignore[no-untyped-def]
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, cache = hidden_states(
+        params,
+        tokens,
+        positions,
+        config=config,
+        attention=_prefill_attention,
+        attention_context=_PrefillContext(valid, slots),
+        kv_cache=cache,
+    )
+    last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
+    logits = project_logits(last[row_of_sample], params, config)
+    return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
+
+
+@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention"), donate_argnums=(1,))
+@_counted("decode")
+def _decode_step(
+    params, cache, tokens, slots, block_tables, lengths, sampling, *, config, attention, use_filters, num_top
+):  # type: ignore[no-untyped-def]
+    hidden, cache = hidden_states(
+        params,
+        tokens[:, None],
+        (lengths - 1)[:, None],
+        config=config,
+        attention=_make_decode_attention(attention),
+        attention_context=_DecodeContext(slots, lengths, block_tables),
+        kv_cache=cache,
+    )
+    logits = project_logits(hidden[:, 0], params, config)
+    return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+@_counted("copy")
+def _copy_blocks(cache, src, dst):  # type: ignore[no-untyped-def]
+    return {name: pages.at[:, :, dst].set(pages[:, :, src]) for name, pages in cache.items()}
+
+
+class StepResult(NamedTuple):
+    """Host copies of one sampled row per sequence (first `n` rows are real)."""
+
+    tokens: np.ndarray  # [n] int32
+    logprobs: np.ndarray  # [n] float32
+    top_ids: np.ndarray  # [n, num_top] int32
+    top_logprobs: np.ndarray  # [n, num_top] float32
+
+
+class ModelRunner:
+    """Holds the weights and the paged cache; runs bucketed prefill/decode+sample steps."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Params,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_prefill_rows: int = 16,
+        min_len_bucket: int = 16,
+        attention: AttentionBackend = "auto",
+    ) -> None:
+        self.config = config
+        self.params = params
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_prefill_rows = max_prefill_rows
+        self.min_len_bucket = min(min_len_bucket, max_model_len)
+        self.max_pages_per_seq = -(-max_model_len // block_size)
+        # Short block tables share one program: padding a few pages is cheaper than compiling.
+        self.min_width_bucket = min(self.max_pages_per_seq, max(1, 64 // block_size))
+        shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
+        dtype = config.compute_jnp_dtype
+        self.cache: KVCache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        rlax_kernels.resolve_backend(attention, False)  # an unusable backend fails now, not mid-step
+        self.attention = attention
+
+    @property
+    def num_compilations(self) -> collections.Counter[str]:
+        """Traces (= compilations) of each jitted step, process-wide (programs are shared by runners)."""
+        return COMPILATIONS
+
+    # -- host-side entry points ------------------------------------------------------
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer (copy-on-write); padding copies page 0 onto itself."""
+        if not copies:
+            return
+        n = bucket(len(copies), 8, max(8, self.max_num_seqs))
+        src = np.zeros(n, np.int32)
+        dst = np.zeros(n, np.int32)
+        src[: len(copies)], dst[: len(copies)] = zip(*copies)
+        self.cache = _copy_blocks(self.cache, src, dst)
+
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[Sequence[int]],
+        samples: Sequence[tuple[int, tuple[float, float, int, int, int, int]]],
+        *,
+        num_top: int = 0,
+    ) -> StepResult:
+        """Prefill `prompts` (their K/V into `slots`) and sample one token per sample row.
+
+        samples: `(prompt index, (temperature, top_p, top_k, seed, sample_index, step))` rows;
+        several rows may share one prompt (the n samples of a request).
+        """
+        rows = bucket(len(prompts), min(4, self.max_prefill_rows), max(self.max_prefill_rows, len(prompts)))
+        length = bucket(max(len(p) for p in prompts), self.min_len_bucket, self.max_model_len)
+        tokens = np.zeros((rows, length), np.int32)
+        slot_arr = np.full((rows, length), -1, np.int32)  # negative: padding, never written
+        lengths = np.zeros(rows, np.int32)
+        for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
+            tokens[i, : len(p)] = p
+            slot_arr[i, : len(s)] = s
+            lengths[i] = len(p)
+        n = len(samples)
+        sample_rows = bucket(n, min(8, self.max_num_seqs), max(self.max_num_seqs, n))
+        row_of_sample = np.zeros(sample_rows, np.int32)
+        row_of_sample[:n] = [r for r, _ in samples]
+        batch = self._sampling_batch([s for _, s in samples], sample_rows)
+        out, self.cache = _prefill_step(
+            self.params, self.cache, tokens, lengths, slot_arr, row_of_sample, batch, config=self.config,
+            use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
+        )  # fmt: skip
+        return self._host(out, n, num_top)
+
+    def decode(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        sampling: Sequence[tuple[float, float, int, int, int, int]],
+        *,
+        num_top: int = 0,
+    ) -> StepResult:
+        """One decode step: token `i` (at position `lengths[i] - 1`) writes its K/V into `slots[i]`."""
+        n = len(tokens)
+        rows = bucket(n, min(8, self.max_num_seqs), self.max_num_seqs)
+        width = bucket(max(len(t) for t in block_tables), self.min_width_bucket, self.max_pages_per_seq)
+        tok = np.zeros(rows, np.int32)
+        slot_arr = np.full(rows, -1, np.int32)
+        lens = np.ones(rows, np.int32)  # a padded row attends to one token of the (zero) null page
+        tables = np.zeros((rows, width), np.int32)
+        tok[:n], slot_arr[:n], lens[:n] = tokens, slots, lengths
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        batch = self._sampling_batch(sampling, rows)
+        out, self.cache = _decode_step(
+            self.params, self.cache, tok, slot_arr, tables, lens, batch, config=self.config, attention=self.attention,
+            use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top),
+        )  # fmt: skip
+        return self._host(out, n, num_top)
+
+    # -- helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _needs_filters(samples: Sequence[tuple[int, tuple[float, float, int, int, int, int]]]) -> bool:
+        return any(s[0] > 0 and (s[1] < 1.0 or s[2] > 0) for _, s in samples)
+
+    @staticmethod
+    def _top_bucket(num_top: int) -> int:
+        return 0 if num_top == 0 else bucket(num_top, 1, max(num_top, 64))
+
+    @staticmethod
+    def _sampling_batch(rows: Sequence[tuple[float, float, int, int, int, int]], size: int) -> SamplingBatch:
+        padded = list(rows) + [(0.0, 1.0, 0, 0, 0, 0)] * (size - len(rows))
+        return SamplingBatch.from_rows(padded)
+
+    @staticmethod
+    def _host(out: SamplerOutput, n: int, num_top: int) -> StepResult:
+        tokens, lps, ids, top = jax.device_get(tuple(out))
+        return StepResult(tokens[:n], lps[:n], ids[:n, :num_top], top[:n, :num_top])

@@ -1,0 +1,221 @@
+"""Continuous-batching scheduler: which sequences prefill and decode in each step.
+
+Every step first gives each running sequence one decode slot (oldest first); when the
+pool runs dry it preempts the newest running sequences, frees their blocks and puts
+them back at the head of the queue to be recomputed (prefill over prompt + generated
+tokens, which reproduces the same continuation because sampling keys depend only on
+(seed, sample, step)). Then, unless something was preempted, it admits waiting prefill
+jobs in FIFO order while the token budget, the running-sequence cap and the free
+blocks allow. A fresh request is prefilled once and forked into its `n` samples.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rlax_inference.block_pool import BlockTable, KVCacheManager
+from rlax_inference.sequence import FinishReason, Request, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduling step.
+
+    max_num_seqs: cap on sequences running (decoding) at once.
+    max_num_batched_tokens: token budget of one step (decode tokens + prefill tokens).
+    max_model_len: context length; prompt + generated tokens never exceed it.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        # Without chunked prefill, the longest sequence must fit one step's budget.
+        if self.max_num_batched_tokens < max(self.max_model_len, self.max_num_seqs):
+            raise ValueError(
+                "SchedulerConfig.max_num_batched_tokens must be >= max(max_model_len, max_num_seqs), got "
+                f"{self.max_num_batched_tokens} < max({self.max_model_len}, {self.max_num_seqs})"
+            )
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """Tokens to prefill once, then fork into `seqs` (n samples, or one preempted sample)."""
+
+    request: Request
+    seqs: list[Sequence]
+    tokens: list[int]
+    table: BlockTable | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[PrefillJob] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), run first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(len(j.tokens) for j in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV block tables."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: collections.deque[PrefillJob] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+
+    # -- admission ---------------------------------------------------------------
+    def check_fits(self, prompt_len: int, n: int, max_tokens: int) -> None:
+        """Raise ValueError when a request could never be scheduled."""
+        if prompt_len < 1:
+            raise ValueError("prompt must hold at least one token")
+        if prompt_len >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens; the context length is {self.config.max_model_len} "
+                "(prompt must be shorter to leave room for one generated token)"
+            )
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        # Preemption frees everything else, so one sample alone must fit the pool.
+        longest = min(prompt_len + max_tokens, self.config.max_model_len)
+        need = self.kv.blocks_for(longest)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"KV pool of {self.kv.pool.num_blocks} blocks is too small for one sequence of "
+                f"{longest} tokens (prompt {prompt_len} + max_tokens {max_tokens}; needs {need} blocks)"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(len(request.prompt), request.params.n, request.params.max_tokens)
+        for i in range(request.params.n):
+            seq = Sequence(self._next_seq_id, request, i, list(request.prompt), len(request.prompt))
+            self._next_seq_id += 1
+            request.sequences.append(seq)
+        self.waiting.append(PrefillJob(request, list(request.sequences), list(request.prompt)))
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sample of `request_id` with ABORT and free its blocks."""
+        aborted: list[Sequence] = []
+        for job in list(self.waiting):
+            if job.request.request_id == request_id:
+                self.waiting.remove(job)
+                aborted += job.seqs
+        for seq in [s for s in self.running if s.request.request_id == request_id]:
+            aborted.append(seq)
+        for seq in aborted:
+            self.finish(seq, FinishReason.ABORT)
+        return aborted
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------
+    def schedule(self, *, admit_new: bool = True) -> SchedulerOutput:
+        """Plan one step. `admit_new=False` resumes only preempted samples (no fresh request starts)."""
+        out = SchedulerOutput()
+        self._schedule_decodes(out)
+        if not out.preempted:
+            self._schedule_prefills(out, admit_new=admit_new)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        kv = self.kv
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            assert seq.table is not None
+            preempted_self = False
+            while kv.blocks_needed_to_append(seq.table) > kv.num_free:
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            slot = kv.append_slot(seq.table)
+            if slot.copy_from is not None:
+                out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
+            out.decodes.append(seq)
+            out.decode_slots.append(slot.slot)
+            kept.append(seq)
+        self.running = kept
+        # Preempted samples go back to the head of the queue, oldest first.
+        out.preempted.sort(key=lambda s: (s.request.arrival, s.sample_index))
+        for seq in reversed(out.preempted):
+            self.waiting.appendleft(PrefillJob(seq.request, [seq], list(seq.tokens)))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert seq.table is not None
+        self.kv.free(seq.table)
+        seq.table = None
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _schedule_prefills(self, out: SchedulerOutput, *, admit_new: bool) -> None:
+        budget = self.config.max_num_batched_tokens - len(out.decodes)
+        num_running = len(self.running)
+        while self.waiting:
+            job = self.waiting[0]
+            if not admit_new and job.seqs[0].num_generated == 0:
+                break
+            need_blocks = self.kv.blocks_for(len(job.tokens))
+            if (
+                len(job.tokens) > budget
+                or num_running + len(job.seqs) > self.config.max_num_seqs
+                or need_blocks > self.kv.num_free
+            ):
+                break  # strict FIFO: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            job.table = self.kv.allocate(len(job.tokens))
+            budget -= len(job.tokens)
+            num_running += len(job.seqs)
+            out.prefills.append(job)
+
+    # -- results of a step -------------------------------------------------------
+    def start_running(self, job: PrefillJob) -> None:
+        """After `job`'s prefill ran: give each of its samples a table (shared blocks) and run it."""
+        assert job.table is not None
+        for i, seq in enumerate(job.seqs):
+            seq.table = job.table if i == 0 else self.kv.fork(job.table)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        self.running.sort(key=lambda s: (s.request.arrival, s.sample_index))
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.table is not None:
+            self.kv.free(seq.table)
+            seq.table = None
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def finish_many(self, seqs: Iterable[Sequence], reason: FinishReason) -> None:
+        for seq in list(seqs):
+            self.finish(seq, reason)

@@ -1,0 +1,123 @@
+"""Requests, their sampling parameters, and the per-sample sequences the engine runs."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from rlax_inference.block_pool import BlockTable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completions of one request.
+
+    `temperature == 0` is greedy decoding. `top_k == 0` and `top_p == 1` switch those
+    filters off. `n` completions (the group size G) share the prompt's KV blocks.
+    `seed` fixes sample `i`'s token at step `t` to a key derived from (seed, i, t) only,
+    so the output does not depend on what else is in the batch.
+    `logprobs` asks for that many top logprobs per generated token (0 = none).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
+        _require(
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "a finite number >= 0",
+        )
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 0")
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an int >= 1",
+        )
+        _require(
+            isinstance(self.seed, int) and 0 <= self.seed < 2**32, "seed", self.seed, "an int in [0, 2**32)"
+        )
+        _require(
+            isinstance(self.logprobs, int) and self.logprobs >= 0, "logprobs", self.logprobs, "an int >= 0"
+        )
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _require(ok: bool, name: str, value: object, what: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {what}, got {value!r}")
+
+
+class FinishReason(enum.StrEnum):
+    EOS = "eos"  # an end-of-sequence or stop token id was generated
+    STOP = "stop"  # a stop string appeared in the detokenized output
+    LENGTH = "length"  # max_tokens or the context length was reached
+    ABORT = "abort"  # the caller aborted the request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and its `params.n` samples."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    sequences: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its tokens so far, their logprobs and its KV blocks."""
+
+    seq_id: int
+    request: Request
+    sample_index: int
+    tokens: list[int]
+    prompt_len: int
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    table: BlockTable | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    # Weight version of the first generated token; all tokens share it (swaps restart).
+    weight_version: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len

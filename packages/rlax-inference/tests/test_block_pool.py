@@ -1,0 +1,56 @@
+import pytest
+
+from rlax_inference.block_pool import BlockPool, KVCacheManager, NoFreeBlocksError
+
+
+def test_pool_refcounts_and_free_list():
+    pool = BlockPool(4, 16)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b) == (1, 2) and pool.num_used == 2 and pool.num_free == 2
+    pool.incref(a)
+    pool.decref(a)
+    assert pool.refcount(a) == 1 and pool.num_used == 2
+    pool.decref(a)
+    assert pool.refcount(a) == 0 and pool.num_free == 3
+    with pytest.raises(ValueError, match="is free"):
+        pool.decref(a)
+    with pytest.raises(ValueError, match="outside 1..4"):
+        pool.incref(0)
+    pool.allocate(), pool.allocate(), pool.allocate()
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
+    assert pool.peak_used == 4
+
+
+def test_fork_shares_full_blocks_and_copies_partial_tail_on_write():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    prompt = kv.allocate(10)  # blocks: 4 + 4 + 2 tokens
+    assert len(prompt.blocks) == 3 and kv.num_used == 3
+    samples = [prompt] + [kv.fork(prompt) for _ in range(7)]
+    assert kv.num_used == 3
+    assert all(kv.pool.refcount(b) == 8 for b in prompt.blocks)
+    tails = set()
+    for t in samples:
+        slot = kv.append_slot(t)
+        tails.add(t.blocks[-1])
+        assert t.blocks[:2] == samples[0].blocks[:2]  # full prompt blocks stay shared
+        assert slot.slot == t.blocks[-1] * 4 + 2
+    # 7 samples copied the shared tail; the last one wrote into it in place.
+    assert kv.num_cow_copies == 7 and len(tails) == 8
+    assert kv.num_used == 2 + 8
+    for t in samples:
+        assert kv.blocks_needed_to_append(t) == 0
+        kv.append_slot(t)  # token 12: fills the tail block
+        assert kv.blocks_needed_to_append(t) == 1
+    for t in samples:
+        kv.free(t)
+    assert kv.num_free == 32
+
+
+def test_append_to_exclusive_full_block_allocates():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    t = kv.allocate(2)
+    s = kv.append_slot(t)
+    assert s.copy_from is None and len(t.blocks) == 2 and s.slot == t.blocks[1] * 2
+    with pytest.raises(NoFreeBlocksError):
+        kv.allocate(7)

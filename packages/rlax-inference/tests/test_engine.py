@@ -1,0 +1,197 @@
+import numpy as np
+import pytest
+from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
+
+from rlax_inference.engine import EngineConfig, LLMEngine
+from rlax_inference.sequence import FinishReason, SamplingParams
+
+
+def prompts(n, rng, lo=3, hi=40):
+    return [[int(t) for t in rng.integers(3, CONFIG.vocab_size, size=rng.integers(lo, hi))] for _ in range(n)]
+
+
+def make_engine(**kw):
+    cfg = {
+        "block_size": 8,
+        "num_blocks": 256,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 512,
+        "max_model_len": 128,
+        "eos_token_ids": (),
+    }
+    cfg.update(kw)
+    return LLMEngine(CONFIG, PARAMS, EngineConfig(**cfg))
+
+
+def test_greedy_batch_matches_naive_decoding_and_teacher_forced_logprobs():
+    rng = np.random.default_rng(0)
+    ps = prompts(16, rng)
+    engine = make_engine()
+    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=12))
+    for p, out in zip(ps, outs):
+        assert out.error is None
+        (c,) = out.outputs
+        assert c.tokens == naive_greedy(PARAMS, p, 12)
+        assert c.finish_reason is FinishReason.LENGTH and c.weight_version == 0
+        np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+    assert engine.num_free_blocks == 256
+
+
+def test_new_lengths_reuse_compiled_buckets():
+    engine = make_engine()
+    rng = np.random.default_rng(1)
+    # Prompts 17..32 tokens, <= 8 new tokens: every shape lands in the same buckets.
+    first = [[int(t) for t in rng.integers(3, 100, size=n)] for n in range(17, 25)]
+    engine.generate(first, SamplingParams(temperature=0.0, max_tokens=8))
+    before = dict(engine.runner.num_compilations)
+    second = [[int(t) for t in rng.integers(3, 100, size=n)] for n in (19, 23, 18, 21, 20)]
+    outs = engine.generate(second, SamplingParams(temperature=0.0, max_tokens=7))
+    assert dict(engine.runner.num_compilations) == before
+    assert outs[3].outputs[0].tokens == naive_greedy(PARAMS, second[3], 7)
+
+
+def test_group_samples_share_prompt_blocks():
+    engine = make_engine(block_size=8)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 100, size=21)]  # 2 full blocks + 5 tokens
+    engine.add_request("g", prompt, SamplingParams(n=8, temperature=1.0, max_tokens=20, seed=7))
+    kv = engine.kv
+    steps = 0
+    while engine.has_unfinished:
+        finished = engine.step()
+        steps += 1
+        running = engine.scheduler.running
+        if steps == 1:
+            assert kv.num_used == 3  # prompt stored once, its partial tail still shared by all 8
+        elif running:
+            shared = 21 // 8
+            # prompt blocks once + each sample's own blocks (its copied tail and new blocks)
+            expected = shared + sum(len(s.table.blocks) - shared for s in running)
+            assert kv.num_used == expected
+            no_sharing = sum(len(s.table.blocks) for s in running)
+            assert kv.num_used < no_sharing
+            assert all(s.table.blocks[:shared] == running[0].table.blocks[:shared] for s in running)
+    (out,) = finished
+    assert len({tuple(c.tokens) for c in out.outputs}) > 1, "8 seeded samples should differ"
+    assert kv.num_free == engine.config.num_blocks
+
+
+def test_sampled_logprobs_and_batch_independence():
+    rng = np.random.default_rng(3)
+    ps = prompts(6, rng)
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=10, seed=11)
+    alone = make_engine().generate([ps[2]], params)[0]
+    batch = make_engine().generate(
+        ps,
+        [SamplingParams(n=2, temperature=1.2, max_tokens=6, seed=i) for i in range(6)][:2]
+        + [params]
+        + [SamplingParams(temperature=0.0, max_tokens=9)] * 3,
+    )
+    together = batch[2]
+    assert [c.tokens for c in alone.outputs] == [c.tokens for c in together.outputs]
+    for c in together.outputs:
+        tf = teacher_forced_logprobs(PARAMS, ps[2], c.tokens, temperature=0.8)
+        np.testing.assert_allclose(c.logprobs, tf, atol=1e-5)
+
+
+def test_blocks_running_out_preempts_and_still_matches():
+    rng = np.random.default_rng(4)
+    ps = prompts(10, rng, 10, 30)
+    engine = make_engine(num_blocks=14)
+    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=16))
+    assert engine.scheduler.num_preemptions > 0
+    for p, out in zip(ps, outs):
+        c = out.outputs[0]
+        assert c.tokens == naive_greedy(PARAMS, p, 16)
+        np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+    assert engine.num_free_blocks == 14
+
+
+def test_bad_requests_get_errors_and_others_are_served():
+    engine = make_engine()
+    good = [5, 6, 7, 8]
+    outs = engine.generate(
+        [good, [5] * 128, [5, 999, 7], [], good],
+        SamplingParams(temperature=0.0, max_tokens=4),
+    )
+    assert "context length is 128" in outs[1].error
+    assert "prompt token 999 at index 1 is outside the vocabulary [0, 128)" in outs[2].error
+    assert "at least one token" in outs[3].error
+    assert outs[0].error is None and outs[4].error is None
+    assert outs[0].outputs[0].tokens == outs[4].outputs[0].tokens == naive_greedy(PARAMS, good, 4)
+    with pytest.raises(ValueError, match=r"SamplingParams.max_tokens must be an int >= 1, got -3"):
+        SamplingParams(max_tokens=-3)
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request("x", good, SamplingParams())
+        engine.add_request("x", good, SamplingParams())
+
+
+def test_stop_conditions():
+    engine = make_engine(eos_token_ids=())
+    prompt = [5, 9, 17, 33]
+    ref = naive_greedy(PARAMS, prompt, 12)
+    stop_tok = ref[4]
+    first = ref.index(stop_tok)
+    out = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_tok,))
+    )[0]
+    assert out.outputs[0].tokens == ref[: first + 1] and out.outputs[0].finish_reason is FinishReason.EOS
+    eos_engine = make_engine(eos_token_ids=(stop_tok,))
+    out = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert out.outputs[0].tokens == ref[: first + 1]
+    out = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert out.outputs[0].tokens == ref and out.outputs[0].finish_reason is FinishReason.LENGTH
+
+    text_engine = LLMEngine(
+        CONFIG, PARAMS, make_engine().config, detokenize=lambda ts: "".join(f"<{t}>" for t in ts)
+    )
+    stop = f"<{ref[2]}><{ref[3]}>"
+    out = text_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)))[0]
+    c = out.outputs[0]
+    assert c.finish_reason is FinishReason.STOP and c.stop_string == stop
+    assert "".join(f"<{t}>" for t in c.tokens).endswith(stop) and c.tokens == ref[: len(c.tokens)]
+
+
+def test_abort_frees_blocks_and_keeps_serving():
+    engine = make_engine()
+    engine.add_request("a", [5, 6, 7], SamplingParams(n=4, temperature=1.0, max_tokens=50))
+    engine.add_request("b", [8, 9], SamplingParams(temperature=0.0, max_tokens=6))
+    engine.step()
+    engine.step()
+    aborted = engine.abort("a")
+    assert all(c.finish_reason is FinishReason.ABORT for c in aborted.outputs)
+    done = []
+    while engine.has_unfinished:
+        done += engine.step()
+    assert [o.request_id for o in done] == ["b"] and done[0].outputs[0].tokens == naive_greedy(
+        PARAMS, [8, 9], 6
+    )
+    assert engine.num_free_blocks == engine.config.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["drop", "finish"])
+def test_weight_swap_policies(policy):
+    import jax
+
+    from rlax_model import init_params
+
+    new = init_params(CONFIG, jax.random.key(1), std=0.25)
+    engine = make_engine(swap_policy=policy)
+    p1, p2 = [5, 6, 7, 8, 9], [10, 11, 12]
+    engine.add_request("old", p1, SamplingParams(temperature=0.0, max_tokens=10))
+    for _ in range(3):
+        engine.step()
+    engine.update_weights(new, 1)
+    engine.add_request("new", p2, SamplingParams(temperature=0.0, max_tokens=10))
+    done = {}
+    while engine.has_unfinished:
+        done.update({o.request_id: o.outputs[0] for o in engine.step()})
+    if policy == "drop":
+        assert done["old"].weight_version == 1 and done["old"].tokens == naive_greedy(new, p1, 10)
+    else:
+        assert done["old"].weight_version == 0 and done["old"].tokens == naive_greedy(PARAMS, p1, 10)
+    assert done["new"].weight_version == 1 and done["new"].tokens == naive_greedy(new, p2, 10)
+    np.testing.assert_allclose(
+        done["new"].logprobs, teacher_forced_logprobs(new, p2, done["new"].tokens), atol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[3, 64\]"):
+        engine.update_weights({**new, "embed": new["embed"][:3]}, 2)

@@ -1,0 +1,93 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from rlax_inference.sampler import SamplingBatch, sample_jit
+
+V = 12
+LOGITS = np.random.default_rng(0).normal(size=V).astype(np.float32) * 1.5
+
+
+def expected_probs(logits, temperature, top_p, top_k):
+    """Independent numpy reference: softmax(logits / T), keep top-k, then the top-p nucleus."""
+    z = logits.astype(np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z[order] - z[order].max())
+    if top_k:
+        p[top_k:] = 0
+    p /= p.sum()
+    cum = 0.0
+    keep = np.zeros(V, bool)
+    for i in range(V):
+        if cum >= top_p:
+            break
+        keep[i] = True
+        cum += p[i]
+    p = np.where(keep, p, 0)
+    out = np.zeros(V)
+    out[order] = p / p.sum()
+    return out
+
+
+def draws(n, temperature, top_p, top_k, seed0=0):
+    batch = SamplingBatch.from_rows([(temperature, top_p, top_k, seed0 + i, 0, 0) for i in range(n)])
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, V))
+    return sample_jit(logits, batch, use_filters=True)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.3, 0.8, 0), (1.0, 1.0, 5), (0.9, 0.7, 6)],
+)
+def test_chi_square_matches_restricted_softmax(temperature, top_p, top_k):
+    n = 20_000
+    out = draws(n, temperature, top_p, top_k)
+    counts = np.bincount(np.asarray(out.tokens), minlength=V)
+    p = expected_probs(LOGITS, temperature, top_p, top_k)
+    assert counts[p == 0].sum() == 0, "drew a token outside the top-k/top-p set"
+    support = p > 0
+    chi2, pvalue = stats.chisquare(counts[support], n * p[support])
+    assert pvalue > 1e-3, (chi2, pvalue, counts, n * p)
+    # Logprob of each draw is that of the restricted distribution it came from.
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.log(p[np.asarray(out.tokens)]), atol=2e-5)
+
+
+def test_unfiltered_fast_path_equals_filtered_path_without_filters():
+    batch = SamplingBatch.from_rows([(0.8, 1.0, 0, i, 3, 7) for i in range(64)])
+    logits = jax.random.normal(jax.random.key(1), (64, 100)) * 3
+    a = sample_jit(logits, batch, use_filters=True)
+    b = sample_jit(logits, batch, use_filters=False)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_greedy_and_top_logprobs():
+    logits = jax.random.normal(jax.random.key(2), (3, 50))
+    batch = SamplingBatch.from_rows([(0.0, 0.5, 3, i, 0, 0) for i in range(3)])
+    out = sample_jit(logits, batch, use_filters=True, num_top=4)
+    np.testing.assert_array_equal(out.tokens, np.argmax(logits, -1))
+    ref = jax.nn.log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(3), out.tokens], atol=1e-6)
+    np.testing.assert_allclose(out.top_logprobs, jnp.sort(ref, -1)[:, ::-1][:, :4], atol=1e-6)
+    np.testing.assert_array_equal(out.top_ids[:, 0], out.tokens)
+
+
+def test_same_seed_same_output_alone_or_in_batch():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(16, 40)).astype(np.float32)
+    rows = [(1.0, 0.9, 10, 1000 + i, i % 4, i) for i in range(16)]
+    together = sample_jit(jnp.asarray(logits), SamplingBatch.from_rows(rows), use_filters=True)
+    perm = rng.permutation(16)
+    shuffled = sample_jit(jnp.asarray(logits[perm]), SamplingBatch.from_rows([rows[i] for i in perm]))
+    for i in range(16):
+        alone = sample_jit(jnp.asarray(logits[i : i + 1]), SamplingBatch.from_rows([rows[i]]))
+        assert int(alone.tokens[0]) == int(together.tokens[i])
+        np.testing.assert_allclose(alone.logprobs[0], together.logprobs[i], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(shuffled.tokens), np.asarray(together.tokens)[perm])
+    # A different step or sample index changes the draws (keys really depend on them).
+    moved = sample_jit(
+        jnp.asarray(logits), SamplingBatch.from_rows([(r[0], r[1], r[2], r[3], r[4], r[5] + 1) for r in rows])
+    )
+    assert not np.array_equal(np.asarray(moved.tokens), np.asarray(together.tokens))

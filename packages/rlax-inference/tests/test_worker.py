@@ -1,0 +1,138 @@
+import dataclasses
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
+
+import rlax_protocol as rp
+from rlax_inference.engine import EngineConfig
+from rlax_inference.worker import Worker, WorkerConfig
+from rlax_model import init_params
+from rlax_paramserver import ParamClient
+from rlax_paramserver.testing import running_server
+
+ENGINE = EngineConfig(
+    block_size=8,
+    num_blocks=256,
+    max_num_seqs=32,
+    max_num_batched_tokens=512,
+    max_model_len=128,
+    eos_token_ids=(),
+)
+PARAMS_V2 = init_params(CONFIG, jax.random.key(5), std=0.25)
+PARAMS_V3 = init_params(CONFIG, jax.random.key(6), std=0.25)
+
+
+def push(address, params, version):
+    tree = jax.tree_util.tree_map(np.asarray, params)
+    meta = {"model_config": {k: v for k, v in dataclasses.asdict(CONFIG).items()}}
+    with ParamClient(address, timeout_s=10) as client:
+        client.push(tree, version, metadata=meta)
+
+
+class RunningWorker:
+    def __init__(self, ps_address, **cfg):
+        self.worker = Worker(
+            WorkerConfig(paramserver=ps_address, weights_poll_s=0.05, rpc_timeout_s=10, **cfg), ENGINE
+        )
+        self.address = self.worker.start()
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.worker.stop()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+        assert not self.worker.errors
+
+
+def greedy_request(rid, prompt, max_tokens=6, n=1, **kw):
+    return rp.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(prompt),
+        n=n,
+        sampling=rp.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+    )
+
+
+def roundtrip(client, messages, timeout_s=60):
+    ids = {client.send_request(m): i for i, m in enumerate(messages)}
+    replies = [None] * len(messages)
+    pending = set(ids)
+    while pending:
+        rid, reply = client.recv_reply(pending, timeout_s=timeout_s, operation="GenerateResult")
+        pending.discard(rid)
+        replies[ids[rid]] = reply.message
+    return replies
+
+
+def wait_until(cond, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def paramserver(tmp_path):
+    with running_server(tmp_path / "ps") as address:
+        yield address
+
+
+def test_worker_serves_requests_and_reloads_when_j_behind(paramserver):
+    push(paramserver, PARAMS, 1)
+    w = RunningWorker(paramserver, reload_staleness=2)
+    try:
+        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+            p1, p2 = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]
+            r1, bad, r2 = roundtrip(
+                client,
+                [
+                    greedy_request("a", p1, n=2),
+                    greedy_request("bad", [5, 4000]),
+                    greedy_request("b", p2, top_logprobs=3),
+                ],
+            )
+            assert isinstance(bad, rp.ErrorReply) and bad.code == "malformed"
+            assert "'bad'" in bad.message and "4000" in bad.message and "vocabulary" in bad.message
+            assert r1.request_id == "a" and r1.weight_version == 1 and len(r1.samples) == 2
+            for s in r1.samples:
+                assert list(s.token_ids) == naive_greedy(PARAMS, p1, 6) and s.finish_reason == "length"
+            np.testing.assert_allclose(
+                r2.samples[0].logprobs,
+                teacher_forced_logprobs(PARAMS, p2, r2.samples[0].token_ids),
+                atol=1e-5,
+            )
+            assert len(r2.samples[0].top_logprobs) == 6 and len(r2.samples[0].top_logprobs[0]) == 3
+
+            # One version behind (< j=2): the worker keeps its weights.
+            push(paramserver, PARAMS_V2, 2)
+            checks = w.worker.num_weight_checks
+            wait_until(lambda: w.worker.num_weight_checks >= checks + 3)
+            (r,) = roundtrip(client, [greedy_request("c", p1)])
+            assert r.weight_version == 1
+            # Two behind: it reloads the newest version.
+            push(paramserver, PARAMS_V3, 3)
+            wait_until(lambda: w.worker.num_reloads == 1)
+            (r,) = roundtrip(client, [greedy_request("d", p1)])
+            assert r.weight_version == 3 and list(r.samples[0].token_ids) == naive_greedy(PARAMS_V3, p1, 6)
+    finally:
+        w.close()
+
+
+def test_worker_answers_unknown_messages_and_keeps_serving(paramserver):
+    push(paramserver, PARAMS, 7)
+    w = RunningWorker(paramserver)
+    try:
+        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+            with pytest.raises(rp.RemoteError, match="unknown_message|not an inference-worker request"):
+                client.call(rp.LatestQuery(), retry=False)
+            (r,) = roundtrip(client, [greedy_request("x", [3, 4, 5], max_tokens=3)])
+            assert r.weight_version == 7 and list(r.samples[0].token_ids) == naive_greedy(
+                PARAMS, [3, 4, 5], 3
+            )
+    finally:
+        w.close()

@@ -1,0 +1,80 @@
+"""rlax_model: the Llama-family decoder shared by the RLAX trainer and inference engine."""
+
+from rlax_model.attention import (
+    AttentionFn,
+    DenseContext,
+    causal_valid_mask,
+    dense_attention_reference,
+    dense_causal_attention,
+    positions_from_valid,
+)
+from rlax_model.chat_template import ChatTemplate, ChatTemplateError
+from rlax_model.checkpoint_hf import (
+    CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    load_hf_checkpoint,
+    load_hf_config,
+    save_hf_checkpoint,
+)
+from rlax_model.config import (
+    ConfigError,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    ModelConfig,
+    RopeScaling,
+)
+from rlax_model.gguf_import import GGUFError, GGUFFile, find_smollm2_gguf, gguf_config, load_gguf
+from rlax_model.logprobs import logprobs, token_logprobs_from_logits
+from rlax_model.tokenizer import CharTokenizer, Tokenizer, TokenizerError, TokenizerLike
+from rlax_model.transformer import (
+    Params,
+    Remat,
+    forward,
+    hidden_states,
+    init_params,
+    lm_head_weight,
+    param_shapes,
+    project_logits,
+)
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "CharTokenizer",
+    "GGUFError",
+    "GGUFFile",
+    "Tokenizer",
+    "TokenizerError",
+    "TokenizerLike",
+    "find_smollm2_gguf",
+    "gguf_config",
+    "load_gguf",
+    "AttentionFn",
+    "CheckpointError",
+    "ConfigError",
+    "DenseContext",
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "Params",
+    "Remat",
+    "RopeScaling",
+    "causal_valid_mask",
+    "config_from_hf",
+    "config_to_hf",
+    "dense_attention_reference",
+    "dense_causal_attention",
+    "forward",
+    "hidden_states",
+    "init_params",
+    "lm_head_weight",
+    "load_hf_checkpoint",
+    "load_hf_config",
+    "logprobs",
+    "param_shapes",
+    "positions_from_valid",
+    "project_logits",
+    "save_hf_checkpoint",
+    "token_logprobs_from_logits",
+]

@@ -1,0 +1,89 @@
+"""Building blocks of the decoder: RMSNorm, rotary position embeddings, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax_model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; statistics in float32, result in `x.dtype`.
+
+    x: [..., dim]; weight: [dim]. Returns [..., dim] in x.dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # Cast back before the scale, matching the reference implementations bit for bit in fp32
+    # and keeping the bf16 rounding point identical across trainer and engine.
+    return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+def rope_inv_frequencies(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies after scaling: [head_dim // 2] float32 (host constant)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaling = config.rope_scaling
+    if isinstance(scaling, LinearRopeScaling):
+        inv_freq = inv_freq / scaling.factor
+    elif isinstance(scaling, Llama3RopeScaling):
+        old_ctx = scaling.original_max_position_embeddings
+        low_wavelen = old_ctx / scaling.low_freq_factor
+        high_wavelen = old_ctx / scaling.high_freq_factor
+        wavelen = 2.0 * math.pi / inv_freq
+        # Short wavelengths keep their frequency, long ones are divided by `factor`, and the
+        # band in between is blended linearly in 1/wavelength.
+        smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1.0 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > low_wavelen,
+            inv_freq / scaling.factor,
+            np.where(wavelen < high_wavelen, inv_freq, blended),
+        )
+    return inv_freq.astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for `positions`.
+
+    positions: [batch, seq] int32. Returns (cos, sin), each [batch, seq, head_dim // 2] float32.
+    """
+    inv_freq = jnp.asarray(rope_inv_frequencies(config))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate `x` with the half-split (HF "rotate_half") layout.
+
+    x: [batch, seq, heads, head_dim]; cos/sin: [batch, seq, head_dim // 2] float32.
+    Returns [batch, seq, heads, head_dim] in x.dtype (rotation computed in float32).
+    """
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b) in x.dtype with float32 accumulation. x: [..., in]; w: [in, out]."""
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). x: [batch, seq, hidden]."""
+    gate = linear(x, layer["gate_proj"])
+    up = linear(x, layer["up_proj"])
+    return linear(jax.nn.silu(gate) * up, layer["down_proj"])

@@ -1,0 +1,318 @@
+"""Tokenizers: a wrapper over HF `tokenizers` (from tokenizer.json or GGUF metadata) and a
+small built-in character-level tokenizer for synthetic tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from rlax_model.chat_template import ChatTemplate, ChatTemplateError
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built or used; the message names the file, field or text."""
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What the data pipeline, engine and trainer need from any tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def pad_id(self) -> int: ...
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]: ...
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(f"special token {value!r} is neither a string nor a {{'content': ...}} mapping")
+
+
+class Tokenizer:
+    """HF `tokenizers` tokenizer plus special tokens and a chat template.
+
+    Build with `Tokenizer.from_pretrained(directory)` (tokenizer.json + tokenizer_config.json
+    [+ chat_template.jinja]) or `Tokenizer.from_gguf(path)`.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self._ids: dict[str, int | None] = {}
+        for field, token in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token)):
+            tid = None if token is None else backend.token_to_id(token)
+            if token is not None and tid is None:
+                raise TokenizerError(f"{field}={token!r} is not in the vocabulary")
+            self._ids[field] = tid
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.chat_template = (
+            None
+            if chat_template is None
+            else ChatTemplate(chat_template, bos_token=bos_token, eos_token=eos_token)
+        )
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike[str]) -> Tokenizer:
+        directory = pathlib.Path(directory)
+        tok_file = directory / "tokenizer.json"
+        if not tok_file.exists():
+            raise TokenizerError(f"{tok_file}: tokenizer.json is missing")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{tok_file}: cannot be parsed ({e})") from None
+        cfg: dict[str, Any] = {}
+        cfg_file = directory / "tokenizer_config.json"
+        if cfg_file.exists():
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{cfg_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        jinja_file = directory / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        return cls(
+            backend,
+            bos_token=_token_text(cfg.get("bos_token")),
+            eos_token=_token_text(cfg.get("eos_token")),
+            pad_token=_token_text(cfg.get("pad_token")),
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Byte-level BPE ("gpt2" model) tokenizer from GGUF `tokenizer.ggml.*` metadata."""
+        from rlax_model.gguf_import import GGUFFile
+
+        file = GGUFFile(path)
+        kind = file.value("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(
+                f"{file.path.name}: tokenizer.ggml.model={kind!r} is not supported (only 'gpt2')"
+            )
+        tokens: list[str] = file.value("tokenizer.ggml.tokens")
+        types: list[int] = file.value("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in file.value("tokenizer.ggml.merges")]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        pre = file.value("tokenizer.ggml.pre", "default")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre == "smollm":
+            # SmolLM's own tokenizer.json splits digits one by one before the byte-level regex.
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        elif pre in ("default", "gpt2"):
+            backend.pre_tokenizer = byte_level
+        else:
+            raise TokenizerError(f"{file.path.name}: tokenizer.ggml.pre={pre!r} is not supported")
+        backend.decoder = decoders.ByteLevel()
+        control = 3  # llama.cpp token type CONTROL
+        backend.add_special_tokens(
+            [
+                tokenizers.AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types, strict=True)
+                if ty == control
+            ]
+        )
+
+        def special(key: str) -> str | None:
+            tid = file.value(key, None)
+            return None if tid is None else tokens[int(tid)]
+
+        return cls(
+            backend,
+            bos_token=special("tokenizer.ggml.bos_token_id"),
+            eos_token=special("tokenizer.ggml.eos_token_id"),
+            pad_token=special("tokenizer.ggml.padding_token_id"),
+            chat_template=file.value("tokenizer.chat_template", None),
+        )
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
+        from rlax_model.checkpoint_hf import _atomic_write_bytes
+
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode())
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": None if self.chat_template is None else self.chat_template.source,
+        }
+        _atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(cfg, indent=2).encode())
+
+    # -- use ------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._ids["bos_token"]
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._ids["eos_token"]
+
+    @property
+    def pad_id(self) -> int:
+        pad = self._ids["pad_token"]
+        if pad is None:
+            pad = self._ids["eos_token"]
+        if pad is None:
+            raise TokenizerError("tokenizer has neither pad_token nor eos_token to pad with")
+        return pad
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it map to their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("add_bos=True but the tokenizer has no bos_token")
+            ids = [self.bos_id, *ids]
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens))
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The chat template applied to `messages`, as text."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template itself places any BOS token)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
+
+
+DEFAULT_ALPHABET = "0123456789+-*/%=()<>.,:;?! abcdefghijklmnopqrstuvwxyz"
+# A plain format for synthetic tasks: "user text=answer" style prompts need no roles.
+DEFAULT_CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
+
+
+class CharTokenizer:
+    """A character-level tokenizer for synthetic tasks (arithmetic and the like).
+
+    Ids: 0 = "<pad>", 1 = "<bos>", 2 = "<eos>", then one id per character of `alphabet`
+    in order. The special-token strings may appear in text. A character outside the
+    alphabet raises `TokenizerError` naming it and its index.
+    """
+
+    PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+    def __init__(
+        self, alphabet: str = DEFAULT_ALPHABET, *, chat_template: str | None = DEFAULT_CHAR_CHAT_TEMPLATE
+    ) -> None:
+        if len(set(alphabet)) != len(alphabet) or not alphabet:
+            raise TokenizerError(f"alphabet={alphabet!r}: must be non-empty with no repeated character")
+        self.alphabet = alphabet
+        self.specials = (self.PAD, self.BOS, self.EOS)
+        self._id = {c: i + len(self.specials) for i, c in enumerate(alphabet)}
+        self._char = [*self.specials, *alphabet]
+        self.chat_template = (
+            None
+            if chat_template is None
+            else ChatTemplate(chat_template, bos_token=self.BOS, eos_token=self.EOS)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._char)
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        return 2
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = [self.bos_id] if add_bos else []
+        i = 0
+        while i < len(text):
+            for sid, s in enumerate(self.specials):
+                if text.startswith(s, i):
+                    ids.append(sid)
+                    i += len(s)
+                    break
+            else:
+                tid = self._id.get(text[i])
+                if tid is None:
+                    raise TokenizerError(
+                        f"character {text[i]!r} at index {i} is not in the alphabet {self.alphabet!r}"
+                    )
+                ids.append(tid)
+                i += 1
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        out = []
+        for pos, t in enumerate(ids):
+            t = int(t)
+            if not 0 <= t < len(self._char):
+                raise TokenizerError(f"token id {t} at index {pos} is outside [0, {len(self._char)})")
+            if skip_special_tokens and t < len(self.specials):
+                continue
+            out.append(self._char[t])
+        return "".join(out)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))

@@ -1,0 +1,172 @@
+"""Parameter-server push/pull throughput beside raw ZeroMQ PUSH/PULL of the same bytes.
+
+SmolLM2-135M-shaped weights (hidden 576, intermediate 1536, 9 query / 3 key-value heads
+of 64, 30 layers, vocab 49152, tied embeddings): ~538 MB in float32, ~269 MB in
+bfloat16. The server and the raw sender each run in their own process with the same
+number of ZeroMQ I/O threads; receivers run as threads of this process; everything
+goes over tcp loopback. A pull includes its lease, pipelined chunk fetches, joining
+multi-frame tensors and verifying every tensor's xxh3_64; the raw reference only
+moves the frames. Medians of several rounds; ratio = ours / raw.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zmq
+
+from rlax_protocol import DEFAULT_CHUNK_BYTES, encode_tree
+from rlax_paramserver import ParamClient
+from rlax_paramserver.testing import running_server_process
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 576, 1536, 30, 49152, 192
+IO_THREADS = 2
+ROUNDS = 3
+PULLERS = (1, 2, 4)
+
+
+def smollm2_tree(dtype: np.dtype) -> dict:
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    layers = {
+        str(i): {
+            "attn": {"q": w(HIDDEN, HIDDEN), "k": w(KV, HIDDEN), "v": w(KV, HIDDEN), "o": w(HIDDEN, HIDDEN)},
+            "mlp": {"gate": w(INTERMEDIATE, HIDDEN), "up": w(INTERMEDIATE, HIDDEN), "down": w(HIDDEN, INTERMEDIATE)},
+            "input_norm": w(HIDDEN),
+            "post_attn_norm": w(HIDDEN),
+        }
+        for i in range(LAYERS)
+    }
+    return {"embed": w(VOCAB, HIDDEN), "layers": layers, "final_norm": w(HIDDEN)}
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def concurrently(k: int, work: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(k)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(k)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+class RawPeer:
+    """Raw PUSH sender subprocess plus PULL receivers here."""
+
+    def __init__(self, frame_sizes: list[int], streams: int) -> None:
+        script = pathlib.Path(__file__).with_name("raw_zmq_peer.py")
+        args = [sys.executable, str(script), str(streams), str(IO_THREADS), *map(str, frame_sizes)]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        control_port, *ports = map(int, self.process.stdout.readline().split())
+        context = zmq.Context.instance()
+        self.control = context.socket(zmq.REQ)
+        self.control.connect(f"tcp://127.0.0.1:{control_port}")
+        self.pullers = []
+        for port in ports:
+            socket = context.socket(zmq.PULL)
+            socket.connect(f"tcp://127.0.0.1:{port}")
+            self.pullers.append(socket)
+        self.count = len(frame_sizes)
+
+    def transfer(self, k: int) -> None:
+        def receive(i: int) -> None:
+            socket = self.pullers[i]
+            held = []  # a receiver of weights keeps them, as a pull does
+            for _ in range(self.count):
+                if not socket.poll(120_000):
+                    raise TimeoutError("raw PULL: no frame within 120 s")
+                held.append(socket.recv(copy=False))
+
+        receivers = [threading.Thread(target=receive, args=(i,)) for i in range(k)]
+        for thread in receivers:
+            thread.start()
+        self.control.send_string(f"go {k}")
+        for thread in receivers:
+            thread.join()
+        assert self.control.poll(120_000)
+        assert self.control.recv_string() == "done"
+
+    def close(self) -> None:
+        self.control.send_string("quit")
+        self.control.poll(10_000)
+        for socket in (*self.pullers, self.control):
+            socket.close(linger=0)
+        self.process.wait(30)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    tree = smollm2_tree(np_dtype)
+    encoded = encode_tree(tree, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    sizes = [f.nbytes for f in encoded.frames]
+    nbytes = sum(sizes)
+    raw = RawPeer(sizes, streams=max(PULLERS))
+    server_args = ["--io-threads", str(IO_THREADS), "--workers", "4"]
+    rows: list[tuple[str, float, float]] = []
+    version = 0
+    try:
+        with running_server_process(None, keep=2, args=server_args) as server:
+            clients = [ParamClient(server.address, timeout_s=60) for _ in range(max(PULLERS))]
+            try:
+                raw.transfer(1)  # warm up both paths
+                version += 1
+                clients[0].push(tree, version)
+                clients[0].pull()
+
+                def push_once() -> None:
+                    nonlocal version
+                    version += 1
+                    clients[0].push(tree, version)
+
+                push_ours = [timed(push_once) for _ in range(ROUNDS)]
+                push_raw = [timed(lambda: raw.transfer(1)) for _ in range(ROUNDS)]
+                rows.append(("push, 1 pusher", nbytes / statistics.median(push_ours), nbytes / statistics.median(push_raw)))
+                for k in PULLERS:
+                    ours = [timed(lambda: concurrently(k, lambda i: clients[i].pull())) for _ in range(ROUNDS)]
+                    theirs = [timed(lambda: raw.transfer(k)) for _ in range(ROUNDS)]
+                    rows.append((f"pull, {k} puller{'s' if k > 1 else ''}", k * nbytes / statistics.median(ours), k * nbytes / statistics.median(theirs)))
+                # The figure pytest-benchmark records: one full single pull (lease, fetch, verify).
+                benchmark.pedantic(lambda: clients[0].pull(), rounds=ROUNDS, iterations=1)
+            finally:
+                for client in clients:
+                    client.close()
+    finally:
+        raw.close()
+
+    print(f"\nSmolLM2-135M-shaped weights, {dtype}: {len(encoded.manifest.tensors)} tensors, {nbytes / 1e6:.0f} MB, tcp loopback")
+    print(f"{'operation':<18} {'rlax-paramserver':>17} {'raw ZeroMQ':>12} {'ratio':>7}")
+    for name, ours_bps, raw_bps in rows:
+        print(f"{name:<18} {ours_bps / 1e9:>13.2f} GB/s {raw_bps / 1e9:>8.2f} GB/s {ours_bps / raw_bps:>7.2f}")
+    benchmark.extra_info.update({name: {"ours_GBps": o / 1e9, "raw_GBps": r / 1e9, "ratio": o / r} for name, o, r in rows})

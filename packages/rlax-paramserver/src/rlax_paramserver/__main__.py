@@ -1,0 +1,5 @@
+import sys
+
+from rlax_paramserver.cli import main
+
+sys.exit(main())

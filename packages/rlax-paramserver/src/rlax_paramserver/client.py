@@ -1,0 +1,341 @@
+"""Client of the parameter server: push, pull, latest, wait_for_newer, stat.
+
+Every network call has a deadline; calls that are safe to repeat are retried with
+exponential backoff on a fresh connection, a bounded number of times. A push streams
+the tree as checksummed frames with several messages in flight and is committed
+atomically; a pull leases one version, fetches its frames with several requests in
+flight and verifies every tensor's checksum before returning it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import zmq
+
+from rlax_protocol import (
+    DEFAULT_CHUNK_BYTES,
+    Ack,
+    Committed,
+    CurveClientConfig,
+    Deadline,
+    FetchChunks,
+    LatestQuery,
+    LatestVersion,
+    MalformedMessageError,
+    NotNewer,
+    ProtocolTimeoutError,
+    PullBegin,
+    PullEnd,
+    PullGranted,
+    PushAbort,
+    PushBegin,
+    PushChunks,
+    PushCommit,
+    PushReady,
+    RemoteError,
+    Reply,
+    RpcClient,
+    ServerStats,
+    StatQuery,
+    WaitNewer,
+    TreeAssembler,
+    encode_tree,
+    frame_layout,
+    unflatten_tree,
+)
+from rlax_protocol.messages import Chunks, ErrorReply, Message
+
+Part = memoryview | zmq.Frame | bytes
+
+
+class StaleVersionError(RemoteError):
+    """The pushed version is not newer than the server's latest."""
+
+
+class VersionNotFoundError(RemoteError):
+    """The requested version is not held (never pushed, or already freed)."""
+
+
+class LeaseExpiredError(RemoteError):
+    """The server dropped this pull's lease (the pull was too slow or the server restarted)."""
+
+
+def _typed(err: RemoteError) -> RemoteError:
+    if err.code == "stale_version":
+        return StaleVersionError(err.code, err.remote_message, peer=err.peer)
+    if err.code == "not_found" and "lease" in err.remote_message:
+        return LeaseExpiredError(err.code, err.remote_message, peer=err.peer)
+    if err.code == "not_found":
+        return VersionNotFoundError(err.code, err.remote_message, peer=err.peer)
+    return err
+
+
+@dataclass(frozen=True)
+class PulledWeights:
+    """One consistent version: `tree` is a nested dict of read-only numpy arrays."""
+
+    tree: dict[str, Any]
+    version: int
+    metadata: dict[str, Any]
+
+
+def _batches(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Split frames (by size) into consecutive (first, count) runs of at most `budget` bytes (>= 1 frame each)."""
+    runs: list[tuple[int, int]] = []
+    first, total = 0, 0
+    for index, size in enumerate(sizes):
+        if index > first and total + size > budget:
+            runs.append((first, index - first))
+            first, total = index, 0
+        total += size
+    if sizes:
+        runs.append((first, len(sizes) - first))
+    return runs
+
+
+class ParamClient:
+    """Talks to one parameter server at `address` (``tcp://host:port``).
+
+    timeout_s: deadline of each request/reply exchange (one message of frames, not a
+    whole model). retries/backoff_s: how often and how patiently a timed-out exchange is
+    repeated. chunk_bytes: frame size a push splits tensors into. message_bytes: frames
+    per message, by total size. window: messages in flight per push or pull.
+    commit_timeout_s: deadline for a commit (verifies and persists the whole version).
+    Calls from several threads are serialised.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        message_bytes: int = 32 * 1024 * 1024,
+        window: int = 4,
+        commit_timeout_s: float = 300.0,
+        verify: bool = True,
+        curve: CurveClientConfig | None = None,
+        client_id: str = "",
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        for name, value in (("chunk_bytes", chunk_bytes), ("message_bytes", message_bytes), ("window", window)):
+            if value <= 0:
+                raise ValueError(f"ParamClient {name}={value}: must be > 0")
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.message_bytes = message_bytes
+        self.window = window
+        self.commit_timeout_s = commit_timeout_s
+        self.verify = verify
+        self._rpc = RpcClient(
+            address,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            client_id=client_id,
+            role="paramclient",
+            curve=curve,
+            context=context,
+        )
+        self._lock = threading.RLock()
+
+    @property
+    def timeout_s(self) -> float:
+        return self._rpc.timeout_s
+
+    def close(self) -> None:
+        with self._lock:
+            self._rpc.close()
+
+    def __enter__(self) -> ParamClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, message: Message, frames: Sequence[Part] = (), **kwargs: Any) -> Reply:
+        try:
+            return self._rpc.call(message, frames, **kwargs)
+        except RemoteError as err:
+            raise _typed(err) from None
+
+    # ------------------------------------------------------------------ pipelining
+
+    def _pipeline(
+        self,
+        requests: list[tuple[Message, Sequence[Part]]],
+        operation: str,
+        on_reply: Callable[[int, Reply], None],
+    ) -> None:
+        """Send `requests` with up to `window` in flight and hand each reply to `on_reply(index, reply)`
+        as it arrives. A timeout resends exactly the requests still unanswered, on a fresh
+        connection, with bounded retries and backoff (the server treats repeats as idempotent)."""
+        queue = collections.deque(range(len(requests)))
+        in_flight: dict[int, int] = {}  # request id -> index
+        attempt = 0
+        rpc = self._rpc
+        while queue or in_flight:
+            try:
+                while queue and len(in_flight) < self.window:
+                    index = queue[0]
+                    message, frames = requests[index]
+                    in_flight[rpc.send_request(message, frames)] = index
+                    queue.popleft()
+                request_id, reply = rpc.recv_reply(set(in_flight), timeout_s=rpc.timeout_s, operation=operation)
+            except ProtocolTimeoutError:
+                attempt += 1
+                rpc.reset()
+                if attempt > rpc.retries:
+                    raise ProtocolTimeoutError(rpc.peer, operation, rpc.timeout_s, attempts=attempt) from None
+                queue.extendleft(sorted(in_flight.values(), reverse=True))
+                in_flight.clear()
+                time.sleep(rpc.backoff(attempt - 1))
+                continue
+            index = in_flight.pop(request_id)
+            if isinstance(reply.message, ErrorReply):
+                # Replies still in flight are dropped later by their request ids.
+                raise _typed(RemoteError(reply.message.code, reply.message.message, peer=rpc.peer))
+            on_reply(index, reply)
+            attempt = 0
+
+    # ------------------------------------------------------------------ push
+
+    def push(self, tree: Mapping[str, Any], version: int, metadata: Mapping[str, Any] | None = None) -> Committed:
+        """Push `tree` (nested dict of numpy arrays) as `version`; visible atomically on success.
+
+        Raises `StaleVersionError` if `version` is not newer than the server's latest,
+        `RemoteError('checksum')` if a frame arrived corrupt, `ProtocolTimeoutError`.
+        """
+        encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes)
+        with self._lock:
+            ready = self._call(
+                PushBegin(version=version, manifest=encoded.manifest, metadata=dict(metadata or {})), expect=PushReady
+            ).message
+            assert isinstance(ready, PushReady)
+            budget = min(self.message_bytes, ready.max_message_bytes)
+            runs = _batches([f.nbytes for f in encoded.frames], budget)
+            requests: list[tuple[Message, Sequence[Part]]] = [
+                (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count]) for first, count in runs
+            ]
+            def acked(index: int, reply: Reply) -> None:
+                if not isinstance(reply.message, Ack):
+                    raise MalformedMessageError(f"server answered PushChunks with {type(reply.message).__name__}")
+
+            try:
+                self._pipeline(requests, "PushChunks", acked)
+                return self._commit(ready.push_id, version)
+            except BaseException:
+                self._abort_quietly(ready.push_id)
+                raise
+
+    def _commit(self, push_id: int, version: int) -> Committed:
+        try:
+            reply = self._call(PushCommit(push_id), expect=Committed, timeout_s=self.commit_timeout_s, retry=False)
+        except ProtocolTimeoutError:
+            # The commit may have happened with its reply lost: the server knows.
+            latest = self.latest()
+            if latest is not None and latest >= version:
+                return Committed(version=version, persisted=False)
+            raise
+        assert isinstance(reply.message, Committed)
+        return reply.message
+
+    def _abort_quietly(self, push_id: int) -> None:
+        try:
+            self._rpc.call(PushAbort(push_id), timeout_s=min(1.0, self.timeout_s), retry=False)
+        except Exception:  # the push is dead either way; its server side expires on its own
+            self._rpc.reset()
+
+    # ------------------------------------------------------------------ pull
+
+    def pull(
+        self, version: int | Literal["latest"] = "latest", *, if_newer_than: int | None = None
+    ) -> PulledWeights | None:
+        """Pull one consistent version (the latest, or `version`).
+
+        Returns None when `if_newer_than` is given and the server has nothing newer.
+        Raises `VersionNotFoundError` when the version is not held.
+        """
+        wanted = None if version == "latest" else int(version)
+        with self._lock:
+            for attempt in range(self._rpc.retries + 1):
+                granted = self._call(PullBegin(version=wanted, if_newer_than=if_newer_than), expect=(PullGranted, NotNewer))
+                if isinstance(granted.message, NotNewer):
+                    return None
+                lease = granted.message
+                assert isinstance(lease, PullGranted)
+                try:
+                    tree = self._fetch(lease)
+                except LeaseExpiredError:
+                    if attempt == self._rpc.retries:
+                        raise
+                    time.sleep(self._rpc.backoff(attempt))
+                    continue
+                finally:
+                    self._end_quietly(lease.lease_id)
+                return PulledWeights(tree=tree, version=lease.version, metadata=dict(lease.metadata))
+        raise AssertionError("unreachable")
+
+    def _fetch(self, lease: PullGranted) -> dict[str, Any]:
+        """Fetch every frame of a leased version; tensors are joined and verified as they arrive."""
+        assembler = TreeAssembler(lease.manifest, verify=self.verify)
+        runs = _batches([s.nbytes for s in frame_layout(lease.manifest)], self.message_bytes)
+        requests: list[tuple[Message, Sequence[Part]]] = [(FetchChunks(lease.lease_id, first, count), ()) for first, count in runs]
+
+        def received(index: int, reply: Reply) -> None:
+            first, count = runs[index]
+            chunk = reply.message
+            if not isinstance(chunk, Chunks) or chunk.first_frame != first or len(reply.frames) != count:
+                raise MalformedMessageError(f"bad reply to FetchChunks({first}, {count}): {chunk!r} with {len(reply.frames)} frames")
+            assembler.add(first, reply.frames)
+
+        self._pipeline(requests, "FetchChunks", received)
+        return unflatten_tree(assembler.result())
+
+    def _end_quietly(self, lease_id: int) -> None:
+        try:
+            self._rpc.call(PullEnd(lease_id), timeout_s=min(2.0, self.timeout_s), retry=False)
+        except (ProtocolTimeoutError, RemoteError):
+            pass  # the lease expires on the server by itself
+
+    # ------------------------------------------------------------------ queries
+
+    def latest(self) -> int | None:
+        """The newest committed version, or None when there is none."""
+        with self._lock:
+            reply = self._call(LatestQuery(), expect=LatestVersion).message
+            assert isinstance(reply, LatestVersion)
+            return reply.version
+
+    def wait_for_newer(self, version: int | None, timeout: float) -> int | None:
+        """Block until a version newer than `version` commits (long-poll); returns it, or None on timeout."""
+        deadline = Deadline(timeout)
+        with self._lock:
+            while True:
+                wait_s = min(deadline.remaining(), 30.0)
+                reply = self._call(
+                    WaitNewer(version=version, timeout_ms=int(wait_s * 1000)),
+                    expect=LatestVersion,
+                    timeout_s=wait_s + self.timeout_s,
+                ).message
+                assert isinstance(reply, LatestVersion)
+                if reply.version is not None and (version is None or reply.version > version):
+                    return reply.version
+                if deadline.expired():
+                    return None
+
+    def stat(self) -> ServerStats:
+        """Versions held, bytes, clients, pulls in flight, pending pushes, persistence state."""
+        with self._lock:
+            reply = self._call(StatQuery(), expect=ServerStats).message
+            assert isinstance(reply, ServerStats)
+            return reply
+

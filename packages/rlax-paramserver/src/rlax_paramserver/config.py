@@ -1,0 +1,65 @@
+"""Typed, validated configuration of a parameter server."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+
+from rlax_protocol import CurveServerConfig
+
+DEFAULT_BIND = "tcp://127.0.0.1:5599"
+
+
+def _check(condition: bool, name: str, value: object, why: str) -> None:
+    if not condition:
+        raise ValueError(f"ServerConfig.{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Parameter-server settings; every bad field raises ValueError naming field and value.
+
+    bind: ZeroMQ endpoint (``tcp://127.0.0.1:*`` picks a free port).
+    keep: how many newest versions to hold (an older one lives on while a pull of it runs).
+    state_dir: where the newest version is persisted; None keeps everything in memory only.
+    workers: request-handling threads; io_threads: ZeroMQ I/O threads.
+    lease_ttl_s: a pull lease not renewed for this long expires (its client is presumed dead).
+    push_idle_timeout_s: a pending push with no chunk for this long is dropped.
+    max_frame_bytes: largest single frame accepted (bigger ones drop the connection).
+    max_message_bytes: largest total of frames in one PushChunks/Chunks message.
+    max_version_bytes: largest total size of one version.
+    max_pending_pushes / max_pending_per_client: caps on unfinished pushes.
+    max_wait_s: longest a WaitNewer long-poll is held before answering.
+    client_idle_timeout_s: a client silent for this long must say Hello again.
+    """
+
+    bind: str = DEFAULT_BIND
+    keep: int = 3
+    state_dir: pathlib.Path | None = None
+    workers: int = 4
+    io_threads: int = 2
+    lease_ttl_s: float = 30.0
+    push_idle_timeout_s: float = 120.0
+    max_frame_bytes: int = 256 * 1024 * 1024
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_version_bytes: int = 256 * 1024**3
+    max_pending_pushes: int = 16
+    max_pending_per_client: int = 2
+    max_wait_s: float = 60.0
+    client_idle_timeout_s: float = 600.0
+    server_id: str = "rlax-paramserver"
+    curve: CurveServerConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check("://" in self.bind, "bind", self.bind, "must be a ZeroMQ endpoint such as tcp://127.0.0.1:5599")
+        _check(self.keep >= 1, "keep", self.keep, "must be >= 1 (the newest version is always kept)")
+        _check(self.workers >= 1, "workers", self.workers, "must be >= 1")
+        _check(self.io_threads >= 1, "io_threads", self.io_threads, "must be >= 1")
+        for name in ("lease_ttl_s", "push_idle_timeout_s", "max_wait_s", "client_idle_timeout_s"):
+            value = getattr(self, name)
+            _check(value > 0, name, value, "must be > 0")
+        for name in ("max_frame_bytes", "max_message_bytes", "max_version_bytes", "max_pending_pushes", "max_pending_per_client"):
+            value = getattr(self, name)
+            _check(value > 0, name, value, "must be > 0")
+        if self.state_dir is not None:
+            _check(not self.state_dir.is_file(), "state_dir", str(self.state_dir), "is a file, expected a directory")

@@ -1,0 +1,170 @@
+"""On-disk state: the newest committed version, one self-checking file per version.
+
+File layout (``weights-v<version>.rlaxw``)::
+
+    b"RLAXW\\x00\\x00\\x01"       8-byte magic
+    header length              8 bytes, little-endian
+    header                     msgpack `StateHeader` (manifest with checksums, metadata)
+    zero padding               to a multiple of 4096
+    tensor bytes               every tensor, manifest order, contiguous
+
+A file is written under a temporary name, fsynced, renamed into place and the
+directory fsynced, so a crash leaves either the old file or the new one. On load every
+tensor's xxh3_64 is checked against the manifest; a file that fails any check is
+reported (`CorruptStateError`), renamed to ``*.corrupt`` and never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import xxhash
+
+from rlax_protocol import PROTOCOL_VERSION, ProtocolError, TensorManifest, frame_layout
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"RLAXW\x00\x00\x01"
+ALIGN = 4096
+_NAME = re.compile(r"^weights-v(\d+)\.rlaxw$")
+
+
+class CorruptStateError(ProtocolError):
+    """A state file failed a check; the message names the file and what is wrong."""
+
+
+class StateHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    protocol_version: int
+    version: int
+    manifest: TensorManifest
+    metadata: dict[str, Any]
+
+
+@dataclass
+class LoadedState:
+    version: int
+    manifest: TensorManifest
+    metadata: dict[str, Any]
+    frames: list[memoryview]
+    path: pathlib.Path
+
+
+def state_path(state_dir: pathlib.Path, version: int) -> pathlib.Path:
+    return state_dir / f"weights-v{version:012d}.rlaxw"
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_state(
+    state_dir: pathlib.Path,
+    version: int,
+    manifest: TensorManifest,
+    metadata: dict[str, Any],
+    frames: Sequence[memoryview],
+) -> pathlib.Path:
+    """Durably write one version (frames in manifest frame order); removes older state files."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    final = state_path(state_dir, version)
+    tmp = state_dir / f".{final.name}.tmp-{os.getpid()}"
+    header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
+    prefix = MAGIC + len(header).to_bytes(8, "little") + header
+    padding = (-len(prefix)) % ALIGN
+    with open(tmp, "wb") as f:
+        f.write(prefix + b"\x00" * padding)
+        for frame in frames:
+            f.write(frame)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(state_dir)
+    for other in state_dir.iterdir():
+        match = _NAME.match(other.name)
+        if match and int(match.group(1)) < version:
+            other.unlink(missing_ok=True)
+    return final
+
+
+def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, int]:
+    if f.read(len(MAGIC)) != MAGIC:
+        raise CorruptStateError(f"{path}: not an RLAX weights file (bad magic)")
+    length = int.from_bytes(f.read(8), "little")
+    if length <= 0 or length > size:
+        raise CorruptStateError(f"{path}: header length {length} does not fit a {size}-byte file")
+    try:
+        header = msgspec.msgpack.decode(f.read(length), type=StateHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise CorruptStateError(f"{path}: unreadable header: {err}") from None
+    if header.protocol_version != PROTOCOL_VERSION or header.manifest.protocol_version != PROTOCOL_VERSION:
+        raise CorruptStateError(
+            f"{path}: written with protocol version {header.protocol_version}, this server speaks {PROTOCOL_VERSION}"
+        )
+    offset = len(MAGIC) + 8 + length
+    return header, offset + (-offset) % ALIGN
+
+
+def read_state(path: pathlib.Path) -> LoadedState:
+    """Load and fully verify one state file; raises `CorruptStateError` naming file and defect."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header, data_offset = _read_header(path, f, size)
+        expected = data_offset + header.manifest.total_bytes
+        if size != expected:
+            raise CorruptStateError(f"{path}: {size} bytes on disk, manifest needs {expected} (truncated or padded)")
+        f.seek(data_offset)
+        data = bytearray(header.manifest.total_bytes)
+        if f.readinto(data) != len(data):
+            raise CorruptStateError(f"{path}: short read of tensor data")
+    view = memoryview(data)
+    start = 0
+    for tensor in header.manifest.tensors:
+        digest = xxhash.xxh3_64_intdigest(view[start : start + tensor.nbytes])
+        if digest != tensor.checksum:
+            raise CorruptStateError(f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})")
+        start += tensor.nbytes
+    # Frames are slices of the contiguous data, in frame order, so pulls need no copy.
+    tensor_starts: list[int] = []
+    start = 0
+    for tensor in header.manifest.tensors:
+        tensor_starts.append(start)
+        start += tensor.nbytes
+    frames = [view[tensor_starts[s.tensor] + s.offset : tensor_starts[s.tensor] + s.offset + s.nbytes] for s in frame_layout(header.manifest)]
+    return LoadedState(header.version, header.manifest, dict(header.metadata), frames, path)
+
+
+def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None]:
+    """The newest valid state in `state_dir` and an error text if a newer file was corrupt.
+
+    Leftover temporary files of an interrupted write are deleted; a corrupt file is
+    renamed to ``<name>.corrupt`` (kept for inspection) and an older valid file, if any,
+    is used instead.
+    """
+    if not state_dir.is_dir():
+        return None, None
+    for leftover in state_dir.glob(".weights-v*.tmp-*"):
+        log.warning("removing %s left by an interrupted write", leftover)
+        leftover.unlink(missing_ok=True)
+    candidates = sorted(
+        (int(m.group(1)), p) for p in state_dir.iterdir() if (m := _NAME.match(p.name)) is not None
+    )
+    errors: list[str] = []
+    for _, path in reversed(candidates):
+        try:
+            return read_state(path), "; ".join(errors) or None
+        except (CorruptStateError, OSError) as err:
+            log.error("corrupt state file, not served: %s", err)
+            errors.append(str(err))
+            path.rename(path.with_name(path.name + ".corrupt"))
+    return None, "; ".join(errors) or None

@@ -1,0 +1,436 @@
+"""Typed wire messages of RLAX (DESIGN.md §3).
+
+Every message is a frozen, tagged `msgspec.Struct` encoded with msgpack; the tag (the
+class name, in field ``type``) tells one message type from another, so a single
+decoder reads any of them and a message of the wrong type is an error, not a guess.
+Tensors never travel inside these structs: a `TensorManifest` describes them and the
+bytes follow as raw frames (see `rlax_protocol.codec`).
+
+`Hello` and `Welcome` must keep their tag and fields forever: they are what two peers
+of different protocol versions still understand, so that a mismatch can be reported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, TypeVar, Union
+
+import msgspec
+
+from rlax_protocol.errors import MalformedMessageError
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a message changes incompatibly; exchanged in `Hello`/`Welcome` and every manifest."""
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+"""Tensor dtypes the codec carries (by numpy name), with their size in bytes."""
+
+MAX_RANK = 16
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Message(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    """Base of every wire message; the tag is the class name."""
+
+
+def _fail(struct: str, field: str, value: object, why: str) -> None:
+    raise ValueError(f"{struct}.{field}={value!r}: {why}")
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+class Hello(Message, frozen=True):
+    """First message from a client on a new connection."""
+
+    protocol_version: int
+    client_id: str = ""
+    role: str = ""
+
+
+class Welcome(Message, frozen=True):
+    """Server's answer to `Hello`; `accepted` is False when the versions differ."""
+
+    protocol_version: int
+    server_id: str = ""
+    accepted: bool = True
+    reason: str = ""
+
+
+class ErrorReply(Message, frozen=True):
+    """Answer to a request that could not be served. `code` is machine-readable
+    (``malformed``, ``unknown_message``, ``version_mismatch``, ``not_found``, ``stale_version``,
+    ``too_large``, ``out_of_order``, ``checksum``, ``handshake_required``, ``internal``)."""
+
+    code: str
+    message: str
+
+
+class Ack(Message, frozen=True):
+    """Plain success answer carrying no data."""
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class TensorHeader(Message, frozen=True):
+    """One tensor of a tree: `name` is its slash-joined path (``layers/0/attn/q``),
+    `checksum` the xxh3_64 of its raw little-endian C-order bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: int
+
+    def __post_init__(self) -> None:
+        if not self.name or any(part == "" for part in self.name.split("/")):
+            _fail("TensorHeader", "name", self.name, "must be a non-empty slash path without empty parts")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            _fail("TensorHeader", "dtype", self.dtype, f"unsupported; allowed: {sorted(DTYPE_ITEMSIZE)}")
+        if len(self.shape) > MAX_RANK or any(d < 0 for d in self.shape):
+            _fail("TensorHeader", "shape", self.shape, f"dims must be >= 0 and rank <= {MAX_RANK}")
+        expected = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+        if self.nbytes != expected:
+            _fail(
+                "TensorHeader",
+                "nbytes",
+                self.nbytes,
+                f"shape {self.shape} of {self.dtype} holds {expected} bytes",
+            )
+        if not 0 <= self.checksum < 2**64:
+            _fail("TensorHeader", "checksum", self.checksum, "must be an unsigned 64-bit integer")
+
+
+class TensorManifest(Message, frozen=True):
+    """Describes a tensor tree sent as raw frames. Tensor ``i`` occupies
+    ``max(1, ceil(nbytes / chunk_bytes))`` consecutive frames, tensors in manifest order;
+    every frame but a tensor's last holds exactly `chunk_bytes` bytes."""
+
+    protocol_version: int
+    chunk_bytes: int
+    tensors: tuple[TensorHeader, ...]
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0:
+            _fail("TensorManifest", "chunk_bytes", self.chunk_bytes, "must be > 0")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            _fail("TensorManifest", "tensors", dup, "duplicate tensor names")
+
+    def frames_per_tensor(self) -> list[int]:
+        """Number of frames each tensor occupies, in manifest order."""
+        return [max(1, -(-t.nbytes // self.chunk_bytes)) for t in self.tensors]
+
+    @property
+    def num_frames(self) -> int:
+        return sum(self.frames_per_tensor())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+# --------------------------------------------------------------------------- weights (parameter server)
+
+Metadata = dict[str, Any]
+
+
+class PushBegin(Message, frozen=True):
+    """Start pushing weight `version`; the server answers `PushReady` or an error
+    (``stale_version`` when `version` is not newer than the latest)."""
+
+    version: int
+    manifest: TensorManifest
+    metadata: Metadata = {}
+
+
+class PushReady(Message, frozen=True):
+    push_id: int
+    max_message_bytes: int
+
+
+class PushChunks(Message, frozen=True):
+    """Followed by `count` raw frames: frames ``first_frame .. first_frame+count-1`` of the manifest."""
+
+    push_id: int
+    first_frame: int
+    count: int
+
+
+class PushCommit(Message, frozen=True):
+    """Make the pushed version visible; succeeds only if every frame arrived intact."""
+
+    push_id: int
+
+
+class PushAbort(Message, frozen=True):
+    push_id: int
+
+
+class Committed(Message, frozen=True):
+    version: int
+    persisted: bool
+
+
+class PullBegin(Message, frozen=True):
+    """Lease a version for pulling: `version` None means the latest. With `if_newer_than`
+    the server answers `NotNewer` instead when its version is not newer."""
+
+    version: int | None = None
+    if_newer_than: int | None = None
+
+
+class PullGranted(Message, frozen=True):
+    lease_id: int
+    version: int
+    manifest: TensorManifest
+    metadata: Metadata
+    lease_ttl_s: float
+
+
+class NotNewer(Message, frozen=True):
+    latest: int | None
+
+
+class FetchChunks(Message, frozen=True):
+    """Ask for frames ``first_frame .. first_frame+count-1`` of a leased version; renews the lease."""
+
+    lease_id: int
+    first_frame: int
+    count: int
+
+
+class Chunks(Message, frozen=True):
+    """Followed by `count` raw frames starting at `first_frame`."""
+
+    lease_id: int
+    first_frame: int
+    count: int
+
+
+class PullEnd(Message, frozen=True):
+    lease_id: int
+
+
+class LatestQuery(Message, frozen=True):
+    pass
+
+
+class WaitNewer(Message, frozen=True):
+    """Long-poll: answered with `LatestVersion` once a version newer than `version`
+    commits, or when `timeout_ms` runs out (then with the unchanged latest)."""
+
+    version: int | None
+    timeout_ms: int
+
+
+class LatestVersion(Message, frozen=True):
+    version: int | None
+
+
+class StatQuery(Message, frozen=True):
+    pass
+
+
+class ServerStats(Message, frozen=True):
+    versions: tuple[int, ...]
+    latest: int | None
+    bytes_held: int
+    clients: int
+    pulls_in_flight: int
+    leases_by_version: dict[int, int]
+    pending_pushes: int
+    malformed_messages: int
+    persisted_version: int | None
+    state_error: str | None
+
+
+# --------------------------------------------------------------------------- generation
+
+
+class SamplingParams(Message, frozen=True):
+    """How to sample: `top_k` 0 and `top_p` 1.0 disable those filters; `temperature` 0 is greedy;
+    `top_logprobs` > 0 returns that many alternatives per token."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            _fail("SamplingParams", "max_tokens", self.max_tokens, "must be > 0")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            _fail("SamplingParams", "temperature", self.temperature, "must be finite and >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("SamplingParams", "top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            _fail("SamplingParams", "top_k", self.top_k, "must be >= 0 (0 disables)")
+        if self.top_logprobs < 0:
+            _fail("SamplingParams", "top_logprobs", self.top_logprobs, "must be >= 0")
+
+
+class GenerateRequest(Message, frozen=True):
+    """Generate `n` samples continuing `prompt_token_ids`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n <= 0:
+            _fail("GenerateRequest", "n", self.n, "must be > 0")
+        if not self.prompt_token_ids:
+            _fail("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
+
+
+class Sample(Message, frozen=True):
+    """One generated continuation: `logprobs[t]` is the sampling policy's log-probability of
+    `token_ids[t]`; `top_logprobs[t]` maps alternative token ids to their log-probabilities."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    top_logprobs: tuple[dict[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, values in (("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs)):
+            if values and len(values) != len(self.token_ids):
+                _fail(
+                    "Sample",
+                    name,
+                    f"<{len(values)} values>",
+                    f"needs none or one per token ({len(self.token_ids)})",
+                )
+
+
+class GenerateResult(Message, frozen=True):
+    """All samples of one request, generated by exactly one weight version."""
+
+    request_id: str
+    samples: tuple[Sample, ...]
+    weight_version: int
+
+
+class Rollout(Message, frozen=True):
+    """One scored (or to-be-scored) sample of group `group_index` of prompt `prompt_id`."""
+
+    prompt_id: str
+    group_index: int
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    worker_logprobs: tuple[float, ...]
+    policy_version: int
+    finish_reason: FinishReason = "stop"
+    reward: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.worker_logprobs) != len(self.completion_token_ids):
+            _fail(
+                "Rollout",
+                "worker_logprobs",
+                f"<{len(self.worker_logprobs)} values>",
+                f"needs one per completion token ({len(self.completion_token_ids)})",
+            )
+
+
+# --------------------------------------------------------------------------- verification
+
+
+class VerifyRequest(Message, frozen=True):
+    """Score `completion` with verifier `verifier` (``math``, ``exact_match``, ``code``, ...)
+    against `reference`; `extra` carries verifier-specific inputs (tests, entry point)."""
+
+    request_id: str
+    verifier: str
+    completion: str
+    reference: str = ""
+    extra: dict[str, str] = {}
+    timeout_s: float = 10.0
+
+
+class VerifyResult(Message, frozen=True):
+    request_id: str
+    reward: float
+    correct: bool
+    detail: str = ""
+
+
+AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
+    Hello,
+    Welcome,
+    ErrorReply,
+    Ack,
+    TensorHeader,
+    TensorManifest,
+    PushBegin,
+    PushReady,
+    PushChunks,
+    PushCommit,
+    PushAbort,
+    Committed,
+    PullBegin,
+    PullGranted,
+    NotNewer,
+    FetchChunks,
+    Chunks,
+    PullEnd,
+    LatestQuery,
+    WaitNewer,
+    LatestVersion,
+    StatQuery,
+    ServerStats,
+    SamplingParams,
+    GenerateRequest,
+    Sample,
+    GenerateResult,
+    Rollout,
+    VerifyRequest,
+    VerifyResult,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyMessage)
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(message: Message) -> bytes:
+    """msgpack bytes of `message` (its tag included)."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | memoryview | bytearray) -> Message:
+    """Decode any RLAX message; garbage or a field of the wrong type raises `MalformedMessageError`."""
+    try:
+        message: Message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise MalformedMessageError(f"cannot decode message ({len(data)} bytes): {err}") from None
+    return message
+
+
+def decode_as(data: bytes | memoryview | bytearray, expected: type[M] | tuple[type[M], ...]) -> M:
+    """Decode and require one of the `expected` types, else `MalformedMessageError` naming both."""
+    message = decode(data)
+    if not isinstance(message, expected):
+        names = expected.__name__ if isinstance(expected, type) else " or ".join(t.__name__ for t in expected)
+        raise MalformedMessageError(f"expected {names}, got {type(message).__name__}")
+    return message

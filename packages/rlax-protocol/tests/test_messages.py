@@ -1,0 +1,181 @@
+"""Typed messages: round trips, validation naming the field, garbage and wrong types."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlax_protocol as rp
+from rlax_protocol import MalformedMessageError, decode, decode_as, encode
+
+SAMPLING = rp.SamplingParams(
+    max_tokens=16, temperature=0.7, top_p=0.9, top_k=50, stop_token_ids=(2,), seed=3, top_logprobs=2
+)
+HEADER = rp.TensorHeader(
+    name="layers/0/attn/q", dtype="bfloat16", shape=(4, 8), nbytes=64, checksum=2**64 - 1
+)
+MANIFEST = rp.TensorManifest(protocol_version=rp.PROTOCOL_VERSION, chunk_bytes=1 << 20, tensors=(HEADER,))
+
+EXAMPLES: list[rp.Message] = [
+    rp.Hello(protocol_version=rp.PROTOCOL_VERSION, client_id="w0", role="worker"),
+    rp.Welcome(protocol_version=rp.PROTOCOL_VERSION, server_id="ps"),
+    rp.ErrorReply(code="malformed", message="bad"),
+    rp.Ack(),
+    HEADER,
+    MANIFEST,
+    rp.PushBegin(version=3, manifest=MANIFEST, metadata={"step": 3, "loss": 0.5, "tags": ["a"]}),
+    rp.PushReady(push_id=1, max_message_bytes=1 << 26),
+    rp.PushChunks(push_id=1, first_frame=0, count=1),
+    rp.PushCommit(push_id=1),
+    rp.PushAbort(push_id=1),
+    rp.Committed(version=3, persisted=True),
+    rp.PullBegin(version=None, if_newer_than=2),
+    rp.PullGranted(lease_id=4, version=3, manifest=MANIFEST, metadata={}, lease_ttl_s=30.0),
+    rp.NotNewer(latest=3),
+    rp.FetchChunks(lease_id=4, first_frame=0, count=1),
+    rp.Chunks(lease_id=4, first_frame=0, count=1),
+    rp.PullEnd(lease_id=4),
+    rp.LatestQuery(),
+    rp.WaitNewer(version=3, timeout_ms=100),
+    rp.LatestVersion(version=None),
+    rp.StatQuery(),
+    rp.ServerStats(
+        versions=(1, 2),
+        latest=2,
+        bytes_held=10,
+        clients=1,
+        pulls_in_flight=0,
+        leases_by_version={2: 1},
+        pending_pushes=0,
+        malformed_messages=0,
+        persisted_version=2,
+        state_error=None,
+    ),
+    SAMPLING,
+    rp.GenerateRequest(request_id="r1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, n=4),
+    rp.Sample(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop"),
+    rp.GenerateResult(
+        request_id="r1",
+        samples=(
+            rp.Sample(
+                token_ids=(5, 6),
+                logprobs=(-0.1, -2.0),
+                finish_reason="length",
+                top_logprobs=({5: -0.1}, {6: -2.0}),
+            ),
+        ),
+        weight_version=7,
+    ),
+    rp.Rollout(
+        prompt_id="p1",
+        group_index=2,
+        prompt_token_ids=(1, 2),
+        completion_token_ids=(3,),
+        worker_logprobs=(-0.5,),
+        policy_version=7,
+        reward=1.0,
+    ),
+    rp.VerifyRequest(request_id="v1", verifier="math", completion="\\boxed{2}", reference="2"),
+    rp.VerifyResult(request_id="v1", reward=1.0, correct=True),
+]
+
+
+def test_every_message_type_has_an_example() -> None:
+    union_types = set(rp.AnyMessage.__args__)
+    assert {type(m) for m in EXAMPLES} == union_types
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: rp.Message) -> None:
+    data = encode(message)
+    assert decode(data) == message
+    assert decode_as(memoryview(data), type(message)) == message
+    fields = message.__struct_fields__
+    if fields:
+        with pytest.raises((AttributeError, TypeError)):
+            setattr(message, fields[0], None)
+
+
+def test_wrong_type_is_malformed_and_names_both() -> None:
+    with pytest.raises(MalformedMessageError, match="expected PullBegin or LatestQuery, got Ack"):
+        decode_as(encode(rp.Ack()), (rp.PullBegin, rp.LatestQuery))
+
+
+def test_unknown_tag_and_unknown_field_are_malformed() -> None:
+    with pytest.raises(MalformedMessageError):
+        decode(msgspec.msgpack.encode({"type": "DropTables"}))
+    with pytest.raises(MalformedMessageError):
+        decode(msgspec.msgpack.encode({"type": "Ack", "extra": 1}))
+    with pytest.raises(MalformedMessageError, match="nbytes"):
+        decode(
+            msgspec.msgpack.encode(
+                {
+                    "type": "TensorHeader",
+                    "name": "a",
+                    "dtype": "float32",
+                    "shape": [2],
+                    "nbytes": 7,
+                    "checksum": 0,
+                }
+            )
+        )
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.binary(max_size=256))
+def test_random_bytes_never_crash(data: bytes) -> None:
+    try:
+        decode(data)
+    except MalformedMessageError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=st.sampled_from(EXAMPLES), cut=st.integers(min_value=1), flip=st.integers(0, 255))
+def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: int) -> None:
+    data = bytearray(encode(message))
+    truncated = bytes(data[: len(data) - 1 - cut % len(data)])
+    with pytest.raises(MalformedMessageError):
+        decode(truncated)
+    data[cut % len(data)] ^= flip
+    try:
+        decode(bytes(data))  # may still be valid, e.g. a changed number
+    except MalformedMessageError:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: rp.SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: rp.SamplingParams(max_tokens=1, temperature=-1.0), "temperature"),
+        (lambda: rp.SamplingParams(max_tokens=1, top_p=0.0), "top_p"),
+        (lambda: rp.SamplingParams(max_tokens=1, top_k=-2), "top_k"),
+        (
+            lambda: rp.GenerateRequest(request_id="r", prompt_token_ids=(), sampling=SAMPLING),
+            "prompt_token_ids",
+        ),
+        (lambda: rp.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, n=0), "n"),
+        (lambda: rp.TensorHeader(name="a//b", dtype="float32", shape=(), nbytes=4, checksum=0), "name"),
+        (lambda: rp.TensorHeader(name="a", dtype="complex64", shape=(), nbytes=8, checksum=0), "dtype"),
+        (lambda: rp.TensorHeader(name="a", dtype="float32", shape=(-1,), nbytes=0, checksum=0), "shape"),
+        (lambda: rp.TensorManifest(protocol_version=1, chunk_bytes=0, tensors=()), "chunk_bytes"),
+        (lambda: rp.TensorManifest(protocol_version=1, chunk_bytes=1, tensors=(HEADER, HEADER)), "tensors"),
+        (
+            lambda: rp.Rollout(
+                prompt_id="p",
+                group_index=0,
+                prompt_token_ids=(1,),
+                completion_token_ids=(1, 2),
+                worker_logprobs=(0.0,),
+                policy_version=0,
+            ),
+            "worker_logprobs",
+        ),
+    ],
+)
+def test_validation_names_field(build, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"\.{field}="):
+        build()

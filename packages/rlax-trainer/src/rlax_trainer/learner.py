@@ -1,0 +1,364 @@
+"""The learner: one jitted update from a padded rollout batch.
+
+Inside one `jax.jit`: (1) the trainer's own forward pass recomputes pi_old logprobs
+(and values, and reference logprobs) over micro-batches; the workers' logprobs are used
+only for mismatch metrics and TIS; (2) advantages and aggregation weights are formed on
+the whole batch; (3) for each minibatch, gradients are accumulated over micro-batches
+and one optax step is applied to the float32 master weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+import rlax_model
+from rlax_trainer.buffer import RolloutBatch
+from rlax_trainer.config import LearnerConfig, make_optimizer
+from rlax_trainer.config import learning_rate_schedule as _lr_schedule
+from rlax_trainer.objective import objective_loss, prepare_batch
+from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
+
+__all__ = ["Learner", "TrainState", "batch_arrays"]
+
+sg = jax.lax.stop_gradient
+_SUMMED = ("loss", "pg_loss", "value_loss", "nll")
+
+
+class TrainState(NamedTuple):
+    """params: {"policy": model params, optionally "value": {"w": [H], "b": []}}, float32 masters."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar: completed updates (= published weight version)
+    rng: jax.Array  # uint32 [2] raw PRNG key data, splits once per update
+
+
+def batch_arrays(batch: RolloutBatch) -> dict[str, np.ndarray]:
+    """The arrays of a RolloutBatch that the jitted update reads."""
+    return {
+        "tokens": batch.tokens.astype(np.int32),
+        "valid": batch.valid.astype(bool),
+        "mask": batch.mask.astype(np.float32),
+        "worker_logprobs": batch.worker_logprobs.astype(np.float32),
+        "rewards": batch.rewards.astype(np.float32),
+    }
+
+
+def _masked_quantiles(x: jax.Array, mask: jax.Array, qs: tuple[float, ...]) -> jax.Array:
+    return jnp.nanquantile(jnp.where(mask > 0, x, jnp.nan), jnp.array(qs))
+
+
+def _stats(prefix: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    n = jnp.maximum(mask.sum(), 1.0)
+    mean = (x * mask).sum() / n
+    big = jnp.float32(3e38)
+    return {
+        f"{prefix}_mean": mean,
+        f"{prefix}_std": jnp.sqrt((((x - mean) * mask) ** 2).sum() / n),
+        f"{prefix}_max": jnp.where(mask > 0, x, -big).max(),
+        f"{prefix}_min": jnp.where(mask > 0, x, big).min(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Hashable static description of the update: equal specs share one compiled program."""
+
+    model: rlax_model.ModelConfig
+    config: LearnerConfig
+
+
+# ------------------------------------------------------------------ model passes
+def _dtype(cfg: LearnerConfig) -> jnp.dtype:
+    return jnp.bfloat16 if cfg.param_dtype == "bfloat16" else jnp.float32
+
+
+def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array, *, remat: bool = True):
+    """-> logprobs [b, S-1] f32, entropy [b, S-1] f32, values [b, S-1] f32 or None."""
+    cfg, mc = spec.config, spec.model
+    policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
+    ctx = rlax_model.DenseContext(valid=valid)
+    remat_mode = None if (cfg.remat == "none" or not remat) else cfg.remat
+    if "value" not in params:
+        lp, ent = rlax_model.logprobs(
+            policy,
+            tokens,
+            config=mc,
+            attention_context=ctx,
+            temperature=cfg.temperature,
+            return_entropy=True,
+            remat=remat_mode,
+            chunk_size=cfg.logprob_chunk_size,
+        )
+        return lp, ent, None
+    positions = rlax_model.positions_from_valid(valid)
+    hidden, _ = rlax_model.hidden_states(
+        policy, tokens, positions, config=mc, attention_context=ctx, remat=remat_mode
+    )
+    hidden = hidden[:, :-1]
+    logits = rlax_model.project_logits(hidden, policy, mc)
+    lp, ent = rlax_model.token_logprobs_from_logits(logits, tokens[:, 1:], temperature=cfg.temperature)
+    values = hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"]
+    return lp, ent, values
+
+
+def _reference_logprobs(spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    ctx = rlax_model.DenseContext(valid=valid)
+    return rlax_model.logprobs(
+        ref,
+        tokens,
+        config=spec.model,
+        attention_context=ctx,
+        temperature=spec.config.temperature,
+        chunk_size=spec.config.logprob_chunk_size,
+    )
+
+
+# ------------------------------------------------------------------ the update
+def _micro_view(x: jax.Array, n_micro: int) -> jax.Array:
+    # Strided micro-batches (row r goes to micro-batch r % n_micro) keep each device's rows
+    # on that device when the row axis is sharded; per-row weights make the split exact.
+    return x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
+    lp, ent, values = _policy_outputs(spec, params, mb["tokens"], mb["valid"])
+    if spec.config.mode == "sft":
+        nll = -(mb["weights"] * lp).sum()
+        return nll * scale, {
+            "nll": nll,
+            "entropy": (ent * mb["mask"]).sum() / jnp.maximum(mb["mask"].sum(), 1.0),
+        }
+    loss, metrics = objective_loss(
+        spec.config.objective,
+        logprobs=lp,
+        old_logprobs=mb["old_logprobs"],
+        advantages=mb["advantages"],
+        weights=mb["weights"],
+        mask=mb["mask"],
+        ref_logprobs=mb.get("ref_logprobs"),
+        infer_logprobs=mb["worker_logprobs"],
+        entropy=ent,
+        values=values,
+        old_values=mb.get("old_values"),
+        returns=mb.get("returns"),
+    )
+    return loss * scale, metrics
+
+
+def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
+    params, opt_state = carry
+    cfg = spec.config
+    n_micro = mb["tokens"].shape[0] // cfg.micro
+    micro = jax.tree.map(lambda x: _micro_view(x, n_micro), mb)
+    grad_fn = jax.grad(functools.partial(_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
+
+    def body(acc, xs):
+        grads, metrics = grad_fn(params, xs)
+        tokens = xs["mask"].sum()
+        return jax.tree.map(jnp.add, acc, grads), (metrics, tokens)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (metrics, tokens) = jax.lax.scan(body, zeros, micro)
+    merged = {}
+    for k, v in metrics.items():
+        if k in _SUMMED:
+            merged[k] = v.sum()
+        elif k.endswith("_max"):
+            merged[k] = v.max()
+        elif k.endswith("_min"):
+            merged[k] = v.min()
+        else:
+            merged[k] = (v * tokens).sum() / jnp.maximum(tokens.sum(), 1.0)
+    merged["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), merged
+
+
+def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array]):
+    cfg = spec.config
+    b = batch["tokens"].shape[0]
+    mask = batch["mask"]
+    n_micro_all = b // cfg.micro
+
+    # (1) pi_old (and values, reference) by the trainer's own forward pass, no gradient.
+    def old_body(_, xs):
+        lp, ent, values = _policy_outputs(spec, sg(state.params), xs["tokens"], xs["valid"], remat=False)
+        out = {"old_logprobs": lp, "old_entropy": ent}
+        if values is not None:
+            out["old_values"] = values
+        if ref is not None:
+            out["ref_logprobs"] = _reference_logprobs(spec, ref, xs["tokens"], xs["valid"])
+        return None, out
+
+    view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid")}
+    _, old = jax.lax.scan(old_body, None, view)
+    old = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), old)
+
+    rows = {k: batch[k] for k in ("tokens", "valid", "mask", "worker_logprobs")}
+    rows.update({k: v for k, v in old.items() if k != "old_entropy"})
+    metrics: dict[str, jax.Array] = {}
+    if cfg.mode == "rl":
+        prep = prepare_batch(cfg.objective, batch["rewards"], mask, cfg.group_size, old.get("old_values"))
+        rows["advantages"], rows["weights"] = prep.advantages, prep.weights
+        if prep.returns is not None:
+            rows["returns"] = prep.returns
+        seq_adv = (prep.advantages * mask).sum(1) / jnp.maximum(mask.sum(1), 1.0)
+        metrics.update(_stats("advantage", seq_adv, jnp.ones_like(seq_adv)))
+        metrics.update(_stats("reward", batch["rewards"], jnp.ones_like(batch["rewards"])))
+    else:
+        rows["weights"] = mask / jnp.maximum(mask.sum(), 1.0)
+    delta = jnp.abs(old["old_logprobs"] - batch["worker_logprobs"])
+    q = _masked_quantiles(delta, mask, (0.5, 0.95))
+    metrics["logprob_delta_p50"], metrics["logprob_delta_p95"] = q[0], q[1]
+    metrics["logprob_delta_max"] = jnp.where(mask > 0, delta, 0.0).max()
+    lengths = mask.sum(1)
+    metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
+
+    # (2) minibatches over whole groups, shuffled by group with the state's key.
+    rng, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
+    groups = b // cfg.group_size
+    order = jax.random.permutation(sub, groups) if cfg.minibatches > 1 else jnp.arange(groups)
+    row_order = (order[:, None] * cfg.group_size + jnp.arange(cfg.group_size)[None, :]).reshape(-1)
+    mbs = jax.tree.map(
+        lambda x: x[row_order].reshape(cfg.minibatches, b // cfg.minibatches, *x.shape[1:]), rows
+    )
+    (params, opt_state), mb_metrics = jax.lax.scan(
+        functools.partial(_minibatch_step, spec), (state.params, state.opt_state), mbs
+    )
+    for k, v in mb_metrics.items():
+        metrics[k] = v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()
+    metrics["learning_rate"] = jnp.asarray(
+        _lr_schedule(cfg.optimizer)(state.step * cfg.minibatches), jnp.float32
+    )
+    new_state = TrainState(params, opt_state, state.step + 1, jax.random.key_data(rng))
+    return new_state, metrics
+
+
+_update_jit = jax.jit(_update, static_argnums=(0,), donate_argnums=(1,))
+
+
+class Learner:
+    """Holds the train state and the compiled update for one model and one LearnerConfig.
+
+    model_config: `rlax_model.ModelConfig`; params: its parameter tree (any float dtype:
+    copied to float32 masters). `reference_params` (frozen, for the KL term) defaults to
+    a copy of `params` when the objective has a KL coefficient. `mesh`: shard params,
+    optimizer state and batches over it (None: one device).
+    """
+
+    def __init__(
+        self,
+        model_config: rlax_model.ModelConfig,
+        config: LearnerConfig,
+        params: Any,
+        *,
+        reference_params: Any | None = None,
+        mesh: Mesh | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.mesh = mesh
+        self.optimizer = make_optimizer(config.optimizer)
+        self.lr_schedule = _lr_schedule(config.optimizer)
+        obj = config.objective if config.mode == "rl" else None
+        self.uses_value = obj is not None and obj.value is not None
+        self.uses_reference = obj is not None and obj.kl.coef > 0
+        # Copies: the update donates its state, which must never alias the caller's arrays.
+        master = {"policy": jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)}
+        if self.uses_value:
+            master["value"] = {
+                "w": jnp.zeros((model_config.hidden_size,), jnp.float32),
+                "b": jnp.zeros((), jnp.float32),
+            }
+        ref = None
+        if self.uses_reference:
+            src = params if reference_params is None else reference_params
+            ref = jax.tree.map(lambda x: jnp.array(x, _dtype(config), copy=True), src)
+        rng = jax.random.key_data(jax.random.key(seed))
+        if mesh is None:
+            self._param_sh = self._ref_sh = self._opt_sh = self._state_sh = None
+            opt_state = jax.jit(self.optimizer.init)(master)
+            self.state = TrainState(master, opt_state, jnp.zeros((), jnp.int32), rng)
+            self.reference_params = ref
+        else:
+            rep = replicated(mesh)
+            self._param_sh = param_sharding(master, mesh)
+            abstract_opt = jax.eval_shape(self.optimizer.init, master)
+            self._opt_sh = optax.tree_map_params(
+                self.optimizer,
+                lambda _, s: s,
+                abstract_opt,
+                self._param_sh,
+                transform_non_params=lambda _: rep,
+            )
+            master = put_global(master, self._param_sh)
+            opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_sh)(master)
+            self._state_sh = TrainState(self._param_sh, self._opt_sh, rep, rep)
+            self.state = TrainState(
+                master, opt_state, put_global(np.zeros((), np.int32), rep), put_global(np.asarray(rng), rep)
+            )
+            self._ref_sh = None if ref is None else param_sharding(ref, mesh)
+            self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
+        self._update_fn = self._compile_update()
+
+    def _compile_update(self):
+        spec = _Spec(self.model_config, self.config)
+        if self.mesh is None:
+            return functools.partial(_update_jit, spec)
+        rep = replicated(self.mesh)
+        return jax.jit(
+            functools.partial(_update, spec),
+            in_shardings=(self._state_sh, self._ref_sh, batch_sharding(self.mesh)),
+            out_shardings=(self._state_sh, rep),
+            donate_argnums=(0,),
+        )
+
+    # ------------------------------------------------------------------ public
+    def update(self, batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, float]:
+        """One update from a batch of exactly `global_batch` rollouts; returns host metrics."""
+        arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
+        b = arrays["tokens"].shape[0]
+        if b != self.config.global_batch:
+            raise ValueError(f"batch has {b} rollouts, expected global_batch={self.config.global_batch}")
+        s = arrays["tokens"].shape[1]
+        for name, want in (
+            ("valid", (b, s)),
+            ("mask", (b, s - 1)),
+            ("worker_logprobs", (b, s - 1)),
+            ("rewards", (b,)),
+        ):
+            if arrays[name].shape != want:
+                raise ValueError(f"batch field {name} has shape {arrays[name].shape}, expected {want}")
+        if self.mesh is not None:
+            arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
+        self.state, metrics = self._update_fn(self.state, self.reference_params, arrays)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    def policy_params(self) -> Any:
+        """The float32 master weights of the policy (global arrays)."""
+        return self.state.params["policy"]
+
+    def host_params(self) -> Any:
+        """All trainable params as numpy on this process (gathered across processes)."""
+        return to_host(self.state.params)
+
+    def load_state(self, state: TrainState) -> None:
+        """Replace the train state (e.g. restored from a checkpoint); re-shards it onto the mesh."""
+        if self.mesh is not None:
+            state = put_global(state, self._state_sh)
+        self.state = state

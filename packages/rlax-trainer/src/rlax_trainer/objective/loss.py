@@ -1,0 +1,133 @@
+"""The RL objective: `loss = sum sg[Agg * IS] * (sg[Adv] * GradTerm1 + GradTerm2)`.
+
+`GradTerm1 = -exp(logp - sg[logp])` has value -1 and gradient `-grad logp`, so the
+policy term's value is the usual surrogate `-sum Agg * IS * Adv` while its gradient is
+the policy gradient. `GradTerm2` holds the regularisers: `kl.coef * k(logp, ref)` and
+`-entropy_coef * H`. PPO's value loss is added outside the IS weighting (a regression
+on sampled returns, not an off-policy estimate).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rlax_trainer.objective.aggregation import aggregation_weights
+from rlax_trainer.objective.config import ObjectiveConfig, shape_rewards
+from rlax_trainer.objective.importance import importance_weights
+from rlax_trainer.objective.regularizers import kl_estimate
+
+__all__ = ["PreparedBatch", "objective_loss", "prepare_batch"]
+
+sg = jax.lax.stop_gradient
+
+
+class PreparedBatch(NamedTuple):
+    """Per-token constants of one global batch, computed before it is split into micro-batches."""
+
+    advantages: jax.Array  # [B, T] f32, zero off-mask
+    weights: jax.Array  # [B, T] f32 aggregation weights, zero off-mask
+    returns: jax.Array | None  # [B, T] f32 (value-head targets) or None
+    rewards: jax.Array  # [B] f32 after reward shaping
+
+
+def prepare_batch(
+    cfg: ObjectiveConfig,
+    rewards: jax.Array,
+    mask: jax.Array,
+    group_size: int,
+    old_values: jax.Array | None = None,
+) -> PreparedBatch:
+    """rewards: [B] f32, mask: [B, T], old_values: [B, T] (critic presets) -> PreparedBatch."""
+    mask = jnp.asarray(mask, jnp.float32)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(
+            f"rewards has shape {rewards.shape}, expected ({mask.shape[0]},) to match mask {mask.shape}"
+        )
+    shaped = shape_rewards(cfg, rewards, mask.sum(axis=1))
+    values = None if old_values is None else sg(jnp.asarray(old_values, jnp.float32))
+    adv, returns = cfg.advantage.compute(shaped, mask, group_size, values)
+    weights = aggregation_weights(cfg.aggregation, mask, group_size, cfg.max_length)
+    return PreparedBatch(sg(adv), weights, None if returns is None else sg(returns), shaped)
+
+
+def objective_loss(
+    cfg: ObjectiveConfig,
+    *,
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    weights: jax.Array,
+    mask: jax.Array,
+    ref_logprobs: jax.Array | None = None,
+    infer_logprobs: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    values: jax.Array | None = None,
+    old_values: jax.Array | None = None,
+    returns: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Every array [B, T]; `logprobs`, `entropy` and `values` carry gradients, the rest are
+    constants. Computed in float32 whatever the input dtype.
+
+    Returns (scalar loss, metrics); metrics are token means over `mask` except `*_max`/`*_min`.
+    """
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
+    logprobs, old_logprobs, advantages, weights, mask = map(
+        f32, (logprobs, old_logprobs, advantages, weights, mask)
+    )
+    ref_logprobs, infer_logprobs, entropy = map(f32, (ref_logprobs, infer_logprobs, entropy))
+    values, old_values, returns = map(f32, (values, old_values, returns))
+    shapes = {
+        "logprobs": logprobs,
+        "old_logprobs": old_logprobs,
+        "advantages": advantages,
+        "weights": weights,
+    }
+    for name, arr in {
+        **shapes,
+        "ref_logprobs": ref_logprobs,
+        "infer_logprobs": infer_logprobs,
+        "entropy": entropy,
+        "values": values,
+        "old_values": old_values,
+        "returns": returns,
+    }.items():
+        if arr is not None and arr.shape != mask.shape:
+            raise ValueError(f"{name} has shape {arr.shape}, expected mask's shape {mask.shape}")
+
+    is_w, stats = importance_weights(cfg.importance, logprobs, old_logprobs, advantages, mask, infer_logprobs)
+    coef = sg(weights * is_w)
+    grad_term1 = -jnp.exp(logprobs - sg(logprobs))
+    term2 = jnp.zeros_like(logprobs)
+    n = jnp.maximum(mask.sum(), 1.0)
+    metrics = dict(stats)
+    if cfg.kl.coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"kl.coef={cfg.kl.coef} needs ref_logprobs from the reference policy")
+        term2 = term2 + cfg.kl.coef * kl_estimate(cfg.kl.estimator, logprobs, ref_logprobs)
+    if ref_logprobs is not None:
+        metrics["kl"] = (sg(kl_estimate("k3", logprobs, ref_logprobs)) * mask).sum() / n
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(f"entropy_coef={cfg.entropy_coef} needs the per-token entropy")
+        term2 = term2 - cfg.entropy_coef * entropy
+    if entropy is not None:
+        metrics["entropy"] = (sg(entropy) * mask).sum() / n
+    pg_loss = (coef * sg(advantages) * grad_term1).sum()
+    loss = pg_loss + (coef * term2).sum()
+    metrics["pg_loss"] = pg_loss
+    if cfg.value is not None:
+        if values is None or old_values is None or returns is None:
+            raise ValueError("the value loss needs values, old_values and returns")
+        err = (values - returns) ** 2
+        if cfg.value.clip is not None:
+            clipped = old_values + jnp.clip(values - old_values, -cfg.value.clip, cfg.value.clip)
+            err = jnp.maximum(err, (clipped - returns) ** 2)
+        value_loss = (weights * 0.5 * err).sum()
+        loss = loss + cfg.value.coef * value_loss
+        metrics["value_loss"] = value_loss
+    metrics["loss"] = loss
+    return loss, metrics

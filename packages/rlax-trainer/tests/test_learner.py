@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+import pytest
+import rlax_model
+
+from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, learner_config_from_dict, preset
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def rl_config(**kw) -> LearnerConfig:
+    base = dict(objective=preset("grpo", importance={"tis_cap": None}), group_size=4, global_batch=8,
+                optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0))
+    base.update(kw)
+    return LearnerConfig(**base)
+
+
+def test_micro_batching_and_aligned_remat_give_the_same_update(model_config, model_params, make_batch):
+    batch = make_batch(0)
+    whole = Learner(model_config, rl_config(), model_params)
+    m_whole = whole.update(batch)
+    split = Learner(model_config, rl_config(micro_batch=2, remat="nothing_saveable"), model_params)
+    m_split = split.update(batch)
+    np.testing.assert_allclose(flat(split.host_params()), flat(whole.host_params()), atol=1e-5, rtol=0)
+    assert abs(m_split["loss"] - m_whole["loss"]) < 1e-5
+    assert abs(m_split["grad_norm"] - m_whole["grad_norm"]) < 1e-4
+    assert np.abs(flat(whole.host_params()) - flat({"policy": model_params})).max() > 1e-4
+
+
+def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_params, make_batch):
+    batch = make_batch(1)
+    a = Learner(model_config, rl_config(), model_params)
+    m_a = a.update(batch)
+    shifted = dict(batch, worker_logprobs=batch["worker_logprobs"] - 0.7 * batch["mask"])
+    b = Learner(model_config, rl_config(), model_params)
+    m_b = b.update(shifted)
+    # Worker logprobs never act as pi_old: without TIS the update ignores them entirely.
+    np.testing.assert_array_equal(flat(a.host_params()), flat(b.host_params()))
+    # The mismatch metrics compare the trainer's own forward pass with the worker's numbers.
+    own = rlax_model.logprobs(model_params, jnp.asarray(batch["tokens"]), config=model_config,
+                              attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])))
+    delta = np.abs(np.asarray(own) - batch["worker_logprobs"])[batch["mask"] > 0]
+    assert m_a["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
+    assert m_a["logprob_delta_p50"] == pytest.approx(np.quantile(delta, 0.5), abs=1e-4)
+    assert m_a["logprob_delta_p95"] == pytest.approx(np.quantile(delta, 0.95), abs=1e-4)
+    assert m_b["logprob_delta_p50"] != pytest.approx(m_a["logprob_delta_p50"], abs=1e-3)
+    # On-policy single update: the trainer's pi_theta equals its pi_old.
+    assert m_a["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m_a["clip_fraction"] == 0.0
+    lengths = batch["mask"].sum(1)
+    assert m_a["response_length_mean"] == pytest.approx(lengths.mean())
+    assert m_a["reward_mean"] == pytest.approx(batch["rewards"].mean())
+    for key in ("entropy", "kl", "grad_norm", "advantage_std", "is_ratio_max", "learning_rate"):
+        assert np.isfinite(m_a[key]), key
+
+
+def test_minibatches_clip_and_tis(model_config, model_params, make_batch):
+    batch = make_batch(2)
+    cfg = rl_config(objective=preset("grpo", importance={"tis_cap": 1.5}), minibatches=2,
+                    optimizer=OptimizerConfig(lr=0.05, max_grad_norm=None))
+    learner = Learner(model_config, cfg, model_params)
+    before = flat(learner.host_params())
+    m = learner.update(batch)
+    # The second minibatch sees a policy that moved: ratios leave 1 and some tokens get clipped.
+    assert m["is_ratio_max"] > 1.0 + 1e-3 and m["clip_fraction"] > 0.0
+    assert learner.step == 1 and not np.array_equal(before, flat(learner.host_params()))
+
+
+def test_ppo_value_head_trains(model_config, model_params, make_batch):
+    cfg = rl_config(objective=preset("ppo"), micro_batch=4, optimizer=OptimizerConfig(lr=1e-2))
+    learner = Learner(model_config, cfg, model_params)
+    batch = make_batch(3)
+    losses = [learner.update(batch)["value_loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert float(jnp.abs(learner.state.params["value"]["w"]).sum()) > 0
+
+
+def test_sft_bf16_params_fp32_master(model_config, model_params, make_batch):
+    cfg = LearnerConfig(mode="sft", global_batch=8, micro_batch=4, param_dtype="bfloat16",
+                        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=10))
+    learner = Learner(model_config, cfg, model_params)
+    batch = make_batch(4)
+    metrics = [learner.update(batch) for _ in range(4)]
+    assert metrics[-1]["nll"] < metrics[0]["nll"] - 0.1
+    assert [round(m["learning_rate"], 6) for m in metrics[:3]] == [round(1e-2 / 3, 6), round(2e-2 / 3, 6), 1e-2]
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(learner.state.params))
+
+
+def test_config_errors_name_the_field(model_config, model_params, make_batch):
+    with pytest.raises(ValueError, match="micro_batch=3 must divide the 8 rollouts"):
+        rl_config(micro_batch=3)
+    with pytest.raises(ValueError, match="global_batch=6 must be a positive multiple of group_size=4"):
+        rl_config(global_batch=6)
+    with pytest.raises(ValueError, match="lr must be > 0, got -1"):
+        OptimizerConfig(lr=-1)
+    with pytest.raises(msgspec.ValidationError, match=r"eps_high must be >= 0, got -0.5 - at `\$.objective.importance`"):
+        learner_config_from_dict({"objective": {"base": "dapo", "importance": {"eps_high": -0.5}}, "group_size": 2, "global_batch": 4})
+    with pytest.raises(ValueError, match="unknown objective preset 'grpoo'"):
+        learner_config_from_dict({"objective": {"base": "grpoo"}})
+    cfg = learner_config_from_dict({"objective": {"base": "cispo"}, "group_size": 2, "global_batch": 4,
+                                    "optimizer": {"lr": 3e-6, "schedule": "cosine"}})
+    assert cfg.objective == preset("cispo") and cfg.optimizer.lr == 3e-6
+    learner = Learner(model_config, rl_config(), model_params)
+    bad = make_batch(0)
+    bad["mask"] = bad["mask"][:, :-1]
+    with pytest.raises(ValueError, match=r"batch field mask has shape \(8, 10\), expected \(8, 11\)"):
+        learner.update(bad)
+    with pytest.raises(ValueError, match="batch has 4 rollouts, expected global_batch=8"):
+        learner.update({k: v[:4] for k, v in make_batch(0).items()})
