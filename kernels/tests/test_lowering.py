@@ -28,7 +28,9 @@ CASES = [
 def _lowered(backend: str, platform: str, case) -> str:
     batch, chunk, group, kv_heads, head_dim, page_size, dtype = case
     max_pages, total_pages = 7, 40
-    ppb, rows = _knobs("test", backend, chunk * group, page_size, head_dim, max_pages, 2, None)
+    ppb, rows = _knobs(
+        "test", backend, chunk * group, page_size, head_dim, max_pages, 2, None, jnp.dtype(dtype).itemsize
+    )
     shapes = (
         jax.ShapeDtypeStruct((batch, chunk, group * kv_heads, head_dim), dtype),
         jax.ShapeDtypeStruct((kv_heads, total_pages, page_size, head_dim), dtype),

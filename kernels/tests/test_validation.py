@@ -101,8 +101,26 @@ def test_kernel_layout_limits_raise() -> None:
     args["k_pages"] = args["v_pages"] = jnp.zeros((2, 6, 12, 24), jnp.float32)
     with pytest.raises(ValueError, match="head_dim a power of two"):
         paged_attention(**args, backend="pallas_gpu", interpret=True)
-    with pytest.raises(ValueError, match="page_size a multiple of 8, got 12"):
+    with pytest.raises(ValueError, match="page_size a multiple of 8 for 4-byte data, got 12"):
         paged_attention(**args, backend="pallas_tpu", interpret=True)
+    half = {
+        k: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a
+        for k, a in _decode_args(page_size=8).items()
+    }
+    with pytest.raises(ValueError, match="page_size a multiple of 16 for 2-byte data, got 8"):
+        paged_attention(**half, backend="pallas_tpu", interpret=True)
+    with pytest.raises(ValueError, match="block_rows a multiple of 16, got 8"):
+        paged_attention(
+            **_decode_args(page_size=16)
+            | {
+                k: a.astype(jnp.bfloat16)
+                for k, a in _decode_args(page_size=16).items()
+                if k in ("q", "k_pages", "v_pages")
+            },
+            backend="pallas_tpu",
+            interpret=True,
+            block_rows=8,
+        )
 
 
 def test_prefill_validation() -> None:

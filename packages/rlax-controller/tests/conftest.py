@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import zmq
-from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
-from rlax_protocol.transport import parse_request, reply_parts, welcome_for
 
 from rlax_controller.scheduling import PromptItem
+from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
+from rlax_protocol.transport import parse_request, reply_parts, welcome_for
 
 
 def free_port() -> int:
@@ -80,10 +80,14 @@ class FakeWorker:
                 elif isinstance(msg, GenerateRequest):
                     seed = msg.sampling.seed or 0
                     samples = tuple(
-                        Sample(token_ids=((seed + i) % 7 + 3, 4), logprobs=(-0.5, -0.25), finish_reason="stop")
+                        Sample(
+                            token_ids=((seed + i) % 7 + 3, 4), logprobs=(-0.5, -0.25), finish_reason="stop"
+                        )
                         for i in range(msg.n)
                     )
-                    reply = GenerateResult(request_id=msg.request_id, samples=samples, weight_version=self.version)
+                    reply = GenerateResult(
+                        request_id=msg.request_id, samples=samples, weight_version=self.version
+                    )
                     self.served += 1
                 else:
                     reply = ErrorReply(code="unknown_message", message=type(msg).__name__)

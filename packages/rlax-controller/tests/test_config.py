@@ -22,7 +22,9 @@ def test_defaults_are_valid() -> None:
 
 def test_yaml_and_dotted_overrides(tmp_path: pathlib.Path) -> None:
     path = write(tmp_path, {"run": {"name": "x", "steps": 3}, "trainer": {"preset": "dapo"}})
-    config = load_config(path, ["trainer.lr=1e-6", "chaos.interval=5", "workers.count=3", "data.dynamic_filter=true"])
+    config = load_config(
+        path, ["trainer.lr=1e-6", "chaos.interval=5", "workers.count=3", "data.dynamic_filter=true"]
+    )
     assert config.run.steps == 3 and config.trainer.preset == "dapo"
     assert config.trainer.lr == pytest.approx(1e-6)
     assert config.chaos.interval == 5.0

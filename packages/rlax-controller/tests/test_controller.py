@@ -7,11 +7,19 @@ import threading
 from typing import Any
 
 import pytest
+from rlax_protocol.errors import ProtocolTimeoutError
 
 from rlax_controller.config import load_config
 from rlax_controller.controller import Controller, pass_at_k
 from rlax_controller.links import ControlClient
-from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, TrainBatch, decode_control, encode_control
+from rlax_controller.messages import (
+    BatchRequest,
+    NoBatchYet,
+    RunComplete,
+    TrainBatch,
+    decode_control,
+    encode_control,
+)
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.scheduling import PromptItem
 
@@ -63,14 +71,19 @@ class ControllerThread:
             raise self.error
 
 
-def train(address: str, workers: list[Any], start_step: int = 0, stop_at: int | None = None) -> dict[int, list[str]]:
+def train(
+    address: str, workers: list[Any], start_step: int = 0, stop_at: int | None = None
+) -> dict[int, list[str]]:
     """A trainer stand-in: asks for batches, 'trains', advances the workers' weights."""
     client = ControlClient(address, encode=encode_control, decode=decode_control, timeout_s=5.0)
     step = start_step
     trained: dict[int, list[str]] = {}
     try:
         while stop_at is None or step < stop_at:
-            reply = client.call(BatchRequest(trainer_step=step, metrics={"loss": 0.5}))
+            try:
+                reply = client.call(BatchRequest(trainer_step=step, metrics={"loss": 0.5}))
+            except ProtocolTimeoutError:
+                continue  # a busy controller (it draws the summary plot at the end): ask again
             if isinstance(reply, RunComplete):
                 assert reply.final_step == step
                 break
@@ -94,7 +107,9 @@ def test_pass_at_k_closed_forms() -> None:
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
 
 
-def test_full_run_with_eval_snapshots_and_metrics(tmp_path: pathlib.Path, toy: Any, fake_workers: Any) -> None:
+def test_full_run_with_eval_snapshots_and_metrics(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
     workers = fake_workers(2)
     config = make_config(tmp_path, toy.port())
     ct = ControllerThread(config, toy, workers)
@@ -130,13 +145,21 @@ def test_dead_worker_prompts_go_to_another(tmp_path: pathlib.Path, toy: Any, fak
     records = read_metrics(config.output_dir / "metrics.jsonl")
     dead = [r for r in records if r["kind"] == "worker" and r.get("event") == "dead"]
     assert dead and dead[0]["worker"] == "worker0" and "silent" in dead[0]["why"]
-    assert ct.controller.scheduler.counters["groups_reassigned"] + ct.controller.scheduler.counters.get("requests_timed_out", 0) >= 0
+    assert (
+        ct.controller.scheduler.counters["groups_reassigned"]
+        + ct.controller.scheduler.counters.get("requests_timed_out", 0)
+        >= 0
+    )
 
 
-def test_hung_worker_requests_time_out_and_go_elsewhere(tmp_path: pathlib.Path, toy: Any, fake_workers: Any) -> None:
+def test_hung_worker_requests_time_out_and_go_elsewhere(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
     workers = fake_workers(2)
     workers[0].swallow = True
-    config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0, "controller.request_timeout_s": 0.5, "run.steps": 3})
+    config = make_config(
+        tmp_path, toy.port(), **{"eval.num_prompts": 0, "controller.request_timeout_s": 0.5, "run.steps": 3}
+    )
     ct = ControllerThread(config, toy, workers)
     trained = train(config.controller.address, workers)
     ct.join()
@@ -145,7 +168,9 @@ def test_hung_worker_requests_time_out_and_go_elsewhere(tmp_path: pathlib.Path, 
     assert workers[0].served == 0 and workers[1].served >= 9
 
 
-def test_controller_restart_resumes_same_prompt_sequence(tmp_path: pathlib.Path, toy: Any, fake_workers: Any) -> None:
+def test_controller_restart_resumes_same_prompt_sequence(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
     workers = fake_workers(2)
     config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0})
     first = ControllerThread(config, toy, workers)
@@ -160,7 +185,9 @@ def test_controller_restart_resumes_same_prompt_sequence(tmp_path: pathlib.Path,
     records = latest_per_step(read_metrics(config.output_dir / "metrics.jsonl", kind="train"))
     consumed = [p for r in records for p in r["consumed_prompt_ids"]]
     assert consumed == [f"p{i}" for i in range(18)]
-    restored = [r for r in read_metrics(config.output_dir / "metrics.jsonl", kind="event") if r["event"] == "restored"]
+    restored = [
+        r for r in read_metrics(config.output_dir / "metrics.jsonl", kind="event") if r["event"] == "restored"
+    ]
     assert restored and restored[0]["step"] == 3
 
 

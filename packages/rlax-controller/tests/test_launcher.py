@@ -6,12 +6,12 @@ import sys
 import time
 
 import pytest
-from rlax_protocol.errors import ProtocolTimeoutError
 
 from rlax_controller.config import load_config
 from rlax_controller.launcher import build_specs, resolve_addresses
 from rlax_controller.links import ControlClient
 from rlax_controller.messages import BatchRequest, decode_control, encode_control
+from rlax_protocol.errors import ProtocolTimeoutError
 
 
 def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.Path) -> None:
@@ -33,17 +33,33 @@ def test_unknown_key_in_yaml_is_named(tmp_path: pathlib.Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("trainer:\n  learning_rate: 0.1\n")
     result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "unknown config field `trainer.learning_rate`" in result.stderr
 
 
 def test_resolve_addresses_and_process_specs(tmp_path: pathlib.Path) -> None:
     config = resolve_addresses(load_config(None, ["workers.count=3", "verifier.mode=service"]))
-    addresses = [config.controller.address, config.paramserver.address, config.verifier.address, *config.workers.addresses]
+    addresses = [
+        config.controller.address,
+        config.paramserver.address,
+        config.verifier.address,
+        *config.workers.addresses,
+    ]
     assert len(set(addresses)) == 6 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
     specs = build_specs(config, tmp_path / "config.yaml")
-    assert [s.role for s in specs] == ["paramserver", "verifier", "worker", "worker", "worker", "trainer", "controller"]
+    assert [s.role for s in specs] == [
+        "paramserver",
+        "verifier",
+        "worker",
+        "worker",
+        "worker",
+        "trainer",
+        "controller",
+    ]
     assert [s.name for s in specs if s.completes_run] == ["controller"]
     assert specs[2].argv[-4:] == ["--config", str(tmp_path / "config.yaml"), "--index", "0"]
     fixed = resolve_addresses(load_config(None, ["controller.address=tcp://10.0.0.5:7000"]))

@@ -146,8 +146,11 @@ def run(steps: int, crash_prob: float, seed: int, dynamic_filter: bool) -> tuple
         assigned = sched.assign([f"w{i}" for i in range(rnd.randint(1, 3))])
         rnd.shuffle(assigned)
         for _, g in assigned[: rnd.randint(0, len(assigned))]:
-            sched.complete(g.request_id or "", version - rnd.randint(0, 1) if version else 0,
-                           samples(4, reward_of(g.item.record, 4)))
+            sched.complete(
+                g.request_id or "",
+                version - rnd.randint(0, 1) if version else 0,
+                samples(4, reward_of(g.item.record, 4)),
+            )
         if rnd.random() < 0.2:
             for w in ("w0", "w1", "w2"):
                 if rnd.random() < 0.3:

@@ -52,7 +52,10 @@ def test_crashing_process_restarts_then_run_completes(tmp_path: pathlib.Path) ->
     )
     sleeper = py("import time; time.sleep(60)")
     sup = Supervisor(
-        [ProcessSpec("main", "controller", child, completes_run=True), ProcessSpec("side", "worker", sleeper)],
+        [
+            ProcessSpec("main", "controller", child, completes_run=True),
+            ProcessSpec("side", "worker", sleeper),
+        ],
         tmp_path / "logs",
         FAST,
     )
@@ -60,7 +63,9 @@ def test_crashing_process_restarts_then_run_completes(tmp_path: pathlib.Path) ->
     assert report.success, report.render()
     assert counter.read_text() == "3"
     assert report.restarts["main"] == 2 and report.exit_codes["main"] == [3, 3, 0]
-    side_pid = next(e["pid"] for e in events(tmp_path / "logs") if e["event"] == "start" and e["name"] == "side")
+    side_pid = next(
+        e["pid"] for e in events(tmp_path / "logs") if e["event"] == "start" and e["name"] == "side"
+    )
     assert not alive(side_pid)
     delays = [e["delay_s"] for e in events(tmp_path / "logs") if e["event"] == "restart_scheduled"]
     assert delays == [0.05, 0.1]  # exponential back-off
@@ -106,7 +111,7 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
             from rlax_controller.supervisor import ProcessSpec, Supervisor
             child = [sys.executable, '-c', {child!r}]
             specs = [ProcessSpec(f'p{{i}}', 'worker', child) for i in range(3)]
-            report = Supervisor(specs, {str(tmp_path / 'logs')!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
+            report = Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
             print(report.reason, flush=True)
             sys.exit(0 if 'SIGINT' in report.reason else 1)
             """
@@ -164,7 +169,11 @@ def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) 
 
 def test_chaos_schedule_is_seeded(tmp_path: pathlib.Path) -> None:
     def schedule(seed: int) -> list[float]:
-        sup = Supervisor([ProcessSpec("a", "worker", ["true"])], tmp_path / f"s{seed}", chaos=ChaosConfig(interval=1.0, seed=seed))
+        sup = Supervisor(
+            [ProcessSpec("a", "worker", ["true"])],
+            tmp_path / f"s{seed}",
+            chaos=ChaosConfig(interval=1.0, seed=seed),
+        )
         out = []
         for _ in range(5):
             sup._schedule_kill(0.0)

@@ -13,7 +13,7 @@ def prompts(n, rng, lo=3, hi=40):
 def make_engine(**kw):
     cfg = {
         "block_size": 8,
-        "num_blocks": 256,
+        "num_blocks": 96,
         "max_num_seqs": 32,
         "max_num_batched_tokens": 512,
         "max_model_len": 128,
@@ -34,7 +34,8 @@ def test_greedy_batch_matches_naive_decoding_and_teacher_forced_logprobs():
         assert c.tokens == naive_greedy(PARAMS, p, 12)
         assert c.finish_reason is FinishReason.LENGTH and c.weight_version == 0
         np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
-    assert engine.num_free_blocks == 256
+    assert engine.num_free_blocks == engine.config.num_blocks
+    assert engine.scheduler.num_preemptions == 0
 
 
 def test_new_lengths_reuse_compiled_buckets():
@@ -95,15 +96,16 @@ def test_sampled_logprobs_and_batch_independence():
 
 def test_blocks_running_out_preempts_and_still_matches():
     rng = np.random.default_rng(4)
-    ps = prompts(10, rng, 10, 30)
-    engine = make_engine(num_blocks=14)
-    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=16))
+    ps = prompts(16, rng, 10, 30)
+    engine = make_engine()  # 96 blocks of 8 tokens; 32 samples need up to 32 * 7
+    outs = engine.generate(ps, SamplingParams(n=2, temperature=0.0, max_tokens=24))
     assert engine.scheduler.num_preemptions > 0
     for p, out in zip(ps, outs):
-        c = out.outputs[0]
-        assert c.tokens == naive_greedy(PARAMS, p, 16)
-        np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
-    assert engine.num_free_blocks == 14
+        ref = naive_greedy(PARAMS, p, 24)
+        for c in out.outputs:
+            assert c.tokens == ref
+            np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+    assert engine.num_free_blocks == 96
 
 
 def test_bad_requests_get_errors_and_others_are_served():

@@ -16,7 +16,7 @@ from rlax_paramserver.testing import running_server
 
 ENGINE = EngineConfig(
     block_size=8,
-    num_blocks=256,
+    num_blocks=96,
     max_num_seqs=32,
     max_num_batched_tokens=512,
     max_model_len=128,

@@ -130,8 +130,13 @@ def test_bad_gguf_files_are_named(tmp_path):
         GGUFFile(tmp_path / "absent.gguf")
 
 
-def test_real_smollm2_metadata_and_shapes():
-    file = GGUFFile(find_smollm2_gguf())
+@pytest.fixture(scope="module")
+def smollm2_file():
+    return GGUFFile(find_smollm2_gguf())
+
+
+def test_real_smollm2_metadata_and_shapes(smollm2_file):
+    file = smollm2_file
     config = gguf_config(file)
     assert config == ModelConfig.smollm2_135m(max_position_embeddings=8192)
     assert file.tensor_type("blk.0.attn_q.weight") == "Q4_1"
@@ -144,8 +149,8 @@ def test_real_smollm2_metadata_and_shapes():
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    return Tokenizer.from_gguf(find_smollm2_gguf())
+def smollm2_tokenizer(smollm2_file):
+    return Tokenizer.from_gguf(smollm2_file)
 
 
 # Ids produced by transformers' own GGUF tokenizer conversion (recorded once; the live
@@ -227,15 +232,15 @@ def test_gguf_tokenizer_matches_transformers(smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2_tokenizer):
+def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2_file, smollm2_tokenizer):
     """SmolLM2-135M-Instruct from GGUF continues three chat prompts with the same 16 greedy
     tokens as transformers' own GGUF loader."""
     import torch
     import transformers
     from rlax_model_greedy import greedy_generate
 
-    path = find_smollm2_gguf()
-    config, params = load_gguf(path)
+    path = smollm2_file.path
+    config, params = load_gguf(smollm2_file)
     prompts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = greedy_generate(params, config, prompts, 16)
     del params

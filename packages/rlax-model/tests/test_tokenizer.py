@@ -9,9 +9,9 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from rlax_model import (
+    CharTokenizer,
     ChatTemplate,
     ChatTemplateError,
-    CharTokenizer,
     Tokenizer,
     TokenizerError,
     TokenizerLike,

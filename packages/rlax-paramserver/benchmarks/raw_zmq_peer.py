@@ -1,9 +1,14 @@
-"""Raw ZeroMQ PUSH sender used as the bandwidth reference by bench_paramserver.py.
+"""Raw ZeroMQ PUSH/PULL peer used as the bandwidth reference by bench_paramserver.py.
 
 Run as a subprocess: ``python raw_zmq_peer.py STREAMS IO_THREADS FRAME_BYTES...``. It binds
-one REP control socket and STREAMS PUSH sockets on loopback, prints their ports as one
-line, then on each ``go K`` request streams every frame (copy=False) over the first K
-PUSH sockets at once, and answers ``done`` when all went out. ``quit`` ends it.
+a REP control socket, STREAMS PUSH sockets and one PULL socket on loopback and prints
+their ports as one line. Commands on the control socket:
+
+- ``send K``: stream every frame (copy=False) over the first K PUSH sockets at once
+  (the reference for K concurrent pulls), answer ``done`` when all went out;
+- ``recv``: receive every frame on the PULL socket, keeping them all as a server
+  keeps a pushed version, answer ``done`` (the reference for a push);
+- ``quit``.
 """
 
 from __future__ import annotations
@@ -27,27 +32,31 @@ def main() -> None:
     control_port = control.bind_to_random_port("tcp://127.0.0.1")
     pushers = [context.socket(zmq.PUSH) for _ in range(streams)]
     ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in pushers]
-    print(control_port, *ports, flush=True)
+    puller = context.socket(zmq.PULL)
+    pull_port = puller.bind_to_random_port("tcp://127.0.0.1")
+    print(control_port, pull_port, *ports, flush=True)
 
     def send_all(socket: zmq.Socket) -> None:
         for frame in frames:
             socket.send(frame, copy=False)
 
-    while True:
-        if not control.poll(600_000):
-            break
+    while control.poll(600_000):
         command = control.recv_string()
         if command == "quit":
             control.send_string("bye")
             break
-        k = int(command.split()[1])
-        threads = [threading.Thread(target=send_all, args=(pushers[i],)) for i in range(k)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        if command == "recv":
+            held = [puller.recv(copy=False) for _ in frames]
+            del held
+        else:
+            k = int(command.split()[1])
+            threads = [threading.Thread(target=send_all, args=(pushers[i],)) for i in range(k)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
         control.send_string("done")
-    for socket in (*pushers, control):
+    for socket in (*pushers, puller, control):
         socket.close(linger=0)
     context.term()
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlax_protocol import PushBegin, PushChunks, PushReady, RpcClient, encode_tree
 from rlax_paramserver import ParamClient, VersionNotFoundError
 from rlax_paramserver.persist import state_path
 from rlax_paramserver.testing import running_server, running_server_process
+from rlax_protocol import PushBegin, PushChunks, PushReady, RpcClient, encode_tree
 
 
 def test_restarted_server_serves_the_newest_version(tmp_path, stamp) -> None:
@@ -36,7 +36,9 @@ def test_kill_9_mid_push_then_restart_serves_last_committed(tmp_path, stamp) -> 
         # Half of version 2's frames, then the server dies without warning.
         encoded = encode_tree(make(2, layers=8, hidden=64), chunk_bytes=2048)
         with RpcClient(server.address, timeout_s=10) as rpc:
-            ready = rpc.call(PushBegin(version=2, manifest=encoded.manifest, metadata={"v": 2}), expect=PushReady).message
+            ready = rpc.call(
+                PushBegin(version=2, manifest=encoded.manifest, metadata={"v": 2}), expect=PushReady
+            ).message
             half = len(encoded.frames) // 2
             for index in range(half):
                 rpc.call(PushChunks(ready.push_id, index, 1), [encoded.frames[index]])

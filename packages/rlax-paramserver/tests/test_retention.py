@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from rlax_protocol import PullBegin, PullEnd, PullGranted, RpcClient
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol import PullBegin, PullEnd, PullGranted, RpcClient
 
 
 def tiny(version: int) -> dict:

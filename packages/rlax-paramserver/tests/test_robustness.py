@@ -10,9 +10,9 @@ import pytest
 import zmq
 
 import rlax_protocol as rp
-from rlax_protocol.transport import pack_request_id, unpack_request_id
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol.transport import pack_request_id, unpack_request_id
 
 SMALL = {"w": np.arange(64, dtype=np.float32), "b": np.arange(3, dtype=np.int32)}
 
@@ -26,7 +26,9 @@ class RawPeer:
         self.socket.connect(address)
         self.next_id = 1
         if hello:
-            assert isinstance(self.request([rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION))]), rp.Welcome)
+            assert isinstance(
+                self.request([rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION))]), rp.Welcome
+            )
 
     def send(self, parts: list[bytes]) -> None:
         self.socket.send_multipart(parts)
@@ -54,7 +56,9 @@ def manifest_of(tree: dict, *, bad_checksum: bool = False) -> tuple[rp.TensorMan
     if bad_checksum:
         first = manifest.tensors[0]
         broken = rp.TensorHeader(first.name, first.dtype, first.shape, first.nbytes, first.checksum ^ 1)
-        manifest = rp.TensorManifest(manifest.protocol_version, manifest.chunk_bytes, (broken, *manifest.tensors[1:]))
+        manifest = rp.TensorManifest(
+            manifest.protocol_version, manifest.chunk_bytes, (broken, *manifest.tensors[1:])
+        )
     return manifest, [bytes(f) for f in encoded.frames]
 
 
@@ -64,7 +68,14 @@ NOT_REQUESTS = [
     rp.Committed(version=1, persisted=True),
     rp.TensorHeader(name="x", dtype="int8", shape=(1,), nbytes=1, checksum=0),
     rp.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=rp.SamplingParams(max_tokens=1)),
-    rp.Rollout(prompt_id="p", group_index=0, prompt_token_ids=(1,), completion_token_ids=(), worker_logprobs=(), policy_version=0),
+    rp.Rollout(
+        prompt_id="p",
+        group_index=0,
+        prompt_token_ids=(1,),
+        completion_token_ids=(),
+        worker_logprobs=(),
+        policy_version=0,
+    ),
     rp.VerifyResult(request_id="v", reward=0.0, correct=False),
     rp.LatestVersion(version=3),
 ]
@@ -79,13 +90,32 @@ def fuzz_message(rng: random.Random, push_id: int) -> list[bytes]:
     if kind == 1:  # a well-formed message that is not a request
         return [rid, rp.encode(rng.choice(NOT_REQUESTS))]
     if kind == 2:  # truncated frame list: the header promises more frames than follow
-        return [rid, rp.encode(rp.PushChunks(push_id=push_id, first_frame=0, count=rng.randrange(2, 9))), b"\x00" * 64]
+        return [
+            rid,
+            rp.encode(rp.PushChunks(push_id=push_id, first_frame=0, count=rng.randrange(2, 9))),
+            b"\x00" * 64,
+        ]
     if kind == 3:  # absurd sizes
         shape = (2**40, 2**21)
         header = rp.TensorHeader(name="huge", dtype="float32", shape=shape, nbytes=4 * 2**61, checksum=0)
         choices = [
-            rp.PushBegin(version=10**6, manifest=rp.TensorManifest(protocol_version=1, chunk_bytes=1 << 20, tensors=(header,))),
-            rp.PushBegin(version=10**6, manifest=rp.TensorManifest(protocol_version=1, chunk_bytes=2**62, tensors=())),
+            rp.PushBegin(
+                version=10**6,
+                manifest=rp.TensorManifest(protocol_version=1, chunk_bytes=1 << 20, tensors=(header,)),
+            ),
+            rp.PushBegin(
+                version=10**6, manifest=rp.TensorManifest(protocol_version=1, chunk_bytes=2**62, tensors=())
+            ),
+            rp.PushBegin(  # a modest size cut into billions of one-byte frames
+                version=10**6,
+                manifest=rp.TensorManifest(
+                    protocol_version=1,
+                    chunk_bytes=1,
+                    tensors=(
+                        rp.TensorHeader(name="t", dtype="uint8", shape=(2**33,), nbytes=2**33, checksum=0),
+                    ),
+                ),
+            ),
             rp.FetchChunks(lease_id=rng.randrange(2**63), first_frame=0, count=2**62),
             rp.PushChunks(push_id=push_id, first_frame=2**60, count=1),
         ]
@@ -101,7 +131,11 @@ def fuzz_message(rng: random.Random, push_id: int) -> list[bytes]:
         ]
         return [rid, rp.encode(rng.choice(choices))]
     if kind == 5:  # wrong-sized frame for a real pending push
-        return [rid, rp.encode(rp.PushChunks(push_id=push_id, first_frame=0, count=1)), rng.randbytes(rng.choice([0, 1, 63, 65]))]
+        return [
+            rid,
+            rp.encode(rp.PushChunks(push_id=push_id, first_frame=0, count=1)),
+            rng.randbytes(rng.choice([0, 1, 63, 65])),
+        ]
     if kind == 6:  # msgpack with wrong field types or unknown tags
         bad = rng.choice(
             [
@@ -135,7 +169,9 @@ def test_ten_thousand_hostile_messages_then_correct_pulls() -> None:
                 replies[name] = replies.get(name, 0) + 1
         finally:
             peer.close()
-        assert {"malformed", "unknown_message", "out_of_order", "too_large", "not_found"} <= set(replies), replies
+        assert {"malformed", "unknown_message", "out_of_order", "too_large", "not_found"} <= set(replies), (
+            replies
+        )
         assert "internal" not in replies, replies
         stats = client.stat()
         assert stats.malformed_messages > 1000 and stats.versions == (1,)
@@ -154,7 +190,9 @@ def test_bad_checksum_push_is_refused_and_never_visible() -> None:
             ready = peer.request([rp.encode(rp.PushBegin(version=1, manifest=manifest))])
             # The message completing the corrupt tensor is refused at once and the push dropped ...
             reply = peer.request([rp.encode(rp.PushChunks(ready.push_id, 0, len(frames)))], frames)
-            assert isinstance(reply, rp.ErrorReply) and reply.code == "checksum" and "'layer'" in reply.message
+            assert (
+                isinstance(reply, rp.ErrorReply) and reply.code == "checksum" and "'layer'" in reply.message
+            )
             # ... so it can never be committed.
             reply = peer.request([rp.encode(rp.PushCommit(ready.push_id))])
             assert isinstance(reply, rp.ErrorReply) and reply.code == "out_of_order"
@@ -164,13 +202,21 @@ def test_bad_checksum_push_is_refused_and_never_visible() -> None:
             ready = peer.request([rp.encode(rp.PushBegin(version=1, manifest=manifest))])
             peer.request([rp.encode(rp.PushChunks(ready.push_id, 0, 1))], frames[:1])
             reply = peer.request([rp.encode(rp.PushCommit(ready.push_id))])
-            assert isinstance(reply, rp.ErrorReply) and reply.code == "out_of_order" and "misses" in reply.message
+            assert (
+                isinstance(reply, rp.ErrorReply)
+                and reply.code == "out_of_order"
+                and "misses" in reply.message
+            )
             assert client.latest() is None and client.stat().pending_pushes == 1
             # The push stays pending: once the rest arrives, the commit succeeds.
             peer.request([rp.encode(rp.PushChunks(ready.push_id, 1, len(frames) - 1))], frames[1:])
-            assert peer.request([rp.encode(rp.PushCommit(ready.push_id))]) == rp.Committed(version=1, persisted=False)
+            assert peer.request([rp.encode(rp.PushCommit(ready.push_id))]) == rp.Committed(
+                version=1, persisted=False
+            )
             pulled = client.pull()
-            assert pulled is not None and np.array_equal(pulled.tree["layer"], np.arange(100, dtype=np.float32))
+            assert pulled is not None and np.array_equal(
+                pulled.tree["layer"], np.arange(100, dtype=np.float32)
+            )
         finally:
             peer.close()
 

@@ -25,7 +25,10 @@ def model_sized_tree(seed: int = 0) -> dict:
     }
     for i in range(4):
         tree["layers"][str(i)] = {
-            "attn": {name: rng.standard_normal((576, 576), dtype=np.float32).astype(ml_dtypes.bfloat16) for name in "qkvo"},
+            "attn": {
+                name: rng.standard_normal((576, 576), dtype=np.float32).astype(ml_dtypes.bfloat16)
+                for name in "qkvo"
+            },
             "mlp": {
                 "gate": rng.standard_normal((576, 1536), dtype=np.float32),
                 "down": rng.standard_normal((1536, 576), dtype=np.float32),
@@ -47,7 +50,10 @@ def assert_trees_bit_equal(a: dict, b: dict) -> None:
 
 def test_model_sized_tree_round_trips_bit_exactly(tmp_path) -> None:
     tree = model_sized_tree()
-    with running_server(tmp_path) as address, ParamClient(address, timeout_s=20, chunk_bytes=4 << 20, message_bytes=8 << 20) as client:
+    with (
+        running_server(tmp_path) as address,
+        ParamClient(address, timeout_s=20, chunk_bytes=4 << 20, message_bytes=8 << 20) as client,
+    ):
         assert client.latest() is None
         committed = client.push(tree, 1, {"step": 1, "note": "first"})
         assert committed.version == 1 and committed.persisted
@@ -65,7 +71,9 @@ def test_versions_must_increase_and_missing_versions_are_errors() -> None:
             client.pull()
         client.push({"w": np.zeros(3, np.float32)}, 5)
         for stale in (5, 4):
-            with pytest.raises(StaleVersionError, match=f"version {stale} is not newer than the latest committed version 5"):
+            with pytest.raises(
+                StaleVersionError, match=f"version {stale} is not newer than the latest committed version 5"
+            ):
                 client.push({"w": np.ones(3, np.float32)}, stale)
         with pytest.raises(VersionNotFoundError, match="version 3 is not held"):
             client.pull(3)
@@ -79,7 +87,11 @@ def test_versions_must_increase_and_missing_versions_are_errors() -> None:
 
 
 def test_wait_for_newer_is_woken_by_a_commit_not_by_polling() -> None:
-    with running_server() as address, ParamClient(address, timeout_s=5) as waiter, ParamClient(address, timeout_s=5) as pusher:
+    with (
+        running_server() as address,
+        ParamClient(address, timeout_s=5) as waiter,
+        ParamClient(address, timeout_s=5) as pusher,
+    ):
         assert waiter.wait_for_newer(None, 0.2) is None
         pusher.push({"w": np.zeros(1, np.float32)}, 1)
         assert waiter.wait_for_newer(None, 1.0) == 1  # already newer: immediate
@@ -98,7 +110,10 @@ def test_wait_for_newer_is_woken_by_a_commit_not_by_polling() -> None:
 
 def test_pull_is_one_consistent_version_while_newer_ones_commit(stamp) -> None:
     make, check = stamp
-    with running_server(keep=2) as address, ParamClient(address, timeout_s=5, chunk_bytes=1024, message_bytes=2048, window=1) as puller:
+    with (
+        running_server(keep=2) as address,
+        ParamClient(address, timeout_s=5, chunk_bytes=1024, message_bytes=2048, window=1) as puller,
+    ):
         with ParamClient(address, timeout_s=5) as pusher:
             pusher.push(make(1), 1)
             # Start the pull by hand so that versions commit between its fetches.

@@ -19,7 +19,9 @@ def test_curve_only_allowed_clients_push_or_pull(tmp_path) -> None:
     allowed_dir.mkdir()
     (allowed_dir / "worker.key").write_bytes(open(client_public, "rb").read())
     server_keys = rp.load_curve_keypair(server_secret)
-    good = rp.CurveClientConfig(keypair=rp.load_curve_keypair(client_secret), server_public=server_keys.public)
+    good = rp.CurveClientConfig(
+        keypair=rp.load_curve_keypair(client_secret), server_public=server_keys.public
+    )
     stranger = rp.CurveClientConfig(keypair=rp.generate_curve_keypair(), server_public=server_keys.public)
     tree = {"w": np.arange(8, dtype=np.float32)}
     args = ["--curve-keypair", server_secret, "--curve-allow", str(allowed_dir)]
@@ -45,16 +47,27 @@ def test_protocol_version_mismatch_is_clear_on_both_sides(monkeypatch) -> None:
     other = rp.PROTOCOL_VERSION + 1
     with running_server_process() as server:
         monkeypatch.setattr(transport, "PROTOCOL_VERSION", other)  # this client now speaks `other`
-        with ParamClient(server.address, timeout_s=5) as client, pytest.raises(rp.VersionMismatchError) as info:
+        with (
+            ParamClient(server.address, timeout_s=5) as client,
+            pytest.raises(rp.VersionMismatchError) as info,
+        ):
             client.latest()
         monkeypatch.undo()
         client_side = str(info.value)
-        assert f"speaks version {other}" in client_side and f"speaks version {rp.PROTOCOL_VERSION}" in client_side
+        assert (
+            f"speaks version {other}" in client_side
+            and f"speaks version {rp.PROTOCOL_VERSION}" in client_side
+        )
         server_side = server.log()
-        assert f"speaks version {rp.PROTOCOL_VERSION}" in server_side and f"speaks version {other}" in server_side
+        assert (
+            f"speaks version {rp.PROTOCOL_VERSION}" in server_side
+            and f"speaks version {other}" in server_side
+        )
         # A manifest written by another protocol version is refused with both versions named.
         with ParamClient(server.address, timeout_s=5) as client:
             manifest = rp.TensorManifest(protocol_version=other, chunk_bytes=8, tensors=())
-            with pytest.raises(rp.RemoteError, match=f"version {other}.*version {rp.PROTOCOL_VERSION}") as refused:
+            with pytest.raises(
+                rp.RemoteError, match=f"version {other}.*version {rp.PROTOCOL_VERSION}"
+            ) as refused:
                 client._rpc.call(rp.PushBegin(version=1, manifest=manifest))
             assert refused.value.code == "version_mismatch"

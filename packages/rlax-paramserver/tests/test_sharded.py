@@ -38,7 +38,13 @@ def test_placement_is_stable_across_processes() -> None:
     names = ["embed", "layers/0/attn/q", "layers/17/mlp/down"]
     here = [shard_of(n, 4) for n in names]
     code = f"from rlax_paramserver import shard_of; print([shard_of(n, 4) for n in {names!r}])"
-    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123"})
+    there = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
+    )
     assert there.stdout.strip() == str(here)
 
 

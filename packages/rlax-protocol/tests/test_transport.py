@@ -123,11 +123,12 @@ def test_version_mismatch_names_both_versions_on_both_sides() -> None:
         message = str(info.value)
         assert f"version {PROTOCOL_VERSION}" in message and f"version {other}" in message
     # Server side: a Hello of another version is refused with a reason naming both.
-    welcome = rp.welcome_for(rp.Hello(protocol_version=other, client_id="c"), server_id="s")
+    assert rp.Handshake.answer(rp.Handshake.hello("c"), server_id="s").accepted
+    welcome = rp.Handshake.answer(rp.Hello(protocol_version=other, client_id="c"), server_id="s")
     assert not welcome.accepted
     assert f"version {PROTOCOL_VERSION}" in welcome.reason and f"version {other}" in welcome.reason
     with pytest.raises(VersionMismatchError):
-        rp.check_welcome(welcome, peer="s")
+        rp.Handshake.check(welcome, peer="s")
 
 
 def test_timeout_names_peer_and_operation_after_bounded_retries() -> None:
@@ -189,3 +190,45 @@ def test_curve_allows_only_listed_clients(tmp_path) -> None:
         with pytest.raises(ProtocolTimeoutError):
             plain.call(rp.LatestQuery())
         plain.close()
+
+
+def test_rpc_server_handshake_handler_and_errors() -> None:
+    def handler(message: rp.Message, frames: list[zmq.Frame]):
+        if isinstance(message, rp.VerifyRequest):
+            if message.verifier == "boom":
+                raise ValueError("verifier exploded")
+            if message.verifier == "unknown":
+                raise RemoteError("not_found", f"no verifier {message.verifier!r}")
+            correct = message.completion.strip() == message.reference
+            return rp.VerifyResult(request_id=message.request_id, reward=float(correct), correct=correct)
+        if isinstance(message, rp.LatestQuery):
+            return rp.LatestVersion(version=len(frames)), frames
+        raise RemoteError("unknown_message", type(message).__name__)
+
+    with rp.RpcServer("tcp://127.0.0.1:*", handler, server_id="verifier") as server:
+        with RpcClient(server.address, timeout_s=5) as client:
+            request = rp.VerifyRequest(request_id="a", verifier="exact_match", completion=" 4", reference="4")
+            assert client.call(request, expect=rp.VerifyResult).message == rp.VerifyResult(
+                request_id="a", reward=1.0, correct=True
+            )
+            echoed = client.call(rp.LatestQuery(), [b"x" * 100_000], expect=rp.LatestVersion)
+            assert echoed.message.version == 1 and echoed.frames[0].bytes == b"x" * 100_000
+            with pytest.raises(RemoteError, match="internal.*verifier exploded"):
+                client.call(rp.VerifyRequest(request_id="b", verifier="boom", completion=""))
+            with pytest.raises(RemoteError, match="not_found"):
+                client.call(rp.VerifyRequest(request_id="c", verifier="unknown", completion=""))
+            assert client.welcome is not None and client.welcome.server_id == "verifier"
+        # Garbage and a missing handshake are answered, and the server keeps serving.
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.linger = 0
+        socket.connect(server.address)
+        try:
+            for parts in ([b"garbage"], [rp.transport.pack_request_id(9), rp.encode(rp.LatestQuery())]):
+                socket.send_multipart(parts)
+                assert socket.poll(5000)
+                reply = rp.decode(socket.recv_multipart()[1])
+                assert isinstance(reply, rp.ErrorReply) and reply.code in {"malformed", "handshake_required"}
+        finally:
+            socket.close()
+        with RpcClient(server.address, timeout_s=5) as client:
+            assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 0

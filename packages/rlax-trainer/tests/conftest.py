@@ -9,7 +9,13 @@ import rlax_model
 
 def tiny_model() -> rlax_model.ModelConfig:
     return rlax_model.ModelConfig.tiny(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
     )
 
 
@@ -20,7 +26,9 @@ def random_batch(seed: int, b: int = 8, s: int = 12, vocab: int = 32) -> dict[st
     lengths = rng.integers(2, s - 3 + 1, size=b)
     valid = np.arange(s)[None, :] < (3 + lengths)[:, None]
     tokens = np.where(valid, tokens, 0).astype(np.int32)
-    mask = ((np.arange(s - 1)[None, :] >= 2) & (np.arange(s - 1)[None, :] < (2 + lengths)[:, None])).astype(np.float32)
+    mask = ((np.arange(s - 1)[None, :] >= 2) & (np.arange(s - 1)[None, :] < (2 + lengths)[:, None])).astype(
+        np.float32
+    )
     return {
         "tokens": tokens,
         "valid": valid,
@@ -43,3 +51,20 @@ def model_params(model_config):
 @pytest.fixture
 def make_batch():
     return random_batch
+
+
+@pytest.fixture(scope="session")
+def minibatch_config():
+    """Two optimizer steps per batch (so the clip and the RNG-driven group shuffle act) with TIS.
+    Shared by several tests so that the update compiles once per session."""
+    from rlax_trainer import LearnerConfig, OptimizerConfig, preset
+
+    return LearnerConfig(
+        objective=preset("grpo", importance={"tis_cap": 1.5}),
+        group_size=4,
+        global_batch=8,
+        minibatches=2,
+        optimizer=OptimizerConfig(
+            lr=0.05, max_grad_norm=None, warmup_steps=1, schedule="cosine", decay_steps=8
+        ),
+    )

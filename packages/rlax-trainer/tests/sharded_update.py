@@ -23,15 +23,24 @@ def main() -> None:
     if mode == "multihost":
         pid, nproc, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
         jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, initialization_timeout=120
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=nproc,
+            process_id=pid,
+            initialization_timeout=120,
         )
     import numpy as np
-    import rlax_model
 
+    import rlax_model
     from rlax_trainer import Learner, LearnerConfig, MeshConfig, OptimizerConfig, make_mesh, preset
 
     mc = rlax_model.ModelConfig.tiny(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
     )
     params = rlax_model.init_params(mc, jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -39,14 +48,23 @@ def main() -> None:
     lengths = rng.integers(2, s - 2, size=b)
     valid = np.arange(s)[None, :] < (3 + lengths)[:, None]
     tokens = np.where(valid, rng.integers(3, 32, size=(b, s)), 0).astype(np.int32)
-    mask = ((np.arange(s - 1)[None] >= 2) & (np.arange(s - 1)[None] < (2 + lengths)[:, None])).astype(np.float32)
+    mask = ((np.arange(s - 1)[None] >= 2) & (np.arange(s - 1)[None] < (2 + lengths)[:, None])).astype(
+        np.float32
+    )
     batch = {
-        "tokens": tokens, "valid": valid, "mask": mask,
+        "tokens": tokens,
+        "valid": valid,
+        "mask": mask,
         "worker_logprobs": (-rng.uniform(1, 4, size=(b, s - 1)) * mask).astype(np.float32),
         "rewards": rng.integers(0, 2, size=b).astype(np.float32),
     }
-    cfg = LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=8, micro_batch=4,
-                        optimizer=OptimizerConfig(lr=1e-3, eps=1e-6))
+    cfg = LearnerConfig(
+        objective=preset("grpo"),
+        group_size=4,
+        global_batch=8,
+        micro_batch=4,
+        optimizer=OptimizerConfig(lr=1e-3, eps=1e-6),
+    )
 
     def run(mesh_cfg: MeshConfig | None) -> dict[str, np.ndarray]:
         mesh = None if mesh_cfg is None else make_mesh(mesh_cfg)

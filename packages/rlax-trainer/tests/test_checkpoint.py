@@ -6,32 +6,25 @@ import jax
 import numpy as np
 import pytest
 
-from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, RolloutBuffer, preset
+from rlax_trainer import Learner, RolloutBuffer
 from rlax_trainer.checkpoint import CheckpointManager, state_fingerprint
-
-
-def config() -> LearnerConfig:
-    return LearnerConfig(
-        objective=preset("grpo"), group_size=4, global_batch=8, minibatches=2,
-        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, schedule="cosine", decay_steps=8),
-    )
 
 
 def leaves(state) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
 
 
-def test_resume_is_bit_identical(tmp_path, model_config, model_params, make_batch):
+def test_resume_is_bit_identical(tmp_path, model_config, model_params, make_batch, minibatch_config):
     n, m = 2, 2
     batches = [make_batch(10 + i) for i in range(n + m)]
     buffer = RolloutBuffer(group_size=4, max_staleness=2)
     buffer.expired_groups = 3
 
-    straight = Learner(model_config, config(), model_params, seed=7)
+    straight = Learner(model_config, minibatch_config, model_params, seed=7)
     for b in batches:
         straight.update(b)
 
-    first = Learner(model_config, config(), model_params, seed=7)
+    first = Learner(model_config, minibatch_config, model_params, seed=7)
     with CheckpointManager(tmp_path / "ckpt", max_to_keep=2) as ckpt:
         for i, b in enumerate(batches[:n]):
             first.update(b)
@@ -42,7 +35,9 @@ def test_resume_is_bit_identical(tmp_path, model_config, model_params, make_batc
         assert ckpt.steps() == [1, 2]
     del first
 
-    resumed = Learner(model_config, config(), model_params, seed=123)  # a different seed: the RNG comes from the checkpoint
+    resumed = Learner(
+        model_config, minibatch_config, model_params, seed=123
+    )  # a different seed: the RNG comes from the checkpoint
     with CheckpointManager(tmp_path / "ckpt") as ckpt:
         state, info = ckpt.restore(resumed.state)
     assert info.step == n and info.version == n and info.extra == {"batch": n - 1}
@@ -55,7 +50,9 @@ def test_resume_is_bit_identical(tmp_path, model_config, model_params, make_batc
 
 
 def _corrupt(step_dir) -> None:
-    files = sorted((p for p in step_dir.rglob("*") if p.is_file() and "state" in p.parts), key=lambda p: p.stat().st_size)
+    files = sorted(
+        (p for p in step_dir.rglob("*") if p.is_file() and "state" in p.parts), key=lambda p: p.stat().st_size
+    )
     target = files[-1]
     data = bytearray(target.read_bytes())
     for i in range(len(data) // 3, len(data) // 3 + 64):
@@ -63,8 +60,10 @@ def _corrupt(step_dir) -> None:
     target.write_bytes(bytes(data))
 
 
-def test_damaged_newest_checkpoint_falls_back(tmp_path, model_config, model_params, make_batch, caplog):
-    learner = Learner(model_config, config(), model_params)
+def test_damaged_newest_checkpoint_falls_back(
+    tmp_path, model_config, model_params, make_batch, caplog, minibatch_config
+):
+    learner = Learner(model_config, minibatch_config, model_params)
     prints = {}
     with CheckpointManager(tmp_path / "c", max_to_keep=3) as ckpt:
         for i in range(2):
@@ -75,14 +74,20 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, model_config, model_para
     _corrupt(tmp_path / "c" / "2")
     # A partial write left by a crash (orbax's temporary folder) is never a candidate.
     (tmp_path / "c" / "3.orbax-checkpoint-tmp-1").mkdir()
-    with CheckpointManager(tmp_path / "c") as ckpt, caplog.at_level(logging.WARNING, logger="rlax_trainer.checkpoint"):
+    with (
+        CheckpointManager(tmp_path / "c") as ckpt,
+        caplog.at_level(logging.WARNING, logger="rlax_trainer.checkpoint"),
+    ):
         state, info = ckpt.restore(learner.state)
     assert info.step == 1 and state_fingerprint(state) == prints[1]
     assert "checkpoint step 2" in caplog.text and "damaged" in caplog.text
     assert "restored checkpoint step 1" in caplog.text
 
     _corrupt(tmp_path / "c" / "1")
-    with CheckpointManager(tmp_path / "c") as ckpt, pytest.raises(RuntimeError, match="no loadable checkpoint.*step 2.*step 1"):
+    with (
+        CheckpointManager(tmp_path / "c") as ckpt,
+        pytest.raises(RuntimeError, match="no loadable checkpoint.*step 2.*step 1"),
+    ):
         ckpt.restore(learner.state)
     with CheckpointManager(tmp_path / "empty") as ckpt:
         assert ckpt.restore(learner.state) is None

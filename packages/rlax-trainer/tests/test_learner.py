@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
-import rlax_model
 
+import rlax_model
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, learner_config_from_dict, preset
 
 
@@ -15,8 +15,12 @@ def flat(tree) -> np.ndarray:
 
 
 def rl_config(**kw) -> LearnerConfig:
-    base = dict(objective=preset("grpo", importance={"tis_cap": None}), group_size=4, global_batch=8,
-                optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0))
+    base = dict(
+        objective=preset("grpo", importance={"tis_cap": None}),
+        group_size=4,
+        global_batch=8,
+        optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+    )
     base.update(kw)
     return LearnerConfig(**base)
 
@@ -43,8 +47,12 @@ def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_para
     # Worker logprobs never act as pi_old: without TIS the update ignores them entirely.
     np.testing.assert_array_equal(flat(a.host_params()), flat(b.host_params()))
     # The mismatch metrics compare the trainer's own forward pass with the worker's numbers.
-    own = rlax_model.logprobs(model_params, jnp.asarray(batch["tokens"]), config=model_config,
-                              attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])))
+    own = rlax_model.logprobs(
+        model_params,
+        jnp.asarray(batch["tokens"]),
+        config=model_config,
+        attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])),
+    )
     delta = np.abs(np.asarray(own) - batch["worker_logprobs"])[batch["mask"] > 0]
     assert m_a["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
     assert m_a["logprob_delta_p50"] == pytest.approx(np.quantile(delta, 0.5), abs=1e-4)
@@ -59,16 +67,15 @@ def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_para
         assert np.isfinite(m_a[key]), key
 
 
-def test_minibatches_clip_and_tis(model_config, model_params, make_batch):
+def test_minibatches_clip_and_tis(model_config, model_params, make_batch, minibatch_config):
     batch = make_batch(2)
-    cfg = rl_config(objective=preset("grpo", importance={"tis_cap": 1.5}), minibatches=2,
-                    optimizer=OptimizerConfig(lr=0.05, max_grad_norm=None))
-    learner = Learner(model_config, cfg, model_params)
+    learner = Learner(model_config, minibatch_config, model_params)
     before = flat(learner.host_params())
+    learner.update(make_batch(5))
     m = learner.update(batch)
     # The second minibatch sees a policy that moved: ratios leave 1 and some tokens get clipped.
     assert m["is_ratio_max"] > 1.0 + 1e-3 and m["clip_fraction"] > 0.0
-    assert learner.step == 1 and not np.array_equal(before, flat(learner.host_params()))
+    assert learner.step == 2 and not np.array_equal(before, flat(learner.host_params()))
 
 
 def test_ppo_value_head_trains(model_config, model_params, make_batch):
@@ -81,13 +88,22 @@ def test_ppo_value_head_trains(model_config, model_params, make_batch):
 
 
 def test_sft_bf16_params_fp32_master(model_config, model_params, make_batch):
-    cfg = LearnerConfig(mode="sft", global_batch=8, micro_batch=4, param_dtype="bfloat16",
-                        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=10))
+    cfg = LearnerConfig(
+        mode="sft",
+        global_batch=8,
+        micro_batch=4,
+        param_dtype="bfloat16",
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=10),
+    )
     learner = Learner(model_config, cfg, model_params)
     batch = make_batch(4)
     metrics = [learner.update(batch) for _ in range(4)]
     assert metrics[-1]["nll"] < metrics[0]["nll"] - 0.1
-    assert [round(m["learning_rate"], 6) for m in metrics[:3]] == [round(1e-2 / 3, 6), round(2e-2 / 3, 6), 1e-2]
+    assert [round(m["learning_rate"], 6) for m in metrics[:3]] == [
+        round(1e-2 / 3, 6),
+        round(2e-2 / 3, 6),
+        1e-2,
+    ]
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(learner.state.params))
 
 
@@ -98,12 +114,26 @@ def test_config_errors_name_the_field(model_config, model_params, make_batch):
         rl_config(global_batch=6)
     with pytest.raises(ValueError, match="lr must be > 0, got -1"):
         OptimizerConfig(lr=-1)
-    with pytest.raises(msgspec.ValidationError, match=r"eps_high must be >= 0, got -0.5 - at `\$.objective.importance`"):
-        learner_config_from_dict({"objective": {"base": "dapo", "importance": {"eps_high": -0.5}}, "group_size": 2, "global_batch": 4})
+    with pytest.raises(
+        msgspec.ValidationError, match=r"eps_high must be >= 0, got -0.5 - at `\$.objective.importance`"
+    ):
+        learner_config_from_dict(
+            {
+                "objective": {"base": "dapo", "importance": {"eps_high": -0.5}},
+                "group_size": 2,
+                "global_batch": 4,
+            }
+        )
     with pytest.raises(ValueError, match="unknown objective preset 'grpoo'"):
         learner_config_from_dict({"objective": {"base": "grpoo"}})
-    cfg = learner_config_from_dict({"objective": {"base": "cispo"}, "group_size": 2, "global_batch": 4,
-                                    "optimizer": {"lr": 3e-6, "schedule": "cosine"}})
+    cfg = learner_config_from_dict(
+        {
+            "objective": {"base": "cispo"},
+            "group_size": 2,
+            "global_batch": 4,
+            "optimizer": {"lr": 3e-6, "schedule": "cosine"},
+        }
+    )
     assert cfg.objective == preset("cispo") and cfg.optimizer.lr == 3e-6
     learner = Learner(model_config, rl_config(), model_params)
     bad = make_batch(0)

@@ -4,16 +4,20 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
-
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, preset
 from rlax_trainer.publish import PublishConfig, Publisher, host_weights
 
 
 def rl_config() -> LearnerConfig:  # same as test_learner's: the compiled update is shared
-    return LearnerConfig(objective=preset("grpo", importance={"tis_cap": None}), group_size=4, global_batch=8,
-                         optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0))
+    return LearnerConfig(
+        objective=preset("grpo", importance={"tis_cap": None}),
+        group_size=4,
+        global_batch=8,
+        optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+    )
 
 
 def test_publishes_every_n_steps_as_bf16(tmp_path, model_config, model_params, make_batch):
@@ -28,8 +32,14 @@ def test_publishes_every_n_steps_as_bf16(tmp_path, model_config, model_params, m
         with ParamClient(address, timeout_s=10) as client:
             assert client.latest() == 4
             pulled = client.pull()
-            assert pulled.version == 4 and pulled.metadata["dtype"] == "bfloat16" and pulled.metadata["note"] == "test"
-            want = jax.tree.map(lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), jax.device_get(learner.policy_params()))
+            assert (
+                pulled.version == 4
+                and pulled.metadata["dtype"] == "bfloat16"
+                and pulled.metadata["note"] == "test"
+            )
+            want = jax.tree.map(
+                lambda x: np.asarray(x).astype(ml_dtypes.bfloat16), jax.device_get(learner.policy_params())
+            )
             got_leaves = jax.tree.leaves(pulled.tree)
             assert len(got_leaves) == len(jax.tree.leaves(want))
             for a, b in zip(jax.tree.leaves(want), got_leaves, strict=True):
@@ -39,12 +49,17 @@ def test_publishes_every_n_steps_as_bf16(tmp_path, model_config, model_params, m
 
 
 def test_float32_transfer_and_errors(tmp_path, model_params):
-    with running_server(tmp_path / "ps") as address, Publisher(PublishConfig(address=address, dtype="float32")) as pub:
+    with (
+        running_server(tmp_path / "ps") as address,
+        Publisher(PublishConfig(address=address, dtype="float32")) as pub,
+    ):
         pub.publish(model_params, 3, force=True)
         pub.wait()
         with ParamClient(address, timeout_s=10) as client:
             pulled = client.pull(3)
-        for a, b in zip(jax.tree.leaves(jax.device_get(model_params)), jax.tree.leaves(pulled.tree), strict=True):
+        for a, b in zip(
+            jax.tree.leaves(jax.device_get(model_params)), jax.tree.leaves(pulled.tree), strict=True
+        ):
             np.testing.assert_array_equal(np.asarray(a), b)
         # Not newer than the server's latest: the push fails and the error surfaces, named.
         pub.publish(model_params, 2, force=True)

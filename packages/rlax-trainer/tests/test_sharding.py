@@ -25,13 +25,20 @@ def _compare(path: pathlib.Path, tag: str) -> None:
     keys = [k.split("|", 1)[1] for k in data.files if k.startswith("single|")]
     assert len(keys) > 5
     for k in keys:
-        np.testing.assert_allclose(data[f"{tag}|{k}"], data[f"single|{k}"], atol=1e-5, rtol=0, err_msg=f"{tag} {k}")
+        np.testing.assert_allclose(
+            data[f"{tag}|{k}"], data[f"single|{k}"], atol=1e-5, rtol=0, err_msg=f"{tag} {k}"
+        )
 
 
 def test_fsdp4_and_tensor_parallel_match_single_device(tmp_path):
     out = tmp_path / "local.npz"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "local", str(out)], env=_env(4),
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "local", str(out)],
+        env=_env(4),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _compare(out, "fsdp4")
     _compare(out, "fsdp2_tp2")
@@ -48,8 +55,13 @@ def test_two_processes_joined_by_jax_distributed_match(tmp_path):
     out = tmp_path / "multihost.npz"
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), "multihost", str(out), str(i), "2", str(port)],
-                         env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "multihost", str(out), str(i), "2", str(port)],
+            env=_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(2)
     ]
     try:

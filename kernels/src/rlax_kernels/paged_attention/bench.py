@@ -22,7 +22,10 @@ a fraction of the device's peak memory bandwidth when the device kind is in
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -311,9 +314,32 @@ def format_table(results: list[BenchResult], config: DecodeBenchConfig) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def write_json(results: list[BenchResult], config: DecodeBenchConfig, path: str) -> None:
+    """Record a run as JSON (temp file, fsync, rename)."""
+    record = {
+        "device_kind": jax.devices()[0].device_kind,
+        "platform": _platform(),
+        "config": dataclasses.asdict(config),
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per implementation")
+    args = parser.parse_args(argv)
     config = default_config()
-    print(format_table(run(config), config))
+    results = run(config, iters=args.iters)
+    print(format_table(results, config))
+    if args.json:
+        write_json(results, config, args.json)
 
 
 if __name__ == "__main__":

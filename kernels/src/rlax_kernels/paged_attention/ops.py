@@ -20,7 +20,7 @@ DMAs and semaphores); otherwise it is an error, never a silent fallback.
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,7 @@ _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 # enough to amortise a grid step on TPU, small enough to stay in registers with Triton.
 _TPU_BLOCK_TOKENS = 256
 _GPU_BLOCK_TOKENS = 64
-_TPU_MAX_FULL_ROWS = 256
-_TPU_BLOCK_ROWS = 128
+_TPU_MAX_BLOCK_ROWS = 256
 _GPU_MAX_BLOCK_ROWS = 64
 
 
@@ -103,7 +102,7 @@ def _check_cache_and_tables(
     block_tables: jax.Array,
     report: str,
 ) -> None:
-    def fail(why: str) -> None:
+    def fail(why: str) -> NoReturn:
         raise ValueError(f"{where}: {why} (got {report})")
 
     if k_pages.ndim != 4:
@@ -166,6 +165,7 @@ def _knobs(
     max_pages: int,
     pages_per_compute_block: int | None,
     block_rows: int | None,
+    itemsize: int,
 ) -> tuple[int, int]:
     """Checked (pages_per_block, block_rows) for a Pallas backend."""
     if backend == "pallas_gpu":
@@ -187,21 +187,24 @@ def _knobs(
         if not _is_pow2(br) or br < 16:
             raise ValueError(f"{where}: the GPU kernel needs block_rows a power of two >= 16, got {br}")
         return ppb, br
-    sublanes = 8
+    # Rows of one (8, 128) VMEM tile: 8 for 4-byte types, 16 for bfloat16 (packed in pairs).
+    sublanes = 8 * max(1, 4 // itemsize)
     if page_size % sublanes != 0:
-        raise ValueError(f"{where}: the TPU kernel needs page_size a multiple of {sublanes}, got {page_size}")
+        raise ValueError(
+            f"{where}: the TPU kernel needs page_size a multiple of {sublanes} for {itemsize}-byte data, "
+            f"got {page_size}"
+        )
     ppb = (
         max(1, _TPU_BLOCK_TOKENS // page_size) if pages_per_compute_block is None else pages_per_compute_block
     )
     if ppb < 1:
         raise ValueError(f"{where}: pages_per_compute_block must be >= 1, got {ppb}")
     if block_rows is None:
-        br = rows if rows <= _TPU_MAX_FULL_ROWS else _TPU_BLOCK_ROWS
-    elif block_rows >= rows:
-        br = rows
+        # Whole tiles of rows: a query block of 1-7 rows would need a layout Mosaic may reject.
+        br = -(-min(rows, _TPU_MAX_BLOCK_ROWS) // sublanes) * sublanes
     elif block_rows % sublanes != 0:
         raise ValueError(
-            f"{where}: the TPU kernel needs block_rows a multiple of {sublanes} (or >= the {rows} rows), got {block_rows}"
+            f"{where}: the TPU kernel needs block_rows a multiple of {sublanes}, got {block_rows}"
         )
     else:
         br = block_rows
@@ -312,7 +315,15 @@ def paged_attention(
         return _paged_attention_xla(q, k_pages, v_pages, lengths, block_tables, scale=scale)
     group = num_heads // k_pages.shape[0]
     ppb, br = _knobs(
-        where, chosen, group, page_size, head_dim, max_pages, pages_per_compute_block, block_rows
+        where,
+        chosen,
+        group,
+        page_size,
+        head_dim,
+        max_pages,
+        pages_per_compute_block,
+        block_rows,
+        q.dtype.itemsize,
     )
     out = _attention_rows(
         q[:, None],
@@ -390,7 +401,17 @@ def paged_prefill_attention(
     if chosen == "xla":
         return _paged_prefill_xla(q, k_pages, v_pages, seq_lens, q_lens, block_tables, scale=scale)
     rows = chunk * (num_heads // k_pages.shape[0])
-    ppb, br = _knobs(where, chosen, rows, page_size, head_dim, max_pages, pages_per_compute_block, block_rows)
+    ppb, br = _knobs(
+        where,
+        chosen,
+        rows,
+        page_size,
+        head_dim,
+        max_pages,
+        pages_per_compute_block,
+        block_rows,
+        q.dtype.itemsize,
+    )
     return _attention_rows(
         q,
         k_pages,

@@ -23,27 +23,43 @@ __all__ = ["main"]
 
 def _component_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text)
-    parser.add_argument("--config", required=True, help="run config YAML (the resolved one under rlax launch)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6")
+    parser.add_argument(
+        "--config", required=True, help="run config YAML (the resolved one under rlax launch)"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6"
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlax", description="RLAX: distributed RL for LLMs with verifiable rewards.")
+    parser = argparse.ArgumentParser(
+        prog="rlax", description="RLAX: distributed RL for LLMs with verifiable rewards."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="run every component locally under a supervisor")
     launch.add_argument("config", help="run config YAML")
-    launch.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. chaos.interval=5")
-    launch.add_argument("--overwrite", action="store_true", help="delete the run's output folder first (else resume)")
+    launch.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. chaos.interval=5"
+    )
+    launch.add_argument(
+        "--overwrite", action="store_true", help="delete the run's output folder first (else resume)"
+    )
     _component_parser(sub, "controller", "the controller: prompts, staleness, batches, snapshots")
     _component_parser(sub, "trainer", "the trainer: SFT warm start, RL updates, checkpoints, publishing")
     worker = _component_parser(sub, "worker", "one inference worker")
-    worker.add_argument("--index", type=int, required=True, help="which of workers.addresses this worker serves")
+    worker.add_argument(
+        "--index", type=int, required=True, help="which of workers.addresses this worker serves"
+    )
     _component_parser(sub, "paramserver", "the parameter server")
     _component_parser(sub, "verifier", "the verifier service")
-    evaluate = _component_parser(sub, "eval", "evaluate a checkpoint (pass@k) on the task's evaluation prompts")
-    evaluate.add_argument("--checkpoint", default="", help="trainer checkpoint folder (default: the run's newest)")
+    evaluate = _component_parser(
+        sub, "eval", "evaluate a checkpoint (pass@k) on the task's evaluation prompts"
+    )
+    evaluate.add_argument(
+        "--checkpoint", default="", help="trainer checkpoint folder (default: the run's newest)"
+    )
     evaluate.add_argument("--out", default="", help="folder for the JSON and markdown report")
     curate = sub.add_parser("curate", help="data curation (pass-rate pre-filtering, dedup, contamination)")
     curate.add_argument("args", nargs=argparse.REMAINDER)

@@ -30,6 +30,16 @@ def _select_platform(platform: str) -> None:
         os.environ["JAX_PLATFORMS"] = platform
 
 
+def _compile_cache(config: RunConfig) -> None:
+    # A restarted trainer or worker reuses the executables its previous life compiled.
+    import jax
+
+    folder = config.run.jax_cache_dir or str(config.output_dir / "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _exit_on_sigterm() -> None:
     # SIGTERM from the supervisor becomes SystemExit, so `finally` blocks close sockets.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -40,7 +50,16 @@ def run_paramserver(config: RunConfig) -> int:
 
     state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
     return int(
-        main(["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep), "--state-dir", state_dir])
+        main(
+            [
+                "--bind",
+                config.paramserver.address,
+                "--keep",
+                str(config.paramserver.keep),
+                "--state-dir",
+                state_dir,
+            ]
+        )
         or 0
     )
 
@@ -84,6 +103,7 @@ def run_trainer(config: RunConfig) -> int:
     from rlax_controller.trainer_service import run
 
     _select_platform(config.trainer.platform)
+    _compile_cache(config)
     _exit_on_sigterm()
     return run(config)
 
@@ -92,8 +112,11 @@ def run_worker(config: RunConfig, index: int) -> int:
     from rlax_controller.worker_service import run
 
     if not 0 <= index < len(config.workers.addresses):
-        raise SystemExit(f"rlax worker --index {index}: the config has {len(config.workers.addresses)} worker addresses")
+        raise SystemExit(
+            f"rlax worker --index {index}: the config has {len(config.workers.addresses)} worker addresses"
+        )
     _select_platform(config.workers.platform)
+    _compile_cache(config)
     _exit_on_sigterm()
     return run(config, index)
 

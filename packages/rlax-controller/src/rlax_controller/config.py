@@ -53,7 +53,9 @@ def _check(ok: bool, field: str, value: Any, rule: str) -> None:
 
 
 def _check_address(field: str, value: str) -> None:
-    _check(bool(_ADDRESS.match(value)), field, value, "must be 'auto' or a ZeroMQ endpoint like tcp://host:port")
+    _check(
+        bool(_ADDRESS.match(value)), field, value, "must be 'auto' or a ZeroMQ endpoint like tcp://host:port"
+    )
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -61,16 +63,20 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class RunSection(_Section):
-    """Identity and length of the run."""
+    """Identity and length of the run. `jax_cache_dir`: JAX's persistent compilation cache
+    (empty: `<output_dir>/jax_cache`), so restarted processes skip recompiling."""
 
     name: str = "rlax-run"
     output_dir: str = "runs/{name}"
     seed: int = 0
     steps: int = 20
     log_every: int = 1
+    jax_cache_dir: str = ""
 
     def __post_init__(self) -> None:
-        _check(bool(re.match(r"^[A-Za-z0-9_.-]+$", self.name)), "name", self.name, "letters, digits, _ . - only")
+        _check(
+            bool(re.match(r"^[A-Za-z0-9_.-]+$", self.name)), "name", self.name, "letters, digits, _ . - only"
+        )
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(self.log_every >= 1, "log_every", self.log_every, "must be >= 1")
         _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
@@ -99,11 +105,24 @@ class ModelConfigSection(_Section):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             _check(value >= 1, name, value, "must be >= 1")
-        _check(self.d_model % self.n_heads == 0, "d_model", self.d_model, f"must divide by n_heads={self.n_heads}")
         _check(
-            self.n_heads % self.n_kv_heads == 0, "n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads}"
+            self.d_model % self.n_heads == 0,
+            "d_model",
+            self.d_model,
+            f"must divide by n_heads={self.n_heads}",
         )
-        _check(self.source == "tiny" or self.source == "gguf" or bool(self.path), "path", self.path, "required for hf")
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads",
+            self.n_kv_heads,
+            f"must divide n_heads={self.n_heads}",
+        )
+        _check(
+            self.source == "tiny" or self.source == "gguf" or bool(self.path),
+            "path",
+            self.path,
+            "required for hf",
+        )
 
 
 class DataConfig(_Section):
@@ -141,7 +160,8 @@ class DataConfig(_Section):
 
 
 class WorkersConfig(_Section):
-    """Inference workers: how many, reload staleness j, and back-pressure."""
+    """Inference workers: how many, reload staleness j, and back-pressure.
+    `attention`: the inference engine's attention backend (its `EngineConfig.attention`)."""
 
     count: int = 2
     j: int = 1
@@ -149,6 +169,7 @@ class WorkersConfig(_Section):
     addresses: list[str] = msgspec.field(default_factory=list)
     max_batch_seqs: int = 64
     platform: str = "cpu"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, "count", self.count, "must be >= 1")
@@ -187,7 +208,12 @@ class TrainerConfig(_Section):
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, "preset", self.preset, f"must be one of {', '.join(PRESETS)}")
         _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
-        _check(math.isfinite(self.sft_lr) and self.sft_lr > 0, "sft_lr", self.sft_lr, "must be a finite number > 0")
+        _check(
+            math.isfinite(self.sft_lr) and self.sft_lr > 0,
+            "sft_lr",
+            self.sft_lr,
+            "must be a finite number > 0",
+        )
         _check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
@@ -221,15 +247,21 @@ class VerifierConfig(_Section):
 
 
 class ControllerConfig(_Section):
+    """`lookahead_steps`: how many batches beyond the current one are generated ahead
+    (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher."""
+
     address: str = AUTO
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 20.0
     request_timeout_s: float = 30.0
     snapshot_keep: int = 4
+    lookahead_steps: int = 1
 
     def __post_init__(self) -> None:
         _check_address("address", self.address)
-        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be > 0")
+        _check(
+            self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be > 0"
+        )
         _check(
             self.heartbeat_timeout_s > self.heartbeat_interval_s,
             "heartbeat_timeout_s",
@@ -238,6 +270,7 @@ class ControllerConfig(_Section):
         )
         _check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         _check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
+        _check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
 
 
 class EvalConfig(_Section):
@@ -263,7 +296,9 @@ class ChaosConfig(_Section):
 
     interval: float = 0.0
     seed: int = 0
-    targets: list[str] = msgspec.field(default_factory=lambda: ["worker", "trainer", "controller", "paramserver"])
+    targets: list[str] = msgspec.field(
+        default_factory=lambda: ["worker", "trainer", "controller", "paramserver"]
+    )
     max_kills: int = 0
 
     def __post_init__(self) -> None:
@@ -426,7 +461,9 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = N
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the config must be a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path}: the config must be a mapping of sections, got {type(loaded).__name__}"
+            )
         raw = loaded
     raw = apply_overrides(raw, list(overrides or []))
     return parse_config(raw, source)

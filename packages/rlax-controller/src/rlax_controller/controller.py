@@ -140,6 +140,7 @@ class Controller:
                 max_filter_draws=config.data.max_filter_draws,
                 max_inflight_per_worker=config.workers.max_inflight_groups,
                 seed=config.run.seed,
+                lookahead_steps=config.controller.lookahead_steps,
             ),
         )
         self.server_id = uuid.uuid4().hex[:12]
@@ -149,7 +150,13 @@ class Controller:
         self.workers = {
             f"worker{i}": WorkerState(
                 f"worker{i}",
-                PeerLink(address, encode=encode_protocol, decode=decode_protocol, context=self.context, role="controller"),
+                PeerLink(
+                    address,
+                    encode=encode_protocol,
+                    decode=decode_protocol,
+                    context=self.context,
+                    role="controller",
+                ),
             )
             for i, address in enumerate(worker_addresses)
         }
@@ -167,7 +174,9 @@ class Controller:
     # ------------------------------------------------------------------ trainer side
     def _reply(self, identity: bytes, request_id: int, message: Message) -> None:
         try:
-            self.router.send_multipart([identity, pack_request_id(request_id), encode_control(message)], zmq.NOBLOCK)
+            self.router.send_multipart(
+                [identity, pack_request_id(request_id), encode_control(message)], zmq.NOBLOCK
+            )
         except zmq.Again:
             log.warning("dropped a reply to a peer whose queue is full")
 
@@ -206,7 +215,9 @@ class Controller:
             )
         if isinstance(message, BatchRequest):
             return self._on_batch_request(message)
-        return ErrorReply(code="unknown_message", message=f"controller does not serve {type(message).__name__}")
+        return ErrorReply(
+            code="unknown_message", message=f"controller does not serve {type(message).__name__}"
+        )
 
     def _restore(self, step: int) -> None:
         snapshot = self.store.read(step)  # SnapshotError names the folder and the steps it has
@@ -222,7 +233,9 @@ class Controller:
         self.eval_job = None
         self.finished = False
         self._drop_all_requests()
-        self.metrics.write({"kind": "event", "step": step, "event": "restored", "checkpoint": snapshot.checkpoint})
+        self.metrics.write(
+            {"kind": "event", "step": step, "event": "restored", "checkpoint": snapshot.checkpoint}
+        )
         logged = {r["step"] for r in read_metrics(self.metrics.path, kind="train")}
         if snapshot.batch_record and step not in logged:
             # The previous controller died between the trainer's commit and its metrics line.
@@ -256,7 +269,11 @@ class Controller:
             self.trainer_metrics = dict(request.metrics)
             self._commit(self.sent_batch)
         elif step != self.scheduler.step:
-            log.warning("trainer is at step %d, controller at %d: rewinding to the trainer's snapshot", step, self.scheduler.step)
+            log.warning(
+                "trainer is at step %d, controller at %d: rewinding to the trainer's snapshot",
+                step,
+                self.scheduler.step,
+            )
             self._restore(step)
             self._eval_if_due(step)
         if self.scheduler.step >= self.config.run.steps:
@@ -286,7 +303,9 @@ class Controller:
             "staleness_mean": float(np.mean(batch.staleness)),
             "staleness": batch.staleness,
             "filtered_groups": batch.filtered,
-            "response_tokens_mean": float(np.mean([len(s.token_ids) for g in batch.groups for s in g.samples])),
+            "response_tokens_mean": float(
+                np.mean([len(s.token_ids) for g in batch.groups for s in g.samples])
+            ),
             "rollout_ids": batch.rollout_ids,
             "rollout_versions": [g.version for g in batch.groups],
             "consumed_prompt_ids": list(batch.consumed_prompt_ids),
@@ -295,7 +314,9 @@ class Controller:
 
     def _write_pending_snapshot(self, batch: Batch) -> None:
         counters = dict(self.scheduler.counters)
-        counters["rollouts_trained"] = counters.get("rollouts_trained", 0) + sum(len(g.samples) for g in batch.groups)
+        counters["rollouts_trained"] = counters.get("rollouts_trained", 0) + sum(
+            len(g.samples) for g in batch.groups
+        )
         counters["groups_filtered"] = counters.get("groups_filtered", 0) + batch.filtered
         self.store.write(
             RunSnapshot(
@@ -356,7 +377,12 @@ class Controller:
         self._rate_tokens = 0
         self._rate_since = now
         self._last_step_time = now
-        log.info("step %d committed: reward %.3f staleness %s", self.scheduler.step, record["reward_mean"], batch.staleness)
+        log.info(
+            "step %d committed: reward %.3f staleness %s",
+            self.scheduler.step,
+            record["reward_mean"],
+            batch.staleness,
+        )
         self._eval_if_due(self.scheduler.step)
 
     def _eval_if_due(self, step: int) -> None:
@@ -375,7 +401,9 @@ class Controller:
             return
         if self.eval_job is not None and self.eval_job.step == step:
             return
-        self.eval_job = EvalJob(step=step, items=self.eval_items, status=dict.fromkeys(range(len(self.eval_items)), "pending"))
+        self.eval_job = EvalJob(
+            step=step, items=self.eval_items, status=dict.fromkeys(range(len(self.eval_items)), "pending")
+        )
 
     def _finish_eval(self, job: EvalJob) -> None:
         n = self.config.eval.n_samples
@@ -421,7 +449,15 @@ class Controller:
     def _declare_dead(self, worker: WorkerState, why: str, *, reopen: bool = True) -> None:
         if worker.alive or worker.requests:
             log.warning("%s declared dead: %s", worker.name, why)
-            self.metrics.write({"kind": "worker", "step": self.scheduler.step, "worker": worker.name, "event": "dead", "why": why})
+            self.metrics.write(
+                {
+                    "kind": "worker",
+                    "step": self.scheduler.step,
+                    "worker": worker.name,
+                    "event": "dead",
+                    "why": why,
+                }
+            )
         worker.alive = False
         self.scheduler.worker_lost(worker.name)
         if self.eval_job is not None:
@@ -446,8 +482,12 @@ class Controller:
             logprobs=True,
         )
 
-    def _send_generate(self, worker: WorkerState, tag: str, item: PromptItem, n: int, sampling: SamplingParams) -> bool:
-        request = GenerateRequest(request_id=tag, prompt_token_ids=item.prompt_token_ids, sampling=sampling, n=n)
+    def _send_generate(
+        self, worker: WorkerState, tag: str, item: PromptItem, n: int, sampling: SamplingParams
+    ) -> bool:
+        request = GenerateRequest(
+            request_id=tag, prompt_token_ids=item.prompt_token_ids, sampling=sampling, n=n
+        )
         request_id = worker.link.send(request)
         if request_id is None:
             return False
@@ -470,7 +510,9 @@ class Controller:
                     break
                 worker = min(room, key=lambda w: len(w.requests))
                 tag = f"eval{job.step}.{index}.{uuid.uuid4().hex[:6]}"
-                sampling = self._sampling(temperature=self.config.eval.temperature, seed=stable_seed(self.config.eval.seed, index))
+                sampling = self._sampling(
+                    temperature=self.config.eval.temperature, seed=stable_seed(self.config.eval.seed, index)
+                )
                 if self._send_generate(worker, tag, job.items[index], self.config.eval.n_samples, sampling):
                     job.status[index] = tag
         if self.scheduler.step >= self.config.run.steps:
@@ -480,7 +522,9 @@ class Controller:
             worker = self.workers[name]
             sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
             assert group.request_id is not None
-            if not self._send_generate(worker, group.request_id, group.item, self.config.data.group_size, sampling):
+            if not self._send_generate(
+                worker, group.request_id, group.item, self.config.data.group_size, sampling
+            ):
                 self._declare_dead(worker, "it is not connected", reopen=False)
                 break
 
@@ -497,25 +541,40 @@ class Controller:
                     tag = worker.requests.pop(request_id, None)
                     del worker.sent_at[request_id]
                     if tag is not None:
-                        log.warning("%s: request %s timed out after %.1fs; reassigning", worker.name, tag, now - sent)
-                        self.scheduler.counters["requests_timed_out"] = self.scheduler.counters.get("requests_timed_out", 0) + 1
+                        log.warning(
+                            "%s: request %s timed out after %.1fs; reassigning", worker.name, tag, now - sent
+                        )
+                        self.scheduler.counters["requests_timed_out"] = (
+                            self.scheduler.counters.get("requests_timed_out", 0) + 1
+                        )
                         self._release_tag(worker, tag)
                         # A worker that answers pings but not requests is hung: keep work away from it.
                         worker.timeouts += 1
-                        worker.quarantine_until = now + min(60.0, cfg.request_timeout_s * 2 ** (worker.timeouts - 1))
+                        worker.quarantine_until = now + min(
+                            60.0, cfg.request_timeout_s * 2 ** (worker.timeouts - 1)
+                        )
             silent = now - worker.last_seen
             if worker.alive and silent > cfg.heartbeat_timeout_s:
-                self._declare_dead(worker, f"silent for {silent:.1f}s (controller.heartbeat_timeout_s={cfg.heartbeat_timeout_s})")
+                self._declare_dead(
+                    worker,
+                    f"silent for {silent:.1f}s (controller.heartbeat_timeout_s={cfg.heartbeat_timeout_s})",
+                )
 
     def _on_welcome(self, worker: WorkerState, welcome: Welcome, now: float) -> None:
-        if worker.link.server_id is not None and welcome.server_id != worker.link.server_id and worker.requests:
+        if (
+            worker.link.server_id is not None
+            and welcome.server_id != worker.link.server_id
+            and worker.requests
+        ):
             # The worker restarted: requests sent to its previous life are lost.
             self._declare_dead(
                 worker, f"restarted (server id {worker.link.server_id} -> {welcome.server_id})", reopen=False
             )
         worker.link.server_id = welcome.server_id
         if not worker.alive:
-            self.metrics.write({"kind": "worker", "step": self.scheduler.step, "worker": worker.name, "event": "alive"})
+            self.metrics.write(
+                {"kind": "worker", "step": self.scheduler.step, "worker": worker.name, "event": "alive"}
+            )
         worker.alive = True
         worker.last_seen = now
 
@@ -578,7 +637,9 @@ class Controller:
         except (ProtocolError, TimeoutError) as error:
             # A verifier service that is down: generate this group again later.
             log.error("scoring %s failed (%s); the group goes back to the queue", result.request_id, error)
-            self.scheduler.counters["scoring_failures"] = self.scheduler.counters.get("scoring_failures", 0) + 1
+            self.scheduler.counters["scoring_failures"] = (
+                self.scheduler.counters.get("scoring_failures", 0) + 1
+            )
             self.scheduler.release(group)
             return
         samples = [
@@ -644,4 +705,3 @@ class Controller:
             worker.link.close()
         self.router.close(linger=0)
         self.metrics.close()
-

@@ -55,9 +55,15 @@ def build_specs(config: RunConfig, config_path: pathlib.Path) -> list[ProcessSpe
     if config.verifier.mode == "service":
         specs.append(ProcessSpec("verifier", "verifier", _rlax("verifier", "--config", path), env))
     for i in range(config.workers.count):
-        specs.append(ProcessSpec(f"worker{i}", "worker", _rlax("worker", "--config", path, "--index", str(i)), env))
+        specs.append(
+            ProcessSpec(f"worker{i}", "worker", _rlax("worker", "--config", path, "--index", str(i)), env)
+        )
     specs.append(ProcessSpec("trainer", "trainer", _rlax("trainer", "--config", path), env))
-    specs.append(ProcessSpec("controller", "controller", _rlax("controller", "--config", path), env, completes_run=True))
+    specs.append(
+        ProcessSpec(
+            "controller", "controller", _rlax("controller", "--config", path), env, completes_run=True
+        )
+    )
     return specs
 
 
@@ -128,4 +134,3 @@ def launch(
         console.print(f"plot: {plot}")
     console.print(report.render())
     return report
-

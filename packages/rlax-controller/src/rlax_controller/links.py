@@ -74,7 +74,9 @@ class PeerLink:
         request_id = self._next_id
         self._next_id += 1
         try:
-            self.socket.send_multipart([pack_request_id(request_id), self.encode(message), *frames], zmq.NOBLOCK)
+            self.socket.send_multipart(
+                [pack_request_id(request_id), self.encode(message), *frames], zmq.NOBLOCK
+            )
         except zmq.Again:
             return None
         return request_id
@@ -152,7 +154,9 @@ class ControlClient:
 
     def _connect(self, timeout_s: float) -> None:
         address, encode, decode, client_id, role = self._args
-        self.link = PeerLink(address, encode=encode, decode=decode, context=self.context, client_id=client_id, role=role)
+        self.link = PeerLink(
+            address, encode=encode, decode=decode, context=self.context, client_id=client_id, role=role
+        )
         assert self.link.socket is not None
         hello = Hello(protocol_version=PROTOCOL_VERSION, client_id=self.link.client_id, role=role)
         reply = self._wait(self._send(hello, "Hello", timeout_s), "Hello", timeout_s)

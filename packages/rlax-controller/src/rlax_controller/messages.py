@@ -107,5 +107,7 @@ def decode_control(data: bytes | memoryview | bytearray) -> Message:
     try:
         message: Message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise MalformedMessageError(f"cannot decode controller message ({len(data)} bytes): {error}") from None
+        raise MalformedMessageError(
+            f"cannot decode controller message ({len(data)} bytes): {error}"
+        ) from None
     return message

@@ -136,7 +136,9 @@ class ProgressDisplay:
             table.add_column(title, justify="right")
         table.add_row(*(_fmt(self.last.get(key)) for _, key in self.COLUMNS))
         if self.last_eval:
-            evals = ", ".join(f"{k}={_fmt(v)}" for k, v in self.last_eval.items() if k.startswith(("pass@", "reward")))
+            evals = ", ".join(
+                f"{k}={_fmt(v)}" for k, v in self.last_eval.items() if k.startswith(("pass@", "reward"))
+            )
             table.caption = f"eval @ step {self.last_eval.get('step')}: {evals}"
         return table
 
@@ -149,11 +151,17 @@ class ProgressDisplay:
             self._live.update(self._table())
             return
         if record.get("kind") == "eval":
-            values = " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k.startswith(("pass@", "reward", "avg")))
+            values = " ".join(
+                f"{k}={_fmt(v)}" for k, v in record.items() if k.startswith(("pass@", "reward", "avg"))
+            )
             print(f"[eval] step={record.get('step')} {values}", file=self.stream, flush=True)
         else:
-            values = " ".join(f"{title.replace(' ', '_')}={_fmt(record.get(key))}" for title, key in self.COLUMNS[1:])
-            print(f"[train] step={record.get('step')}/{self.total_steps} {values}", file=self.stream, flush=True)
+            values = " ".join(
+                f"{title.replace(' ', '_')}={_fmt(record.get(key))}" for title, key in self.COLUMNS[1:]
+            )
+            print(
+                f"[train] step={record.get('step')}/{self.total_steps} {values}", file=self.stream, flush=True
+            )
 
     def close(self) -> None:
         if self._live is not None:
@@ -170,7 +178,11 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
         keys = [k for k in first if k.startswith(("pass@", "reward_mean", "avg@"))]
         for key in keys:
             a, b = first.get(key), last.get(key)
-            change = f"{100 * (b - a):+.1f} pts" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
+            change = (
+                f"{100 * (b - a):+.1f} pts"
+                if isinstance(a, int | float) and isinstance(b, int | float)
+                else "-"
+            )
             rows.append((f"eval {key} (step {first['step']} -> {last['step']})", _fmt(a), _fmt(b), change))
     train = latest_per_step(r for r in records if r.get("kind") == "train")
     if train:
@@ -180,7 +192,9 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                 a, b = first.get(key), last.get(key)
                 change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
                 rows.append((f"train {key}", _fmt(a), _fmt(b), change))
-        rows.append(("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}"))
+        rows.append(
+            ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
+        )
     return rows
 
 
@@ -193,7 +207,9 @@ def summary_table(records: list[dict[str, Any]], title: str = "RLAX run summary"
     return table
 
 
-def plot_run(records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "RLAX run") -> pathlib.Path:
+def plot_run(
+    records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "RLAX run"
+) -> pathlib.Path:
     """PNG with training reward, evaluation pass@k and |Δ logprob| against the step."""
     import matplotlib
 
@@ -204,7 +220,9 @@ def plot_run(records: list[dict[str, Any]], path: str | pathlib.Path, title: str
     evals = latest_per_step(r for r in records if r.get("kind") == "eval")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     steps = [r["step"] for r in train]
-    axes[0].plot(steps, [r.get("reward_mean", math.nan) for r in train], marker=".", label="train reward (mean)")
+    axes[0].plot(
+        steps, [r.get("reward_mean", math.nan) for r in train], marker=".", label="train reward (mean)"
+    )
     axes[0].set_title("training reward")
     eval_keys = sorted({k for r in evals for k in r if k.startswith(("pass@", "reward_mean"))})
     for key in eval_keys:
@@ -232,5 +250,7 @@ def plot_run(records: list[dict[str, Any]], path: str | pathlib.Path, title: str
     return path
 
 
-def print_summary(records: list[dict[str, Any]], console: Console | None = None, title: str = "RLAX run summary") -> None:
+def print_summary(
+    records: list[dict[str, Any]], console: Console | None = None, title: str = "RLAX run summary"
+) -> None:
     (console or Console()).print(summary_table(records, title))

@@ -103,6 +103,7 @@ class SchedulerConfig:
     max_filter_draws: int = 64
     max_inflight_per_worker: int = 2
     seed: int = 0
+    lookahead_steps: int | None = None  # None: k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,13 @@ class RolloutScheduler:
 
     # -- restore ------------------------------------------------------------------------
     def restore(
-        self, *, step: int, next_index: int, stream_state: dict[str, Any], rng_state: dict[str, Any], counters: dict[str, int]
+        self,
+        *,
+        step: int,
+        next_index: int,
+        stream_state: dict[str, Any],
+        rng_state: dict[str, Any],
+        counters: dict[str, int],
     ) -> None:
         """Forget every drawn group and continue from a snapshot's boundary."""
         self.source.load_state_dict(stream_state)
@@ -179,10 +186,13 @@ class RolloutScheduler:
     # -- drawing and dispatch -----------------------------------------------------------
     def _lookahead(self) -> int:
         # Weights of version `step` stay usable for batches step..step+k.
-        return (self.config.k + 1) * self.config.prompts_per_step
+        ahead = self.config.k if self.config.lookahead_steps is None else min(self.config.k, self.config.lookahead_steps)
+        return (ahead + 1) * self.config.prompts_per_step
 
     def _useful_groups(self) -> int:
-        return sum(1 for g in self.groups.values() if not (g.status is GroupStatus.DONE and self._filtered(g)))
+        return sum(
+            1 for g in self.groups.values() if not (g.status is GroupStatus.DONE and self._filtered(g))
+        )
 
     def _filtered(self, group: Group) -> bool:
         return self.config.dynamic_filter and group.all_rewards_equal
@@ -207,7 +217,9 @@ class RolloutScheduler:
         return drawn
 
     def inflight(self, worker: str) -> int:
-        return sum(1 for g in self.groups.values() if g.status is GroupStatus.DISPATCHED and g.worker == worker)
+        return sum(
+            1 for g in self.groups.values() if g.status is GroupStatus.DISPATCHED and g.worker == worker
+        )
 
     @property
     def pending(self) -> int:
@@ -265,7 +277,9 @@ class RolloutScheduler:
             self.counters["results_ignored"] += 1
             return None
         if len(samples) != self.config.group_size:
-            raise ValueError(f"request {request_id}: {len(samples)} samples, expected group_size={self.config.group_size}")
+            raise ValueError(
+                f"request {request_id}: {len(samples)} samples, expected group_size={self.config.group_size}"
+            )
         self._by_request.pop(request_id, None)
         group.status = GroupStatus.DONE
         group.version = version
@@ -289,7 +303,9 @@ class RolloutScheduler:
             if self.step - group.version > self.config.k:
                 self.counters["groups_expired"] += 1
                 self.release(group)
-                raise BatchNotReady(f"group {group.index} expired (version {group.version}, step {self.step})")
+                raise BatchNotReady(
+                    f"group {group.index} expired (version {group.version}, step {self.step})"
+                )
             consumed.append(group)
             if self._filtered(group):
                 filtered += 1

@@ -97,7 +97,9 @@ class SnapshotStore:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise SnapshotError(f"no snapshot for step {step} in {self.folder} (have steps {self.steps()})") from None
+            raise SnapshotError(
+                f"no snapshot for step {step} in {self.folder} (have steps {self.steps()})"
+            ) from None
         return decode_snapshot(data, str(path))
 
     def latest(self) -> RunSnapshot | None:
@@ -119,7 +121,9 @@ def decode_snapshot(data: bytes, source: str) -> RunSnapshot:
     except msgspec.ValidationError as error:
         raise SnapshotError(f"snapshot {source} is corrupt: {error}") from None
     if snapshot.format != SNAPSHOT_FORMAT:
-        raise SnapshotError(f"snapshot {source} has format {snapshot.format}, this controller reads {SNAPSHOT_FORMAT}")
+        raise SnapshotError(
+            f"snapshot {source} has format {snapshot.format}, this controller reads {SNAPSHOT_FORMAT}"
+        )
     actual = xxhash.xxh64_hexdigest(msgspec.json.encode(snapshot))
     if actual != envelope["checksum"]:
         raise SnapshotError(

@@ -72,7 +72,9 @@ class SupervisorReport:
             codes = ", ".join(str(c) for c in self.exit_codes.get(name, [])[-5:])
             lines.append(f"  {name}: {count} restart(s); last exit codes [{codes}]")
         if self.chaos_kills:
-            lines.append(f"  chaos kills: {len(self.chaos_kills)} ({', '.join(n for n, _ in self.chaos_kills)})")
+            lines.append(
+                f"  chaos kills: {len(self.chaos_kills)} ({', '.join(n for n, _ in self.chaos_kills)})"
+            )
         lines.append(f"  logs: {self.log_dir}")
         return "\n".join(lines)
 
@@ -139,7 +141,9 @@ class Supervisor:
         proc.started_at = time.monotonic()
         proc.restart_at = None
         proc.killed_by_chaos = False
-        self._event("start", name=proc.spec.name, role=proc.spec.role, pid=proc.popen.pid, restarts=proc.restarts)
+        self._event(
+            "start", name=proc.spec.name, role=proc.spec.role, pid=proc.popen.pid, restarts=proc.restarts
+        )
 
     def _signal_group(self, proc: ManagedProcess, sig: int) -> None:
         if proc.popen is None:
@@ -201,7 +205,10 @@ class Supervisor:
 
     # -- main loop ----------------------------------------------------------------------
     def _backoff(self, proc: ManagedProcess) -> float:
-        return min(self.policy.backoff_initial_s * 2 ** max(0, proc.consecutive_failures - 1), self.policy.backoff_max_s)
+        return min(
+            self.policy.backoff_initial_s * 2 ** max(0, proc.consecutive_failures - 1),
+            self.policy.backoff_max_s,
+        )
 
     def _on_exit(self, proc: ManagedProcess, code: int, now: float) -> SupervisorReport | None:
         proc.exit_codes.append(code)

@@ -85,9 +85,13 @@ class RunTask:
         return self.config.model.source != "tiny"
 
     def encode_prompt(self, record: Any) -> list[int]:
+        return self.encode_text(record.prompt_text())
+
+    def encode_text(self, text: str) -> list[int]:
+        """Prompt token ids: BOS + characters for the tiny model, the chat template otherwise."""
         if self.chat:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": record.prompt_text()}]))
-        return list(self.tokenizer.encode(record.prompt_text(), add_bos=True))
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        return list(self.tokenizer.encode(text, add_bos=True))
 
     def target_ids(self, record: Any) -> list[int]:
         """The SFT target: the reference answer then end-of-sequence."""

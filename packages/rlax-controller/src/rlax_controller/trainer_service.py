@@ -24,7 +24,14 @@ import numpy as np
 from rlax_controller.config import RunConfig
 from rlax_controller.fsutil import append_line_durable
 from rlax_controller.links import ControlClient
-from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, TrainBatch, decode_control, encode_control
+from rlax_controller.messages import (
+    BatchRequest,
+    NoBatchYet,
+    RunComplete,
+    TrainBatch,
+    decode_control,
+    encode_control,
+)
 
 __all__ = ["TrainerLoop", "learner_config", "run"]
 
@@ -80,12 +87,12 @@ class TrainerLoop:
 
     def __init__(self, config: RunConfig) -> None:
         import jax
-        from rlax_paramserver import ParamClient
-        from rlax_trainer import Learner
-        from rlax_trainer.checkpoint import CheckpointManager
 
         from rlax_controller.models import initial_params
         from rlax_controller.tasks import build_task
+        from rlax_paramserver import ParamClient
+        from rlax_trainer import Learner
+        from rlax_trainer.checkpoint import CheckpointManager
 
         self.config = config
         self.output = config.output_dir
@@ -97,11 +104,15 @@ class TrainerLoop:
         self.checkpoints = CheckpointManager(
             self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True
         )
-        self.params_client = ParamClient(config.paramserver.address, timeout_s=config.controller.request_timeout_s)
+        self.params_client = ParamClient(
+            config.paramserver.address, timeout_s=config.controller.request_timeout_s
+        )
         self.metrics_path = self.output / "trainer_metrics.jsonl"
         template = Learner(self.model_config, self.rl_config, init, seed=config.run.seed)
         restored = self.checkpoints.restore(template.state)
-        reference_store = CheckpointManager(self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False)
+        reference_store = CheckpointManager(
+            self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False
+        )
         if restored is None:
             params = self.sft_warm_start(init) if config.trainer.sft_steps else init
             self.learner = Learner(self.model_config, self.rl_config, params, seed=config.run.seed)
@@ -119,7 +130,9 @@ class TrainerLoop:
                 if found is None:
                     raise RuntimeError(f"{reference_store.directory}: the KL reference weights are missing")
                 reference = found[0].params["policy"]
-            self.learner = Learner(self.model_config, self.rl_config, init, reference_params=reference, seed=config.run.seed)
+            self.learner = Learner(
+                self.model_config, self.rl_config, init, reference_params=reference, seed=config.run.seed
+            )
             self.learner.load_state(state)
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
         reference_store.close()
@@ -159,10 +172,22 @@ class TrainerLoop:
                 )
             metrics = learner.update(collate(groups, pad_id=self.pad_id, seq_len=self.seq_len))
             if step % 10 == 0 or step == cfg.trainer.sft_steps - 1:
-                log.info("SFT step %d/%d: %s", step + 1, cfg.trainer.sft_steps, {k: round(v, 4) for k, v in metrics.items()})
+                log.info(
+                    "SFT step %d/%d: %s",
+                    step + 1,
+                    cfg.trainer.sft_steps,
+                    {k: round(v, 4) for k, v in metrics.items()},
+                )
         append_line_durable(
             self.metrics_path,
-            json.dumps({"kind": "sft", "steps": cfg.trainer.sft_steps, "seconds": time.monotonic() - started, **metrics}),
+            json.dumps(
+                {
+                    "kind": "sft",
+                    "steps": cfg.trainer.sft_steps,
+                    "seconds": time.monotonic() - started,
+                    **metrics,
+                }
+            ),
         )
         return learner.host_params()["policy"]
 
@@ -178,7 +203,9 @@ class TrainerLoop:
                 return self._publish_once()
             except (ProtocolTimeoutError, ConnectionError) as error:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"cannot publish version {self.step} to {self.config.paramserver.address}: {error}") from None
+                    raise TimeoutError(
+                        f"cannot publish version {self.step} to {self.config.paramserver.address}: {error}"
+                    ) from None
                 log.warning("publishing version %d failed (%s); retrying", self.step, error)
                 time.sleep(0.5)
 
@@ -200,7 +227,9 @@ class TrainerLoop:
         from rlax_trainer import collate
 
         if batch.step != self.step:
-            raise RuntimeError(f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}")
+            raise RuntimeError(
+                f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}"
+            )
         g = batch.group_size
         groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
         arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
@@ -211,9 +240,13 @@ class TrainerLoop:
         # Logged before the checkpoint commits: the last line of a step is the committed one.
         append_line_durable(
             self.metrics_path,
-            json.dumps({"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}),
+            json.dumps(
+                {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
+            ),
         )
-        self.checkpoints.save(self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)})
+        self.checkpoints.save(
+            self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)}
+        )
         self.checkpoints.wait()
         self.step = self.learner.step
         self.publish()

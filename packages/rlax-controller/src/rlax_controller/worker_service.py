@@ -17,11 +17,11 @@ import uuid
 from typing import Any
 
 import zmq
+
+from rlax_controller.config import RunConfig
 from rlax_protocol.errors import ProtocolError
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
 from rlax_protocol.transport import parse_request, reply_parts, welcome_for
-
-from rlax_controller.config import RunConfig
 
 __all__ = ["WorkerService", "run"]
 
@@ -32,10 +32,9 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
 class WorkerService:
     def __init__(self, config: RunConfig, index: int, *, context: zmq.Context[Any] | None = None) -> None:
-        from rlax_paramserver import ParamClient
-
         from rlax_controller.models import build_model_config
         from rlax_controller.tasks import build_task
+        from rlax_paramserver import ParamClient
 
         self.config = config
         self.index = index
@@ -79,6 +78,7 @@ class WorkerService:
             max_num_batched_tokens=max(2048, seqs * 4),
             max_model_len=max_len,
             swap_policy="drop",
+            attention=self.config.workers.attention,
         )
 
     def maybe_reload(self, now: float, *, force_check: bool = False) -> None:
@@ -95,7 +95,9 @@ class WorkerService:
                     f"worker {self.index}: no answer from the parameter server at {self.config.paramserver.address} "
                     f"for {waited:.0f}s (controller.request_timeout_s={self.config.controller.request_timeout_s}): {error}"
                 ) from None
-            log.warning("cannot reach the parameter server (%s); generating with version %s", error, self.version)
+            log.warning(
+                "cannot reach the parameter server (%s); generating with version %s", error, self.version
+            )
             return
         if latest is None:
             return
@@ -108,7 +110,9 @@ class WorkerService:
         if self.engine is None:
             from rlax_inference.engine import LLMEngine
 
-            self.engine = LLMEngine(self.model_config, params, self._engine_config(), weight_version=pulled.version)
+            self.engine = LLMEngine(
+                self.model_config, params, self._engine_config(), weight_version=pulled.version
+            )
         else:
             self.engine.update_weights(params, pulled.version)
             self.reloads += 1
@@ -141,7 +145,9 @@ class WorkerService:
             )
             self.engine.add_request(tag, list(request.prompt_token_ids), params)
         except (ValueError, TypeError) as error:
-            self._reply(identity, request_id, ErrorReply(code="malformed", message=f"{request.request_id}: {error}"))
+            self._reply(
+                identity, request_id, ErrorReply(code="malformed", message=f"{request.request_id}: {error}")
+            )
             return
         self.waiting[tag] = (identity, request_id)
 
@@ -156,20 +162,32 @@ class WorkerService:
             request = parse_request(parts)
             message = request.message
             if request.error is not None or message is None:
-                self._reply(request.identity, request.request_id, ErrorReply(code="malformed", message=str(request.error)))
+                self._reply(
+                    request.identity,
+                    request.request_id,
+                    ErrorReply(code="malformed", message=str(request.error)),
+                )
             elif isinstance(message, Hello):
-                self._reply(request.identity, request.request_id, welcome_for(message, server_id=self.server_id))
+                self._reply(
+                    request.identity, request.request_id, welcome_for(message, server_id=self.server_id)
+                )
             elif isinstance(message, GenerateRequest):
                 self.queued.append((request.identity, request.request_id, message))
             else:
                 name = type(message).__name__
-                self._reply(request.identity, request.request_id, ErrorReply(code="unknown_message", message=f"worker does not serve {name}"))
+                self._reply(
+                    request.identity,
+                    request.request_id,
+                    ErrorReply(code="unknown_message", message=f"worker does not serve {name}"),
+                )
 
     def _finish(self, output: Any) -> None:
         identity, request_id = self.waiting.pop(output.request_id)
         original = output.request_id.rsplit("|", 1)[0]
         if output.error:
-            self._reply(identity, request_id, ErrorReply(code="malformed", message=f"{original}: {output.error}"))
+            self._reply(
+                identity, request_id, ErrorReply(code="malformed", message=f"{original}: {output.error}")
+            )
             return
         versions = {c.weight_version for c in output.outputs}
         samples = tuple(
@@ -181,7 +199,9 @@ class WorkerService:
             for c in sorted(output.outputs, key=lambda c: c.sample_index)
         )
         version = min(v for v in versions if v is not None) if versions - {None} else self.version or 0
-        self._reply(identity, request_id, GenerateResult(request_id=original, samples=samples, weight_version=version))
+        self._reply(
+            identity, request_id, GenerateResult(request_id=original, samples=samples, weight_version=version)
+        )
 
     def step(self) -> bool:
         """One round: socket, weights, admission, one engine step. Returns True if busy."""

@@ -7,15 +7,19 @@ head_dim]` in the model's compute dtype: per layer, the layout of `rlax_kernels`
 `rlax_kernels.paged_attention` (Pallas on TPU/GPU, the XLA reference path on CPU). Page 0
 is never handed out by the block pool: padded decode rows point their block table at it.
 
-Shapes are rounded up to buckets (powers of two) so that new request lengths reuse
-compiled code: decode is compiled per (batch bucket, block-table width bucket), prefill per
-(batch bucket, length bucket, sample-row bucket). Each jitted function counts its traces
-in `ModelRunner.num_compilations`.
+Shapes are rounded up to buckets so that new request lengths reuse compiled code: decode
+is compiled per (row bucket, block-table width bucket), prefill per (prompt-row bucket,
+length bucket, sample-row bucket). Each jitted function counts its traces in
+`ModelRunner.num_compilations`.
 
-Prefill starts every sequence from an empty cache (prefix sharing happens by forking block
-tables after the prefill), so it runs dense causal attention over the padded prompt rows
-and scatters their K/V into the pages; decode writes one token per row and runs paged
-decode attention.
+The cache never travels through the model's layer scan on the XLA path: each layer's
+attention hands its new K/V out of the scan and one scatter writes all layers into the
+donated cache afterwards (threading the cache through the scan copies all of it every step
+on CPU). Prefill starts every sequence from an empty cache (prefix sharing happens by forking
+block tables after the prefill), so it is dense causal attention over the padded prompt rows.
+Decode on the XLA path reads the cached tokens through the block tables and adds the current
+token to the softmax itself; with a Pallas backend the layer's pages go through the scan,
+`rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
 
 class _PrefillContext(NamedTuple):
     valid: jax.Array  # [batch, seq] bool
-    slots: jax.Array  # [batch, seq] int32, physical slot of each token (-1 for padding)
 
 
 class _DecodeContext(NamedTuple):
@@ -65,22 +68,77 @@ class _DecodeContext(NamedTuple):
     block_tables: jax.Array  # [batch, width] int32
 
 
+class _FusedDecodeContext(NamedTuple):
+    cache: KVCache  # the whole cache, read only: [layers, kv_heads, pages, page_size, head_dim]
+    lengths: jax.Array  # [batch] int32, tokens including the current one (not yet in the cache)
+    block_tables: jax.Array  # [batch, width] int32
+
+
+def _write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots: jax.Array) -> KVCache:
+    """Scatter every layer's new K/V `[layers, tokens, kv_heads, head_dim]` into `slots` `[tokens]`.
+
+    One scatter per tensor over all layers, in place when the caller donates the cache; slot
+    -1 (padding) is dropped, as in `rlax_kernels.write_kv`.
+    """
+    out = {}
+    for name, new in (("k", new_k), ("v", new_v)):
+        pages = cache[name]
+        num_pages, page_size = pages.shape[2], pages.shape[3]
+        page = jnp.where(slots >= 0, slots // page_size, num_pages)
+        offset = jnp.where(slots >= 0, slots % page_size, 0)
+        rows = new.astype(pages.dtype).transpose(0, 2, 1, 3)  # [layers, kv_heads, tokens, head_dim]
+        out[name] = pages.at[:, :, page, offset].set(rows, mode="drop")
+    return out
+
+
+def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
+    """Dense causal attention over the prompt rows; hands this layer's K/V out to be written after the scan."""
+    return dense_attention_reference(q, k, v, causal_valid_mask(ctx.valid)), {"k": k, "v": v}
+
+
+def _decode_attention_fused(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
+    """XLA decode attention: cached tokens (read through the block tables) plus the current token.
+
+    The current token's K/V join the softmax directly and leave as this layer's output, to be
+    written into the cache once after the layer scan. Threading the cache through the scan
+    instead would copy all of it every step on CPU.
+    q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar.
+    """
+    batch, _, num_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = num_heads // kv_heads
+    k_pages, v_pages = ctx.cache["k"][layer], ctx.cache["v"][layer]  # [kv_heads, pages, page_size, head_dim]
+    page_size = k_pages.shape[2]
+    width = ctx.block_tables.shape[1]
+    cached = ctx.lengths - 1
+    used = jnp.arange(width)[None, :] < (cached[:, None] + page_size - 1) // page_size
+    tables = jnp.where(used, ctx.block_tables, 0)
+    k_old = k_pages[:, tables].reshape(kv_heads, batch, width * page_size, head_dim)
+    v_old = v_pages[:, tables].reshape(kv_heads, batch, width * page_size, head_dim)
+    qg = q[:, 0].reshape(batch, kv_heads, group, head_dim)
+    scale = float(head_dim) ** -0.5
+    s_old = jnp.einsum("bhgd,hbtd->bhgt", qg, k_old, preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(width * page_size)[None, :] < cached[:, None]
+    s_old = jnp.where(valid[:, None, None, :], s_old, -jnp.inf)
+    s_cur = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=jnp.float32) * scale
+    m = jnp.maximum(s_old.max(axis=-1), s_cur)
+    p_old = jnp.exp(s_old - m[..., None])
+    p_cur = jnp.exp(s_cur - m)
+    denom = p_old.sum(axis=-1) + p_cur
+    acc = jnp.einsum("bhgt,hbtd->bhgd", p_old.astype(v_old.dtype), v_old, preferred_element_type=jnp.float32)
+    acc = acc + p_cur[..., None] * v[:, 0, :, None, :].astype(jnp.float32)
+    out = (acc / denom[..., None]).reshape(batch, 1, num_heads, head_dim).astype(q.dtype)
+    return out, {"k": k[:, 0], "v": v[:, 0]}
+
+
 def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
-    """Scatter k, v `[tokens, kv_heads, head_dim]` into `slots` `[tokens]` (negative = padding, skipped)."""
     new_k, new_v = rlax_kernels.write_kv(layer_cache["k"], layer_cache["v"], k, v, slots)
     return {"k": new_k, "v": new_v}
 
 
-def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
-    b, s = q.shape[:2]
-    out = dense_attention_reference(q, k, v, causal_valid_mask(ctx.valid))
-    new_cache = _write(
-        layer_cache, k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]), ctx.slots.reshape(-1)
-    )
-    return out, new_cache
+def _make_kernel_decode_attention(backend: AttentionBackend) -> Callable[..., Any]:
+    """Decode attention by `rlax_kernels.paged_attention` (Pallas): the layer's pages go through the scan."""
 
-
-def _make_decode_attention(backend: AttentionBackend) -> Callable[..., Any]:
     def attention(q, k, v, layer_cache, ctx: _DecodeContext):  # type: ignore[no-untyped-def]
         new_cache = _write(layer_cache, k[:, 0], v[:, 0], ctx.slots)
         out = rlax_kernels.paged_attention(
@@ -116,16 +174,19 @@ def _prefill_step(
 ):  # type: ignore[no-untyped-def]
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, cache = hidden_states(
+    hidden, new = hidden_states(
         params,
         tokens,
         positions,
         config=config,
         attention=_prefill_attention,
-        attention_context=_PrefillContext(valid, slots),
-        kv_cache=cache,
+        attention_context=_PrefillContext(valid),
+        kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
     )
-    last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
+    layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
+    flat = {n: a.reshape(layers, rows * length, *a.shape[3:]) for n, a in new.items()}
+    cache = _write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
+    last = hidden[jnp.arange(rows), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
     logits = project_logits(last[row_of_sample], params, config)
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
@@ -135,15 +196,28 @@ def _prefill_step(
 def _decode_step(
     params, cache, tokens, slots, block_tables, lengths, sampling, *, config, attention, use_filters, num_top
 ):  # type: ignore[no-untyped-def]
-    hidden, cache = hidden_states(
-        params,
-        tokens[:, None],
-        (lengths - 1)[:, None],
-        config=config,
-        attention=_make_decode_attention(attention),
-        attention_context=_DecodeContext(slots, lengths, block_tables),
-        kv_cache=cache,
-    )
+    positions = (lengths - 1)[:, None]
+    if attention == "xla":
+        hidden, new = hidden_states(
+            params,
+            tokens[:, None],
+            positions,
+            config=config,
+            attention=_decode_attention_fused,
+            attention_context=_FusedDecodeContext(cache, lengths, block_tables),
+            kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
+        )
+        cache = _write_all_layers(cache, new["k"], new["v"], slots)
+    else:
+        hidden, cache = hidden_states(
+            params,
+            tokens[:, None],
+            positions,
+            config=config,
+            attention=_make_kernel_decode_attention(attention),
+            attention_context=_DecodeContext(slots, lengths, block_tables),
+            kv_cache=cache,
+        )
     logits = project_logits(hidden[:, 0], params, config)
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
@@ -192,8 +266,8 @@ class ModelRunner:
         shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         dtype = config.compute_jnp_dtype
         self.cache: KVCache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-        rlax_kernels.resolve_backend(attention, False)  # an unusable backend fails now, not mid-step
-        self.attention = attention
+        # Resolved now, so an unusable backend fails here and "auto" compiles one program.
+        self.attention = rlax_kernels.resolve_backend(attention, False)
 
     @property
     def num_compilations(self) -> collections.Counter[str]:
@@ -257,7 +331,7 @@ class ModelRunner:
         """One decode step: token `i` (at position `lengths[i] - 1`) writes its K/V into `slots[i]`."""
         n = len(tokens)
         rows = bucket(n, min(8, self.max_num_seqs), self.max_num_seqs)
-        width = bucket(max(len(t) for t in block_tables), self.min_width_bucket, self.max_pages_per_seq)
+        width = self.width_bucket(max(len(t) for t in block_tables))
         tok = np.zeros(rows, np.int32)
         slot_arr = np.full(rows, -1, np.int32)
         lens = np.ones(rows, np.int32)  # a padded row attends to one token of the (zero) null page
@@ -271,6 +345,35 @@ class ModelRunner:
             use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top),
         )  # fmt: skip
         return self._host(out, n, num_top)
+
+    def width_bucket(self, pages: int) -> int:
+        """Block-table width for `pages`: steps of `min_width_bucket` up to 8 steps, then powers of two.
+
+        Attention reads every page of the width, so padding costs time; linear steps keep it
+        small for the common lengths while the number of programs stays bounded.
+        """
+        if pages > self.max_pages_per_seq:
+            raise ValueError(f"{pages} pages exceed max_pages_per_seq={self.max_pages_per_seq}")
+        step = self.min_width_bucket
+        width = -(-pages // step) * step
+        if width > 8 * step:
+            width = bucket(width, 8 * step, max(self.max_pages_per_seq, 8 * step))
+        return min(width, self.max_pages_per_seq)
+
+    def width_buckets(self) -> list[int]:
+        """Every block-table width decode compiles for."""
+        return sorted({self.width_bucket(p) for p in range(1, self.max_pages_per_seq + 1)})
+
+    def warmup_decode(self, num_seqs: int) -> None:
+        """Compile decode for `num_seqs` rows at every width (padding rows only; the cache is untouched)."""
+        for width in self.width_buckets():
+            self.decode(
+                [0] * num_seqs,
+                [-1] * num_seqs,
+                [[0] * width] * num_seqs,
+                [1] * num_seqs,
+                [(1.0, 1.0, 0, 0, 0, 0)] * num_seqs,
+            )
 
     # -- helpers ----------------------------------------------------------------------
     @staticmethod

@@ -7,11 +7,11 @@ stacks layers, so loading transposes and stacks, saving splits and transposes ba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 import safetensors.flax
 from safetensors import safe_open
 
+from rlax_model.atomic_write import atomic_write_bytes
 from rlax_model.config import (
     ConfigError,
     LinearRopeScaling,
@@ -333,15 +334,19 @@ def load_hf_checkpoint(
     np_dtype = np.dtype(jnp.dtype(config.param_jnp_dtype))
     top: dict[str, Any] = {}
     per_layer: dict[str, list[np.ndarray]] = {k: [] for k in shapes["layers"]}
-    handles: dict[pathlib.Path, Any] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        handles: dict[pathlib.Path, Any] = {}
+
+        def read(hf_name: str) -> tuple[pathlib.Path, np.ndarray]:
+            path = files[hf_name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="numpy"))
+            return path, handles[path].get_tensor(hf_name)
+
         for ours, layer, hf_name, transpose in expected:
             if hf_name not in files:
                 raise CheckpointError(f"{directory}: tensor {hf_name!r} is missing")
-            path = files[hf_name]
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="numpy").__enter__()
-            arr = handles[path].get_tensor(hf_name)
+            path, arr = read(hf_name)
             want = shapes[ours] if layer is None else shapes["layers"][ours][1:]
             got = arr.shape[::-1] if transpose else arr.shape
             if tuple(got) != tuple(want):
@@ -349,42 +354,21 @@ def load_hf_checkpoint(
                 raise CheckpointError(
                     f"{path.name}: tensor {hf_name!r} has shape {tuple(arr.shape)}, expected {hf_want}"
                 )
-            arr = arr.T if transpose else arr
-            arr = np.ascontiguousarray(arr.astype(np_dtype))
+            arr = np.ascontiguousarray((arr.T if transpose else arr).astype(np_dtype))
             if layer is None:
                 top[ours] = arr
             else:
                 per_layer[ours].append(arr)
         if tied_head:
-            head = handles.setdefault(
-                files["lm_head.weight"],
-                safe_open(str(files["lm_head.weight"]), framework="numpy").__enter__(),
-            ).get_tensor("lm_head.weight")
+            _, head = read("lm_head.weight")
             if head.shape != top["embed"].shape or not np.array_equal(head.astype(np_dtype), top["embed"]):
                 raise CheckpointError(
                     f"{directory}: tie_word_embeddings=True but tensor 'lm_head.weight' differs from "
                     "'model.embed_tokens.weight'"
                 )
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     params: Params = {k: jnp.asarray(v) for k, v in top.items()}
     params["layers"] = {k: jnp.asarray(np.stack(v)) for k, v in per_layer.items()}
     return config, params
-
-
-def _atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _check_params(params: Params, config: ModelConfig) -> None:
@@ -433,21 +417,21 @@ def save_hf_checkpoint(
     metadata = {"format": "pt"}
     written: set[str] = set()
     if len(shards) == 1:
-        _atomic_write_bytes(directory / SAFE_SINGLE, safetensors.flax.save(shards[0], metadata=metadata))
+        atomic_write_bytes(directory / SAFE_SINGLE, safetensors.flax.save(shards[0], metadata=metadata))
         written.add(SAFE_SINGLE)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _atomic_write_bytes(directory / fname, safetensors.flax.save(shard, metadata=metadata))
+            atomic_write_bytes(directory / fname, safetensors.flax.save(shard, metadata=metadata))
             weight_map.update(dict.fromkeys(shard, fname))
             written.add(fname)
         total = sum(a.size * a.dtype.itemsize for a in tensors.values())
         index = {"metadata": {"total_size": int(total)}, "weight_map": weight_map}
-        _atomic_write_bytes(directory / SAFE_INDEX, json.dumps(index, indent=2).encode())
+        atomic_write_bytes(directory / SAFE_INDEX, json.dumps(index, indent=2).encode())
         written.add(SAFE_INDEX)
     # Weights of an earlier save in this folder would be mixed with the new ones on load.
     for stale in [SAFE_SINGLE, SAFE_INDEX, *(p.name for p in directory.glob("model-*-of-*.safetensors"))]:
         if stale not in written and (directory / stale).exists():
             (directory / stale).unlink()
-    _atomic_write_bytes(directory / "config.json", json.dumps(hf_config, indent=2).encode())
+    atomic_write_bytes(directory / "config.json", json.dumps(hf_config, indent=2).encode())

@@ -162,10 +162,11 @@ def gguf_config(
 
 
 def load_gguf(
-    path: str | os.PathLike[str], *, param_dtype: str = "float32", compute_dtype: str | None = None
+    path: str | os.PathLike[str] | GGUFFile, *, param_dtype: str = "float32", compute_dtype: str | None = None
 ) -> tuple[ModelConfig, Params]:
-    """Import a llama-architecture GGUF file. Returns (config, params in `param_dtype`)."""
-    file = GGUFFile(path)
+    """Import a llama-architecture GGUF file (or opened `GGUFFile`).
+    Returns (config, params in `param_dtype`)."""
+    file = path if isinstance(path, GGUFFile) else GGUFFile(path)
     config = gguf_config(file, param_dtype=param_dtype, compute_dtype=compute_dtype)
     shapes = param_shapes(config)
     dtype = config.param_jnp_dtype

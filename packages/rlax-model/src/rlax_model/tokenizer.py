@@ -12,7 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from rlax_model.atomic_write import atomic_write_bytes
 from rlax_model.chat_template import ChatTemplate, ChatTemplateError
+from rlax_model.gguf_import import GGUFFile
 
 
 class TokenizerError(ValueError):
@@ -113,11 +115,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Byte-level BPE ("gpt2" model) tokenizer from GGUF `tokenizer.ggml.*` metadata."""
-        from rlax_model.gguf_import import GGUFFile
-
-        file = GGUFFile(path)
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile) -> Tokenizer:
+        """Byte-level BPE ("gpt2" model) tokenizer from GGUF `tokenizer.ggml.*` metadata
+        (`path` may be an already opened `GGUFFile`)."""
+        file = path if isinstance(path, GGUFFile) else GGUFFile(path)
         kind = file.value("tokenizer.ggml.model")
         if kind != "gpt2":
             raise TokenizerError(
@@ -163,11 +164,9 @@ class Tokenizer:
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
-        from rlax_model.checkpoint_hf import _atomic_write_bytes
-
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode())
+        atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode())
         cfg = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.bos_token,
@@ -175,7 +174,7 @@ class Tokenizer:
             "pad_token": self.pad_token,
             "chat_template": None if self.chat_template is None else self.chat_template.source,
         }
-        _atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(cfg, indent=2).encode())
+        atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(cfg, indent=2).encode())
 
     # -- use ------------------------------------------------------------------------
 

@@ -10,10 +10,9 @@ import signal
 import sys
 import threading
 
-from rlax_protocol import CurveServerConfig, load_curve_keypair, load_curve_public_key
-
 from rlax_paramserver.config import DEFAULT_BIND, ServerConfig
 from rlax_paramserver.server import ParamServer
+from rlax_protocol import CurveServerConfig, load_curve_keypair, load_curve_public_key
 
 
 def _allowed_keys(paths: list[str]) -> frozenset[bytes]:
@@ -28,18 +27,32 @@ def _allowed_keys(paths: list[str]) -> frozenset[bytes]:
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.Path | None, str]:
-    parser = argparse.ArgumentParser(prog="rlax-paramserver", description="RLAX parameter server (versioned weight store).")
-    parser.add_argument("--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint; tcp://127.0.0.1:* picks a free port")
+    parser = argparse.ArgumentParser(
+        prog="rlax-paramserver", description="RLAX parameter server (versioned weight store)."
+    )
+    parser.add_argument(
+        "--bind", default=DEFAULT_BIND, help="ZeroMQ endpoint; tcp://127.0.0.1:* picks a free port"
+    )
     parser.add_argument("--keep", type=int, default=3, help="newest versions to hold in memory")
-    parser.add_argument("--state-dir", type=pathlib.Path, default=None, help="persist the newest version here")
+    parser.add_argument(
+        "--state-dir", type=pathlib.Path, default=None, help="persist the newest version here"
+    )
     parser.add_argument("--workers", type=int, default=4, help="request-handling threads")
     parser.add_argument("--io-threads", type=int, default=2, help="ZeroMQ I/O threads")
-    parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds before an idle pull lease expires")
-    parser.add_argument("--push-idle-timeout", type=float, default=120.0, help="seconds before an idle push is dropped")
+    parser.add_argument(
+        "--lease-ttl", type=float, default=30.0, help="seconds before an idle pull lease expires"
+    )
+    parser.add_argument(
+        "--push-idle-timeout", type=float, default=120.0, help="seconds before an idle push is dropped"
+    )
     parser.add_argument("--max-frame-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
-    parser.add_argument("--curve-keypair", help="ZeroMQ secret certificate file of this server (enables CURVE)")
-    parser.add_argument("--curve-allow", action="append", default=[], help="public key file or folder of *.key files")
+    parser.add_argument(
+        "--curve-keypair", help="ZeroMQ secret certificate file of this server (enables CURVE)"
+    )
+    parser.add_argument(
+        "--curve-allow", action="append", default=[], help="public key file or folder of *.key files"
+    )
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound address here once serving")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -47,7 +60,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
     if args.curve_keypair:
         if not args.curve_allow:
             parser.error("--curve-keypair needs at least one --curve-allow")
-        curve = CurveServerConfig(keypair=load_curve_keypair(args.curve_keypair), allowed_clients=_allowed_keys(args.curve_allow))
+        curve = CurveServerConfig(
+            keypair=load_curve_keypair(args.curve_keypair), allowed_clients=_allowed_keys(args.curve_allow)
+        )
     elif args.curve_allow:
         parser.error("--curve-allow needs --curve-keypair")
     try:

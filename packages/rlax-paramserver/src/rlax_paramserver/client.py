@@ -43,8 +43,8 @@ from rlax_protocol import (
     RpcClient,
     ServerStats,
     StatQuery,
-    WaitNewer,
     TreeAssembler,
+    WaitNewer,
     encode_tree,
     frame_layout,
     unflatten_tree,
@@ -126,7 +126,11 @@ class ParamClient:
         client_id: str = "",
         context: zmq.Context[Any] | None = None,
     ) -> None:
-        for name, value in (("chunk_bytes", chunk_bytes), ("message_bytes", message_bytes), ("window", window)):
+        for name, value in (
+            ("chunk_bytes", chunk_bytes),
+            ("message_bytes", message_bytes),
+            ("window", window),
+        ):
             if value <= 0:
                 raise ValueError(f"ParamClient {name}={value}: must be > 0")
         self.address = address
@@ -189,7 +193,9 @@ class ParamClient:
                     message, frames = requests[index]
                     in_flight[rpc.send_request(message, frames)] = index
                     queue.popleft()
-                request_id, reply = rpc.recv_reply(set(in_flight), timeout_s=rpc.timeout_s, operation=operation)
+                request_id, reply = rpc.recv_reply(
+                    set(in_flight), timeout_s=rpc.timeout_s, operation=operation
+                )
             except ProtocolTimeoutError:
                 attempt += 1
                 rpc.reset()
@@ -208,7 +214,9 @@ class ParamClient:
 
     # ------------------------------------------------------------------ push
 
-    def push(self, tree: Mapping[str, Any], version: int, metadata: Mapping[str, Any] | None = None) -> Committed:
+    def push(
+        self, tree: Mapping[str, Any], version: int, metadata: Mapping[str, Any] | None = None
+    ) -> Committed:
         """Push `tree` (nested dict of numpy arrays) as `version`; visible atomically on success.
 
         Raises `StaleVersionError` if `version` is not newer than the server's latest,
@@ -217,17 +225,22 @@ class ParamClient:
         encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes)
         with self._lock:
             ready = self._call(
-                PushBegin(version=version, manifest=encoded.manifest, metadata=dict(metadata or {})), expect=PushReady
+                PushBegin(version=version, manifest=encoded.manifest, metadata=dict(metadata or {})),
+                expect=PushReady,
             ).message
             assert isinstance(ready, PushReady)
             budget = min(self.message_bytes, ready.max_message_bytes)
             runs = _batches([f.nbytes for f in encoded.frames], budget)
             requests: list[tuple[Message, Sequence[Part]]] = [
-                (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count]) for first, count in runs
+                (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count])
+                for first, count in runs
             ]
+
             def acked(index: int, reply: Reply) -> None:
                 if not isinstance(reply.message, Ack):
-                    raise MalformedMessageError(f"server answered PushChunks with {type(reply.message).__name__}")
+                    raise MalformedMessageError(
+                        f"server answered PushChunks with {type(reply.message).__name__}"
+                    )
 
             try:
                 self._pipeline(requests, "PushChunks", acked)
@@ -238,7 +251,9 @@ class ParamClient:
 
     def _commit(self, push_id: int, version: int) -> Committed:
         try:
-            reply = self._call(PushCommit(push_id), expect=Committed, timeout_s=self.commit_timeout_s, retry=False)
+            reply = self._call(
+                PushCommit(push_id), expect=Committed, timeout_s=self.commit_timeout_s, retry=False
+            )
         except ProtocolTimeoutError:
             # The commit may have happened with its reply lost: the server knows.
             latest = self.latest()
@@ -267,7 +282,9 @@ class ParamClient:
         wanted = None if version == "latest" else int(version)
         with self._lock:
             for attempt in range(self._rpc.retries + 1):
-                granted = self._call(PullBegin(version=wanted, if_newer_than=if_newer_than), expect=(PullGranted, NotNewer))
+                granted = self._call(
+                    PullBegin(version=wanted, if_newer_than=if_newer_than), expect=(PullGranted, NotNewer)
+                )
                 if isinstance(granted.message, NotNewer):
                     return None
                 lease = granted.message
@@ -288,13 +305,17 @@ class ParamClient:
         """Fetch every frame of a leased version; tensors are joined and verified as they arrive."""
         assembler = TreeAssembler(lease.manifest, verify=self.verify)
         runs = _batches([s.nbytes for s in frame_layout(lease.manifest)], self.message_bytes)
-        requests: list[tuple[Message, Sequence[Part]]] = [(FetchChunks(lease.lease_id, first, count), ()) for first, count in runs]
+        requests: list[tuple[Message, Sequence[Part]]] = [
+            (FetchChunks(lease.lease_id, first, count), ()) for first, count in runs
+        ]
 
         def received(index: int, reply: Reply) -> None:
             first, count = runs[index]
             chunk = reply.message
             if not isinstance(chunk, Chunks) or chunk.first_frame != first or len(reply.frames) != count:
-                raise MalformedMessageError(f"bad reply to FetchChunks({first}, {count}): {chunk!r} with {len(reply.frames)} frames")
+                raise MalformedMessageError(
+                    f"bad reply to FetchChunks({first}, {count}): {chunk!r} with {len(reply.frames)} frames"
+                )
             assembler.add(first, reply.frames)
 
         self._pipeline(requests, "FetchChunks", received)
@@ -338,4 +359,3 @@ class ParamClient:
             reply = self._call(StatQuery(), expect=ServerStats).message
             assert isinstance(reply, ServerStats)
             return reply
-

@@ -28,6 +28,7 @@ class ServerConfig:
     max_frame_bytes: largest single frame accepted (bigger ones drop the connection).
     max_message_bytes: largest total of frames in one PushChunks/Chunks message.
     max_version_bytes: largest total size of one version.
+    max_frames: most frames one version may be split into.
     max_pending_pushes / max_pending_per_client: caps on unfinished pushes.
     max_wait_s: longest a WaitNewer long-poll is held before answering.
     client_idle_timeout_s: a client silent for this long must say Hello again.
@@ -43,6 +44,7 @@ class ServerConfig:
     max_frame_bytes: int = 256 * 1024 * 1024
     max_message_bytes: int = 64 * 1024 * 1024
     max_version_bytes: int = 256 * 1024**3
+    max_frames: int = 1 << 20
     max_pending_pushes: int = 16
     max_pending_per_client: int = 2
     max_wait_s: float = 60.0
@@ -51,15 +53,29 @@ class ServerConfig:
     curve: CurveServerConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _check("://" in self.bind, "bind", self.bind, "must be a ZeroMQ endpoint such as tcp://127.0.0.1:5599")
+        _check(
+            "://" in self.bind, "bind", self.bind, "must be a ZeroMQ endpoint such as tcp://127.0.0.1:5599"
+        )
         _check(self.keep >= 1, "keep", self.keep, "must be >= 1 (the newest version is always kept)")
         _check(self.workers >= 1, "workers", self.workers, "must be >= 1")
         _check(self.io_threads >= 1, "io_threads", self.io_threads, "must be >= 1")
         for name in ("lease_ttl_s", "push_idle_timeout_s", "max_wait_s", "client_idle_timeout_s"):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be > 0")
-        for name in ("max_frame_bytes", "max_message_bytes", "max_version_bytes", "max_pending_pushes", "max_pending_per_client"):
+        for name in (
+            "max_frame_bytes",
+            "max_message_bytes",
+            "max_version_bytes",
+            "max_frames",
+            "max_pending_pushes",
+            "max_pending_per_client",
+        ):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be > 0")
         if self.state_dir is not None:
-            _check(not self.state_dir.is_file(), "state_dir", str(self.state_dir), "is a file, expected a directory")
+            _check(
+                not self.state_dir.is_file(),
+                "state_dir",
+                str(self.state_dir),
+                "is a file, expected a directory",
+            )

@@ -122,7 +122,9 @@ def read_state(path: pathlib.Path) -> LoadedState:
         header, data_offset = _read_header(path, f, size)
         expected = data_offset + header.manifest.total_bytes
         if size != expected:
-            raise CorruptStateError(f"{path}: {size} bytes on disk, manifest needs {expected} (truncated or padded)")
+            raise CorruptStateError(
+                f"{path}: {size} bytes on disk, manifest needs {expected} (truncated or padded)"
+            )
         f.seek(data_offset)
         data = bytearray(header.manifest.total_bytes)
         if f.readinto(data) != len(data):
@@ -132,7 +134,9 @@ def read_state(path: pathlib.Path) -> LoadedState:
     for tensor in header.manifest.tensors:
         digest = xxhash.xxh3_64_intdigest(view[start : start + tensor.nbytes])
         if digest != tensor.checksum:
-            raise CorruptStateError(f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})")
+            raise CorruptStateError(
+                f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})"
+            )
         start += tensor.nbytes
     # Frames are slices of the contiguous data, in frame order, so pulls need no copy.
     tensor_starts: list[int] = []
@@ -140,7 +144,10 @@ def read_state(path: pathlib.Path) -> LoadedState:
     for tensor in header.manifest.tensors:
         tensor_starts.append(start)
         start += tensor.nbytes
-    frames = [view[tensor_starts[s.tensor] + s.offset : tensor_starts[s.tensor] + s.offset + s.nbytes] for s in frame_layout(header.manifest)]
+    frames = [
+        view[tensor_starts[s.tensor] + s.offset : tensor_starts[s.tensor] + s.offset + s.nbytes]
+        for s in frame_layout(header.manifest)
+    ]
     return LoadedState(header.version, header.manifest, dict(header.metadata), frames, path)
 
 
@@ -166,5 +173,8 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
         except (CorruptStateError, OSError) as err:
             log.error("corrupt state file, not served: %s", err)
             errors.append(str(err))
-            path.rename(path.with_name(path.name + ".corrupt"))
+            try:
+                path.rename(path.with_name(path.name + ".corrupt"))
+            except OSError as rename_error:  # a read-only state dir: still never served
+                log.error("could not set %s aside: %s", path, rename_error)
     return None, "; ".join(errors) or None

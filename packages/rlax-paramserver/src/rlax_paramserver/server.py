@@ -25,6 +25,9 @@ from typing import Any
 
 import zmq
 
+from rlax_paramserver.config import ServerConfig
+from rlax_paramserver.persist import load_newest, write_state
+from rlax_paramserver.store import StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 from rlax_protocol import (
     Ack,
     Committed,
@@ -56,10 +59,6 @@ from rlax_protocol import (
 )
 from rlax_protocol.messages import Chunks
 from rlax_protocol.transport import pack_request_id
-
-from rlax_paramserver.config import ServerConfig
-from rlax_paramserver.persist import load_newest, write_state
-from rlax_paramserver.store import StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,9 @@ class ParamServer:
             self.stop()
             raise RuntimeError(f"parameter server failed to bind {self.config.bind}: {self._start_error}")
         for i in range(self.config.workers):
-            thread = threading.Thread(target=self._worker, args=(i,), name=f"paramserver-worker-{i}", daemon=True)
+            thread = threading.Thread(
+                target=self._worker, args=(i,), name=f"paramserver-worker-{i}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         if self.config.state_dir is not None:
@@ -139,7 +140,9 @@ class ParamServer:
         loaded, error = load_newest(self.config.state_dir)
         self.store.state_error = error
         if loaded is not None:
-            stored = StoredVersion(loaded.version, loaded.manifest, loaded.metadata, loaded.frames, loaded.manifest.total_bytes)
+            stored = StoredVersion(
+                loaded.version, loaded.manifest, loaded.metadata, loaded.frames, loaded.manifest.total_bytes
+            )
             self.store.install(stored)
             self.store.persisted_version = loaded.version
             log.info("restored version %d from %s", loaded.version, loaded.path)
@@ -226,14 +229,24 @@ class ParamServer:
                 else:
                     message, frames = answer
                     socket.send_multipart(
-                        [_REPLY, request.identity, pack_request_id(request.request_id), encode(message), *frames], copy=False
+                        [
+                            _REPLY,
+                            request.identity,
+                            pack_request_id(request.request_id),
+                            encode(message),
+                            *frames,
+                        ],
+                        copy=False,
                     )
+                self.store.reap()
         finally:
             socket.close(0)
 
     def _send_wakeups(self, socket: zmq.Socket[Any], wakeups: list[Wakeup]) -> None:
         for w in wakeups:
-            socket.send_multipart([_SEND, w.identity, pack_request_id(w.request_id), encode(LatestVersion(version=w.latest))])
+            socket.send_multipart(
+                [_SEND, w.identity, pack_request_id(w.request_id), encode(LatestVersion(version=w.latest))]
+            )
 
     def _answer(self, socket: zmq.Socket[Any], request: Request) -> tuple[Message, list[Any]] | None:
         """The reply to one request, or None when it is answered later (long-poll, persisting commit)."""
@@ -248,7 +261,9 @@ class ParamServer:
                     self.peers.admit(request.identity)
                 return welcome, []
             if not self.peers.touch(request.identity):
-                return ErrorReply(code="handshake_required", message="say Hello (with the protocol version) first"), []
+                return ErrorReply(
+                    code="handshake_required", message="say Hello (with the protocol version) first"
+                ), []
             return self._dispatch(socket, request, message)
         except StoreError as err:
             if err.code == "malformed":
@@ -258,14 +273,18 @@ class ParamServer:
             log.exception("internal error answering %s", type(message).__name__)
             return ErrorReply(code="internal", message=f"{type(err).__name__}: {err}"), []
 
-    def _dispatch(self, socket: zmq.Socket[Any], request: Request, message: Message) -> tuple[Message, list[Any]] | None:
+    def _dispatch(
+        self, socket: zmq.Socket[Any], request: Request, message: Message
+    ) -> tuple[Message, list[Any]] | None:
         store = self.store
         if isinstance(message, PullBegin):
             granted = store.begin_pull(message.version, message.if_newer_than)
             if granted is None or isinstance(granted, int):
                 return NotNewer(latest=granted), []
             lease, stored = granted
-            return PullGranted(lease.lease_id, stored.version, stored.manifest, stored.metadata, self.config.lease_ttl_s), []
+            return PullGranted(
+                lease.lease_id, stored.version, stored.manifest, stored.metadata, self.config.lease_ttl_s
+            ), []
         if isinstance(message, FetchChunks):
             frames = store.fetch(message.lease_id, message.first_frame, message.count)
             return Chunks(message.lease_id, message.first_frame, message.count), frames
@@ -277,11 +296,18 @@ class ParamServer:
             return PushReady(push_id=push_id, max_message_bytes=self.config.max_message_bytes), []
         if isinstance(message, PushChunks):
             if message.count != len(request.frames):
-                raise StoreError("malformed", f"PushChunks says {message.count} frames, {len(request.frames)} attached")
+                raise StoreError(
+                    "malformed", f"PushChunks says {message.count} frames, {len(request.frames)} attached"
+                )
             total = sum(f.buffer.nbytes for f in request.frames)
             if total > self.config.max_message_bytes:
-                raise StoreError("too_large", f"{total} bytes in one message exceed max_message_bytes={self.config.max_message_bytes}")
-            checks = store.put_chunks(message.push_id, message.first_frame, [f.buffer for f in request.frames])
+                raise StoreError(
+                    "too_large",
+                    f"{total} bytes in one message exceed max_message_bytes={self.config.max_message_bytes}",
+                )
+            checks = store.put_chunks(
+                message.push_id, message.first_frame, [f.buffer for f in request.frames]
+            )
             for check in checks:
                 store.record_check(check, store.hash_frames(check.frames))
             return Ack(), []
@@ -290,7 +316,12 @@ class ParamServer:
             store.verify(push)
             stored, wakeups = store.commit(push)
             self._send_wakeups(socket, wakeups)
-            log.info("committed version %d (%d tensors, %d bytes)", stored.version, len(stored.manifest.tensors), stored.nbytes)
+            log.info(
+                "committed version %d (%d tensors, %d bytes)",
+                stored.version,
+                len(stored.manifest.tensors),
+                stored.nbytes,
+            )
             if self.config.state_dir is None:
                 return Committed(version=stored.version, persisted=False), []
             self._persist_jobs.put(_PersistJob(request.identity, request.request_id, stored))
@@ -301,11 +332,15 @@ class ParamServer:
         if isinstance(message, LatestQuery):
             return LatestVersion(version=store.latest), []
         if isinstance(message, WaitNewer):
-            result = store.wait_newer(request.identity, request.request_id, message.version, max(0, message.timeout_ms) / 1000)
+            result = store.wait_newer(
+                request.identity, request.request_id, message.version, max(0, message.timeout_ms) / 1000
+            )
             return None if isinstance(result, Waiter) else (LatestVersion(version=result), [])
         if isinstance(message, StatQuery):
             return ServerStats(clients=self.peers.count(), **store.snapshot()), []
-        return ErrorReply(code="unknown_message", message=f"{type(message).__name__} is not a parameter-server request"), []
+        return ErrorReply(
+            code="unknown_message", message=f"{type(message).__name__} is not a parameter-server request"
+        ), []
 
     # ------------------------------------------------------------------ persister
 
@@ -325,7 +360,13 @@ class ParamServer:
                 stored = job.stored
                 if stored.version == self.store.latest:  # a newer commit supersedes this write
                     try:
-                        write_state(self.config.state_dir, stored.version, stored.manifest, stored.metadata, stored.frames)
+                        write_state(
+                            self.config.state_dir,
+                            stored.version,
+                            stored.manifest,
+                            stored.metadata,
+                            stored.frames,
+                        )
                         persisted = True
                         self.store.persisted_version = stored.version
                         self.store.state_error = None

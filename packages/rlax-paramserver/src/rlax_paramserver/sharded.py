@@ -8,15 +8,15 @@ pulls run on all shards in parallel, one thread and one `ParamClient` per shard.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 import xxhash
 
-from rlax_protocol import Committed, Deadline, ServerStats, flatten_tree, unflatten_tree
-
 from rlax_paramserver.client import ParamClient, PulledWeights, VersionNotFoundError
+from rlax_protocol import Committed, Deadline, ServerStats, flatten_tree, unflatten_tree
 
 T = TypeVar("T")
 
@@ -50,14 +50,18 @@ class ShardedParamClient:
     def _all(self, fn: Callable[[ParamClient], T]) -> list[T]:
         return list(self._pool.map(fn, self.clients))
 
-    def push(self, tree: Mapping[str, Any], version: int, metadata: Mapping[str, Any] | None = None) -> list[Committed]:
+    def push(
+        self, tree: Mapping[str, Any], version: int, metadata: Mapping[str, Any] | None = None
+    ) -> list[Committed]:
         """Push each shard's part of `tree` as `version`, all shards in parallel."""
         parts: list[dict[str, Any]] = [{} for _ in self.clients]
         for name, array in flatten_tree(tree).items():
             parts[shard_of(name, len(self.clients))][name] = array
         subtrees = [unflatten_tree(p) for p in parts]
         return list(
-            self._pool.map(lambda i: self.clients[i].push(subtrees[i], version, metadata), range(len(self.clients)))
+            self._pool.map(
+                lambda i: self.clients[i].push(subtrees[i], version, metadata), range(len(self.clients))
+            )
         )
 
     def latest(self) -> int | None:
@@ -66,17 +70,23 @@ class ShardedParamClient:
         return None if any(v is None for v in versions) else min(v for v in versions if v is not None)
 
     def pull(
-        self, version: int | Literal["latest"] = "latest", *, if_newer_than: int | None = None, attempts: int = 3
+        self,
+        version: int | Literal["latest"] = "latest",
+        *,
+        if_newer_than: int | None = None,
+        attempts: int = 3,
     ) -> PulledWeights | None:
         """Pull one version from every shard in parallel and join the trees."""
         for attempt in range(attempts):
             wanted = self.latest() if version == "latest" else int(version)
             if wanted is None:
-                raise VersionNotFoundError("not_found", "no version is committed on every shard", peer=str(self.addresses))
+                raise VersionNotFoundError(
+                    "not_found", "no version is committed on every shard", peer=str(self.addresses)
+                )
             if if_newer_than is not None and wanted <= if_newer_than:
                 return None
             try:
-                pulled = self._all(lambda c: c.pull(wanted))
+                pulled = self._all(functools.partial(ParamClient.pull, version=wanted))
             except VersionNotFoundError:
                 # Freed on some shard between latest() and the pull: try the newer one.
                 if version != "latest" or attempt == attempts - 1:
@@ -88,7 +98,9 @@ class ShardedParamClient:
                 flat.update(flatten_tree(part.tree))
             first = pulled[0]
             assert first is not None
-            return PulledWeights(tree=unflatten_tree(dict(sorted(flat.items()))), version=wanted, metadata=first.metadata)
+            return PulledWeights(
+                tree=unflatten_tree(dict(sorted(flat.items()))), version=wanted, metadata=first.metadata
+            )
         raise AssertionError("unreachable")
 
     def wait_for_newer(self, version: int | None, timeout: float) -> int | None:

@@ -16,9 +16,8 @@ from typing import Any
 
 import xxhash
 
-from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest, frame_layout
-
 from rlax_paramserver.config import ServerConfig
+from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest, frame_layout
 
 
 class StoreError(Exception):
@@ -100,6 +99,7 @@ class VersionStore:
     malformed_messages: int = 0
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _graveyard: list[StoredVersion] = field(default_factory=list)
 
     # ------------------------------------------------------------------ queries
 
@@ -113,7 +113,9 @@ class VersionStore:
 
     # ------------------------------------------------------------------ push
 
-    def begin_push(self, version: int, manifest: TensorManifest, metadata: dict[str, Any], owner: bytes) -> int:
+    def begin_push(
+        self, version: int, manifest: TensorManifest, metadata: dict[str, Any], owner: bytes
+    ) -> int:
         if manifest.protocol_version != PROTOCOL_VERSION:
             raise StoreError(
                 "version_mismatch",
@@ -126,7 +128,14 @@ class VersionStore:
                 f"frames of {largest} bytes (chunk_bytes={manifest.chunk_bytes}) exceed max_frame_bytes={self.config.max_frame_bytes}",
             )
         if manifest.total_bytes > self.config.max_version_bytes:
-            raise StoreError("too_large", f"version of {manifest.total_bytes} bytes exceeds max_version_bytes={self.config.max_version_bytes}")
+            raise StoreError(
+                "too_large",
+                f"version of {manifest.total_bytes} bytes exceeds max_version_bytes={self.config.max_version_bytes}",
+            )
+        if manifest.num_frames > self.config.max_frames:
+            raise StoreError(
+                "too_large", f"{manifest.num_frames} frames exceed max_frames={self.config.max_frames}"
+            )
         if version < 0:
             raise StoreError("malformed", f"version={version}: must be >= 0")
         slots = frame_layout(manifest)
@@ -135,12 +144,18 @@ class VersionStore:
             self._expire_pushes(now)
             latest = self.latest
             if latest is not None and version <= latest:
-                raise StoreError("stale_version", f"version {version} is not newer than the latest committed version {latest}")
+                raise StoreError(
+                    "stale_version",
+                    f"version {version} is not newer than the latest committed version {latest}",
+                )
             mine = sorted(p.push_id for p in self.pending.values() if p.owner == owner)
             while len(mine) >= self.config.max_pending_per_client:
                 del self.pending[mine.pop(0)]  # a client restarting its push abandons the older one
             if len(self.pending) >= self.config.max_pending_pushes:
-                raise StoreError("busy", f"{len(self.pending)} pushes pending (max_pending_pushes={self.config.max_pending_pushes})")
+                raise StoreError(
+                    "busy",
+                    f"{len(self.pending)} pushes pending (max_pending_pushes={self.config.max_pending_pushes})",
+                )
             push_id = next(self._ids)
             counts = manifest.frames_per_tensor()
             self.pending[push_id] = PendingPush(
@@ -166,13 +181,17 @@ class VersionStore:
             push = self._pending(push_id)
             end = first_frame + len(frames)
             if first_frame < 0 or end > len(push.slots):
-                raise StoreError("out_of_order", f"frames {first_frame}..{end - 1} outside push {push_id}'s {len(push.slots)} frames")
+                raise StoreError(
+                    "out_of_order",
+                    f"frames {first_frame}..{end - 1} outside push {push_id}'s {len(push.slots)} frames",
+                )
             for offset, frame in enumerate(frames):
                 slot = push.slots[first_frame + offset]
                 if frame.nbytes != slot.nbytes:
                     name = push.manifest.tensors[slot.tensor].name
                     raise StoreError(
-                        "malformed", f"frame {first_frame + offset} (tensor {name!r}) holds {frame.nbytes} bytes, expected {slot.nbytes}"
+                        "malformed",
+                        f"frame {first_frame + offset} (tensor {name!r}) holds {frame.nbytes} bytes, expected {slot.nbytes}",
                     )
             touched: set[int] = set()
             for offset, frame in enumerate(frames):
@@ -213,7 +232,10 @@ class VersionStore:
             if digest != tensor.checksum:
                 # A corrupt tensor dooms the push: drop it now rather than at commit.
                 del self.pending[check.push_id]
-                raise StoreError("checksum", f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)")
+                raise StoreError(
+                    "checksum",
+                    f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
+                )
             push.verified[check.tensor] = True
 
     def abort_push(self, push_id: int) -> None:
@@ -226,7 +248,9 @@ class VersionStore:
             push = self._pending(push_id)
             if push.missing:
                 absent = [i for i, f in enumerate(push.frames) if f is None]
-                raise StoreError("out_of_order", f"push {push_id} misses {len(absent)} frames (first: {absent[:5]})")
+                raise StoreError(
+                    "out_of_order", f"push {push_id} misses {len(absent)} frames (first: {absent[:5]})"
+                )
             del self.pending[push_id]
             return push
 
@@ -237,7 +261,8 @@ class VersionStore:
                 continue
             if self.hash_frames(self._tensor_frames(push, index)) != tensor.checksum:
                 raise StoreError(
-                    "checksum", f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)"
+                    "checksum",
+                    f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
                 )
 
     def commit(self, push: PendingPush) -> tuple[StoredVersion, list[Wakeup]]:
@@ -250,7 +275,10 @@ class VersionStore:
         with self._lock:
             latest = self.latest
             if latest is not None and stored.version <= latest:
-                raise StoreError("stale_version", f"version {stored.version} is not newer than the latest committed version {latest}")
+                raise StoreError(
+                    "stale_version",
+                    f"version {stored.version} is not newer than the latest committed version {latest}",
+                )
             self.versions[stored.version] = stored
             self._evict(time.monotonic())
             woken = [w for w in self.waiters if w.version is None or w.version < stored.version]
@@ -259,7 +287,9 @@ class VersionStore:
 
     # ------------------------------------------------------------------ pull
 
-    def begin_pull(self, version: int | None, if_newer_than: int | None) -> tuple[Lease, StoredVersion] | int | None:
+    def begin_pull(
+        self, version: int | None, if_newer_than: int | None
+    ) -> tuple[Lease, StoredVersion] | int | None:
         """A lease on the requested version, or the latest version number when it is not newer."""
         now = time.monotonic()
         with self._lock:
@@ -283,11 +313,14 @@ class VersionStore:
             self._expire_leases(now)
             lease = self.leases.get(lease_id)
             if lease is None:
-                raise StoreError("not_found", f"lease {lease_id} is unknown or expired (ttl {self.config.lease_ttl_s}s)")
+                raise StoreError(
+                    "not_found", f"lease {lease_id} is unknown or expired (ttl {self.config.lease_ttl_s}s)"
+                )
             stored = self.versions[lease.version]
             if count <= 0 or first_frame < 0 or first_frame + count > len(stored.frames):
                 raise StoreError(
-                    "out_of_order", f"frames {first_frame}..{first_frame + count - 1} outside version {lease.version}'s {len(stored.frames)}"
+                    "out_of_order",
+                    f"frames {first_frame}..{first_frame + count - 1} outside version {lease.version}'s {len(stored.frames)}",
                 )
             lease.expires = now + self.config.lease_ttl_s
             return stored.frames[first_frame : first_frame + count]
@@ -299,13 +332,17 @@ class VersionStore:
 
     # ------------------------------------------------------------------ long-poll
 
-    def wait_newer(self, identity: bytes, request_id: int, version: int | None, timeout_s: float) -> int | None | Waiter:
+    def wait_newer(
+        self, identity: bytes, request_id: int, version: int | None, timeout_s: float
+    ) -> int | None | Waiter:
         """The latest version if already newer than `version`; otherwise registers and returns a waiter."""
         with self._lock:
             latest = self.latest
             if latest is not None and (version is None or latest > version):
                 return latest
-            waiter = Waiter(identity, request_id, version, time.monotonic() + min(timeout_s, self.config.max_wait_s))
+            waiter = Waiter(
+                identity, request_id, version, time.monotonic() + min(timeout_s, self.config.max_wait_s)
+            )
             self.waiters.append(waiter)
             return waiter
 
@@ -327,7 +364,9 @@ class VersionStore:
     def _pending(self, push_id: int) -> PendingPush:
         push = self.pending.get(push_id)
         if push is None:
-            raise StoreError("out_of_order", f"push {push_id} is unknown (never begun, aborted, expired or committed)")
+            raise StoreError(
+                "out_of_order", f"push {push_id} is unknown (never begun, aborted, expired or committed)"
+            )
         return push
 
     def _expire_leases(self, now: float) -> None:
@@ -338,7 +377,9 @@ class VersionStore:
             self._evict(now)
 
     def _expire_pushes(self, now: float) -> None:
-        for push_id in [p.push_id for p in self.pending.values() if now - p.touched > self.config.push_idle_timeout_s]:
+        for push_id in [
+            p.push_id for p in self.pending.values() if now - p.touched > self.config.push_idle_timeout_s
+        ]:
             del self.pending[push_id]
 
     def _evict(self, now: float) -> None:
@@ -346,7 +387,14 @@ class VersionStore:
         leased = {lease.version for lease in self.leases.values()}
         for version in sorted(self.versions)[: -self.config.keep]:
             if version not in leased:
-                del self.versions[version]
+                # Freeing hundreds of MB takes a while: `reap()` does it after the reply went out.
+                self._graveyard.append(self.versions.pop(version))
+
+    def reap(self) -> None:
+        """Release the memory of evicted versions (outside the lock, off the reply path)."""
+        with self._lock:
+            dead, self._graveyard = self._graveyard, []
+        del dead
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

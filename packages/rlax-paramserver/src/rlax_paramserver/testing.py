@@ -1,10 +1,10 @@
 """Helpers for tests of any package: a parameter server in a thread or in a subprocess.
 
-    with running_server(tmp_path) as address:          # in-process, threads
-        ParamClient(address, timeout_s=5).push(tree, 1)
+with running_server(tmp_path) as address:          # in-process, threads
+    ParamClient(address, timeout_s=5).push(tree, 1)
 
-    with running_server_process(tmp_path) as server:   # a real `rlax-paramserver` process
-        server.address; server.kill()                  # e.g. kill -9 mid-push
+with running_server_process(tmp_path) as server:   # a real `rlax-paramserver` process
+    server.address; server.kill()                  # e.g. kill -9 mid-push
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def running_server(
 ) -> Iterator[str]:
     """Start a `ParamServer` on a free loopback port in this process; yields its address."""
     settings = ServerConfig(bind="tcp://127.0.0.1:*", keep=keep, workers=2, io_threads=1)
-    settings = replace(settings, state_dir=pathlib.Path(state_dir) if state_dir is not None else None, **config)
+    settings = replace(
+        settings, state_dir=pathlib.Path(state_dir) if state_dir is not None else None, **config
+    )
     server = ParamServer(settings)
     address = server.start()
     try:
@@ -47,14 +49,25 @@ class ServerProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlax-ps-")
         ready = pathlib.Path(self._tmp.name) / "address"
         self.log_path = pathlib.Path(self._tmp.name) / "server.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        command = [sys.executable, "-m", "rlax_paramserver", "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready), *args]
+        self._log = open(self.log_path, "wb")
+        command = [
+            sys.executable,
+            "-m",
+            "rlax_paramserver",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--ready-file",
+            str(ready),
+            *args,
+        ]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout_s
         while not ready.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"rlax-paramserver did not start; log:\n{self.log_path.read_text(errors='replace')}")
+                raise RuntimeError(
+                    f"rlax-paramserver did not start; log:\n{self.log_path.read_text(errors='replace')}"
+                )
             time.sleep(0.02)
         self.address = ready.read_text()
 

@@ -66,12 +66,14 @@ from rlax_protocol.messages import (
     decode_as,
     encode,
 )
+from rlax_protocol.rpc_server import RpcServer
 from rlax_protocol.transport import (
     DEFAULT_TIMEOUT_S,
     CurveClientConfig,
     CurveKeyPair,
     CurveServerConfig,
     Deadline,
+    Handshake,
     PeerRegistry,
     Reply,
     Request,
@@ -110,6 +112,7 @@ __all__ = [
     "FrameSlot",
     "GenerateRequest",
     "GenerateResult",
+    "Handshake",
     "Hello",
     "LatestQuery",
     "LatestVersion",
@@ -132,6 +135,7 @@ __all__ = [
     "Request",
     "Rollout",
     "RpcClient",
+    "RpcServer",
     "Sample",
     "TreeAssembler",
     "SamplingParams",

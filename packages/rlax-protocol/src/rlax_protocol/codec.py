@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -32,10 +32,8 @@ _DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 
-class Buffer(Protocol):
-    """Anything exposing the buffer protocol: bytes, bytearray, memoryview, `zmq.Frame`."""
-
-    def __buffer__(self, flags: int, /) -> memoryview: ...
+Buffer = Any
+"""Anything exposing the buffer protocol: bytes, bytearray, memoryview, numpy array, `zmq.Frame`."""
 
 
 def checksum(data: Buffer | bytes | memoryview) -> int:
@@ -239,7 +237,9 @@ class TreeAssembler:
         """``{path: array}`` in manifest order; `MalformedMessageError` if frames are missing."""
         if self.missing_frames:
             absent = [i for i, seen in enumerate(self._seen) if not seen]
-            raise MalformedMessageError(f"{len(absent)} of {len(self._seen)} frames never arrived (first: {absent[:5]})")
+            raise MalformedMessageError(
+                f"{len(absent)} of {len(self._seen)} frames never arrived (first: {absent[:5]})"
+            )
         return {t.name: self._arrays[i] for i, t in enumerate(self.manifest.tensors)}
 
 
@@ -255,7 +255,9 @@ def decode_flat(
     check_manifest_version(manifest)
     expected = manifest.num_frames
     if len(frames) != expected:
-        raise MalformedMessageError(f"manifest of {len(manifest.tensors)} tensors needs {expected} frames, got {len(frames)}")
+        raise MalformedMessageError(
+            f"manifest of {len(manifest.tensors)} tensors needs {expected} frames, got {len(frames)}"
+        )
     assembler = TreeAssembler(manifest, verify=verify)
     assembler.add(0, frames)
     return assembler.result()

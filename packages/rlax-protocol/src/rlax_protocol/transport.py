@@ -162,6 +162,27 @@ def check_welcome(welcome: Welcome, *, peer: str) -> None:
         raise VersionMismatchError(PROTOCOL_VERSION, welcome.protocol_version, peer=peer)
 
 
+class Handshake:
+    """The Hello/Welcome exchange in one place (`RpcClient` and `RpcServer` run it for you).
+
+    Client: send `Handshake.hello(...)`, then `Handshake.check(welcome, peer=...)`.
+    Server: answer a `Hello` with `Handshake.answer(hello, server_id=...)` and admit the
+    peer only if the returned `Welcome.accepted`.
+    """
+
+    @staticmethod
+    def hello(client_id: str = "", role: str = "") -> Hello:
+        return Hello(protocol_version=PROTOCOL_VERSION, client_id=client_id, role=role)
+
+    @staticmethod
+    def answer(hello: Hello, *, server_id: str) -> Welcome:
+        return welcome_for(hello, server_id=server_id)
+
+    @staticmethod
+    def check(welcome: Welcome, *, peer: str) -> None:
+        check_welcome(welcome, peer=peer)
+
+
 @dataclass
 class PeerRegistry:
     """Server-side record of the clients that completed the handshake (thread-safe).

@@ -81,7 +81,9 @@ class CheckpointManager:
     save/restore with its shards; orbax coordinates the processes.
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3, asynchronous: bool = True) -> None:
+    def __init__(
+        self, directory: str | pathlib.Path, *, max_to_keep: int = 3, asynchronous: bool = True
+    ) -> None:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = pathlib.Path(directory).absolute()
@@ -135,20 +137,34 @@ class CheckpointManager:
             try:
                 out = self._manager.restore(
                     s,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                    ),
                 )
                 state, meta = out["state"], out["meta"]
                 state = TrainState(*state) if not isinstance(state, TrainState) else state
                 got = state_fingerprint(state)
                 if got != meta["fingerprint"]:
-                    raise ValueError(f"fingerprint {got:#010x} != saved {meta['fingerprint']:#010x} (data changed on disk)")
-            except Exception as e:  # noqa: BLE001 - any failure to load means "damaged": try the previous step
+                    raise ValueError(
+                        f"fingerprint {got:#010x} != saved {meta['fingerprint']:#010x} (data changed on disk)"
+                    )
+            except Exception as e:
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 failures.append(f"step {s}: {reason}")
-                log.warning("checkpoint step %d in %s is damaged (%s); trying the previous one", s, self.directory, reason)
+                log.warning(
+                    "checkpoint step %d in %s is damaged (%s); trying the previous one",
+                    s,
+                    self.directory,
+                    reason,
+                )
                 continue
             if failures:
-                log.warning("restored checkpoint step %d from %s after skipping damaged %s", s, self.directory, failures)
+                log.warning(
+                    "restored checkpoint step %d from %s after skipping damaged %s",
+                    s,
+                    self.directory,
+                    failures,
+                )
             else:
                 log.info("restored checkpoint step %d from %s", s, self.directory)
             buffer = None if meta["buffer"] is None else msgspec.convert(meta["buffer"], BufferStats)

@@ -17,9 +17,9 @@ import jax
 import ml_dtypes
 import msgspec
 import numpy as np
+
 from rlax_paramserver import ParamClient
 from rlax_protocol import Committed
-
 from rlax_trainer.sharding import to_host
 
 __all__ = ["PublishConfig", "Publisher", "host_weights"]
@@ -44,7 +44,9 @@ class PublishConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.address.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"address must be a ZeroMQ endpoint like tcp://127.0.0.1:5555, got {self.address!r}")
+            raise ValueError(
+                f"address must be a ZeroMQ endpoint like tcp://127.0.0.1:5555, got {self.address!r}"
+            )
 
 
 def host_weights(params: Any, dtype: TransferDtype = "bfloat16") -> dict[str, Any]:
@@ -83,7 +85,7 @@ class Publisher:
                 if self._error is None:
                     self.committed.append(self._client.push(tree, version, metadata))
                     log.info("published weights version %d", version)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller at the next publish/wait
+            except BaseException as e:
                 self._error = e
             finally:
                 self._queue.task_done()
@@ -96,7 +98,9 @@ class Publisher:
     def due(self, step: int) -> bool:
         return step % self.config.every == 0
 
-    def publish(self, params: Any, step: int, metadata: dict[str, Any] | None = None, *, force: bool = False) -> bool:
+    def publish(
+        self, params: Any, step: int, metadata: dict[str, Any] | None = None, *, force: bool = False
+    ) -> bool:
         """Publish `params` as version `step` if due (or `force`); returns whether it was queued."""
         self._raise_pending()
         if not (force or self.due(step)):

@@ -49,7 +49,8 @@ DEFAULT_PRELOAD = (
     "operator", "typing", "heapq", "bisect", "hashlib", "random", "statistics", "fractions",
     "decimal", "json", "copy", "datetime", "array", "struct", "dataclasses", "enum", "numbers",
     "textwrap", "unicodedata", "io", "time", "traceback", "linecache", "contextlib", "queue",
-    "base64", "binascii", "zlib", "calendar", "difflib", "pprint",
+    "base64", "binascii", "zlib", "calendar", "difflib", "pprint", "threading", "warnings", "weakref",
+    "ast", "secrets", "uuid", "glob", "fnmatch", "shlex", "csv",
 )  # fmt: skip
 
 

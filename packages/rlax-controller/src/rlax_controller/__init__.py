@@ -1,0 +1,70 @@
+"""rlax_controller: the RLAX control plane and the `rlax` command line.
+
+The run config (`RunConfig`, `load_config`), the controller (`Controller`,
+`RolloutScheduler`), run snapshots, the local launcher and supervisor, metrics and the
+run summary. Importing this package imports no JAX; the trainer and worker process
+loops (`trainer_service`, `worker_service`) import it when they run.
+"""
+
+from rlax_controller.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+    parse_config,
+)
+from rlax_controller.controller import Controller, RolloutScorer, pass_at_k
+from rlax_controller.launcher import build_specs, launch, resolve_addresses
+from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
+from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
+from rlax_controller.scheduling import (
+    Batch,
+    BatchNotReady,
+    PromptItem,
+    PromptSource,
+    RolloutScheduler,
+    SchedulerConfig,
+    ScoredSample,
+)
+from rlax_controller.snapshot import RunSnapshot, SnapshotError, SnapshotStore
+from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
+
+__all__ = [
+    "Batch",
+    "BatchNotReady",
+    "BatchRequest",
+    "ConfigError",
+    "Controller",
+    "MetricsWriter",
+    "NoBatchYet",
+    "ProcessSpec",
+    "ProgressDisplay",
+    "PromptItem",
+    "PromptSource",
+    "RolloutScheduler",
+    "RolloutScorer",
+    "RunComplete",
+    "RunConfig",
+    "RunSnapshot",
+    "RunStatus",
+    "SchedulerConfig",
+    "ScoredSample",
+    "SnapshotError",
+    "SnapshotStore",
+    "StatusQuery",
+    "Supervisor",
+    "SupervisorReport",
+    "TrainBatch",
+    "apply_overrides",
+    "build_specs",
+    "dump_config",
+    "launch",
+    "load_config",
+    "parse_config",
+    "pass_at_k",
+    "plot_run",
+    "read_metrics",
+    "resolve_addresses",
+    "summary_table",
+]

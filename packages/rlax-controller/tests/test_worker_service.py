@@ -1,0 +1,126 @@
+"""The worker process loop with a real parameter server and the real engine (tiny model)."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import zmq
+
+from rlax_controller.config import load_config
+from rlax_controller.links import PeerLink
+from rlax_controller.models import build_model_config
+from rlax_controller.tasks import build_task
+from rlax_controller.worker_service import WorkerService
+from rlax_model import init_params
+from rlax_paramserver import ParamClient
+from rlax_paramserver.testing import running_server
+from rlax_protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    GenerateRequest,
+    GenerateResult,
+    Hello,
+    SamplingParams,
+    Welcome,
+    decode,
+    encode,
+)
+
+
+def wait_reply(worker: WorkerService, link: PeerLink, timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        worker.step()
+        replies = link.receive()
+        if replies:
+            return replies[0][1]
+    raise TimeoutError("no reply from the worker")
+
+
+@pytest.fixture
+def setup(tmp_path: pathlib.Path, toy: Any):
+    with running_server(tmp_path / "ps") as ps_address:
+        config = load_config(
+            None,
+            [
+                f"paramserver.address={ps_address}",
+                f"workers.addresses=[tcp://127.0.0.1:{toy.port()}]",
+                "workers.count=1",
+                "workers.j=2",
+                "workers.max_batch_seqs=8",
+                "model.max_seq_len=16",
+                "model.d_model=32",
+                "model.n_heads=2",
+                "model.n_kv_heads=1",
+                "model.n_layers=1",
+                "data.task_args={digits: 1}",
+                f"run.output_dir={tmp_path / 'run'}",
+            ],
+        )
+        model_config = build_model_config(config, build_task(config).tokenizer)
+        pusher = ParamClient(ps_address, timeout_s=10)
+        worker = WorkerService(config, 0)
+        ctx = zmq.Context.instance()
+        link = PeerLink(config.workers.addresses[0], encode=encode, decode=decode, context=ctx)
+        yield config, model_config, pusher, worker, link
+        link.close()
+        worker.close()
+        pusher.close()
+
+
+def send(worker: WorkerService, link: PeerLink, message: Any) -> None:
+    # IMMEDIATE: nothing is queued until the TCP connection is up.
+    deadline = time.monotonic() + 10
+    while link.send(message) is None:
+        assert time.monotonic() < deadline, "could not connect to the worker"
+        worker.step()
+        time.sleep(0.01)
+
+
+def push(pusher: ParamClient, model_config: Any, version: int) -> None:
+    params = init_params(model_config, jax.random.key(version))
+    pusher.push(jax.tree.map(np.asarray, params), version)
+
+
+def generate(
+    worker: WorkerService, link: PeerLink, name: str, prompt: tuple[int, ...] = (1, 5, 13, 6, 14)
+) -> Any:
+    sampling = SamplingParams(max_tokens=4, temperature=1.0, seed=7, stop_token_ids=(2,))
+    send(worker, link, GenerateRequest(request_id=name, prompt_token_ids=prompt, sampling=sampling, n=4))
+    return wait_reply(worker, link)
+
+
+def test_worker_generates_with_one_version_and_reloads_only_j_behind(setup: Any) -> None:
+    config, model_config, pusher, worker, link = setup
+    send(worker, link, Hello(protocol_version=PROTOCOL_VERSION))
+    welcome = wait_reply(worker, link, timeout=10)
+    assert isinstance(welcome, Welcome) and welcome.server_id.startswith("worker0-")
+    push(pusher, model_config, 0)
+    first = generate(worker, link, "a")
+    assert isinstance(first, GenerateResult) and first.request_id == "a" and first.weight_version == 0
+    assert len(first.samples) == 4
+    for sample in first.samples:
+        assert len(sample.logprobs) == len(sample.token_ids) <= 4 and all(lp <= 0 for lp in sample.logprobs)
+    push(pusher, model_config, 1)  # one version behind: j=2 keeps the old weights
+    assert generate(worker, link, "b").weight_version == 0
+    push(pusher, model_config, 2)  # two behind: reload
+    assert generate(worker, link, "c").weight_version == 2
+    assert worker.reloads == 1
+    # Same seed, same weights, same prompt: the same samples (batch-independent seeding).
+    again = generate(worker, link, "d")
+    assert again.weight_version == 2
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in generate(worker, link, "e").samples]
+
+
+def test_worker_rejects_a_bad_request_and_keeps_serving(setup: Any) -> None:
+    config, model_config, pusher, worker, link = setup
+    push(pusher, model_config, 0)
+    bad = generate(worker, link, "bad", prompt=(1, 999))  # token id outside the vocabulary
+    assert isinstance(bad, ErrorReply) and "bad" in bad.message
+    good = generate(worker, link, "good")
+    assert isinstance(good, GenerateResult)

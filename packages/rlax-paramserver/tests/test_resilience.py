@@ -1,0 +1,43 @@
+"""Clients survive a server restart and never hang on a dead one."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+import rlax_protocol as rp
+from rlax_paramserver import ParamClient
+from rlax_paramserver.testing import running_server_process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_client_rides_through_a_server_restart(tmp_path, stamp) -> None:
+    make, check = stamp
+    port = free_port()
+    bind = ["--bind", f"tcp://127.0.0.1:{port}"]
+    with ParamClient(f"tcp://127.0.0.1:{port}", timeout_s=2, retries=5, backoff_s=0.1) as client:
+        with running_server_process(tmp_path, args=bind):
+            client.push(make(1), 1)
+        # The server is gone: a call times out after its bounded retries, naming peer and operation.
+        started = time.monotonic()
+        with ParamClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retries=2, backoff_s=0.01) as impatient:
+            with pytest.raises(
+                rp.ProtocolTimeoutError, match=rf"LatestQuery.*127\.0\.0\.1:{port}.*3 attempts"
+            ):
+                impatient.latest()
+        assert time.monotonic() - started < 30
+        with running_server_process(tmp_path, args=bind):
+            # Same client object: it reconnects and says Hello to the new server by itself.
+            assert client.latest() == 1
+            pulled = client.pull()
+            assert pulled is not None
+            check(pulled.tree, 1)
+            client.push(make(2), 2)
+            assert client.stat().versions == (1, 2)
