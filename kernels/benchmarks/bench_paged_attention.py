@@ -17,7 +17,7 @@ from rlax_kernels.paged_attention import bench
 
 
 @pytest.fixture(scope="module")
-def setup():
+def decode_setup():
     config = bench.default_config()
     case = bench.make_case(config)
     impls = {impl.name: impl for impl in bench.implementations(case, config)}
@@ -26,8 +26,8 @@ def setup():
 
 
 @pytest.mark.parametrize("name", bench.implementation_names())
-def test_paged_decode(benchmark, setup, name: str) -> None:
-    config, case, impls, expected = setup
+def test_paged_decode(benchmark, decode_setup, name: str) -> None:
+    config, case, impls, expected = decode_setup
     impl = impls[name]
     out = np.asarray(impl.fn(), np.float32)  # compile outside the timed rounds
     # JAX's TPU kernel in interpret mode drifts by ~1e-3; ours and the reference agree tightly.

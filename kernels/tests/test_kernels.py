@@ -82,7 +82,7 @@ DECODE_GRID = [
     (1, 8, 1, 64, 32, "float32", "pages", 1),
     (3, 4, 2, 64, 16, "float32", "mixed", 2),
     (3, 8, 1, 128, 16, "bfloat16", "mixed", 4),
-    (8, 1, 2, 128, 32, "float32", "mixed", 1),
+    (8, 1, 2, 128, 32, "float32", "mixed", 2),
     (8, 8, 1, 64, 16, "bfloat16", "mixed", 2),
     (5, 4, 2, 128, 32, "float32", "pages", None),
 ]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
 from rlax_model_hf_reference import ARCHS, hf_logits, save_hf_model
 from safetensors.numpy import load_file, save_file
 
@@ -89,7 +90,6 @@ def test_save_load_round_trip_bit_exact(hf_checkpoint, tmp_path):
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
-    import transformers
 
     config = ModelConfig.tiny(
         architecture="llama", rope_scaling=Llama3RopeScaling(factor=2.0, original_max_position_embeddings=32)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
 
 from rlax_model import ModelConfig, forward, init_params
 from rlax_model.gguf_import import (
@@ -212,7 +213,6 @@ def test_gguf_tokenizer_pinned_ids_and_chat_template(smollm2_tokenizer):
 
 @pytest.mark.slow
 def test_gguf_tokenizer_matches_transformers(smollm2_tokenizer):
-    transformers = pytest.importorskip("transformers")
     path = find_smollm2_gguf()
     ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     texts = [
@@ -236,7 +236,6 @@ def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2_file, smollm2_
     """SmolLM2-135M-Instruct from GGUF continues three chat prompts with the same 16 greedy
     tokens as transformers' own GGUF loader."""
     import torch
-    import transformers
     from rlax_model_greedy import greedy_generate
 
     path = smollm2_file.path
@@ -249,15 +248,30 @@ def test_smollm2_greedy_matches_transformers_gguf_loading(smollm2_file, smollm2_
     ).eval()
     for i, prompt in enumerate(prompts):
         # Plain greedy argmax for 16 steps, through <|im_end|> too (generate() would stop there).
-        ids, past, theirs = torch.tensor([prompt]), None, []
+        ids, theirs = torch.tensor([prompt]), []
         with torch.no_grad():
             for _ in range(16):
-                out = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                ids = out.logits[:, -1].argmax(-1, keepdim=True)
-                theirs.append(int(ids[0, 0]))
+                nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+                ids = torch.cat([ids, nxt], dim=1)
+                theirs.append(int(nxt[0, 0]))
         assert ours[i].tolist() == theirs, (
             PROMPTS[i],
             smollm2_tokenizer.decode(ours[i]),
             smollm2_tokenizer.decode(theirs),
         )
+
+
+def test_gguf_tokenizer_exports_to_hf_files(smollm2_tokenizer, tmp_path):
+    smollm2_tokenizer.save(tmp_path)
+    again = Tokenizer.from_pretrained(tmp_path)
+    for text, ids in PINNED_IDS.items():
+        assert again.encode(text) == ids
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    assert again.apply_chat_template(messages) == smollm2_tokenizer.apply_chat_template(messages)
+    assert (again.bos_id, again.eos_id, again.pad_id) == (1, 2, 2)
+    ref = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    for text, ids in PINNED_IDS.items():
+        assert ref(text, add_special_tokens=False).input_ids == ids
+    assert ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == again.render_chat(
+        messages
+    )

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import tokenizers
+import transformers
 from tokenizers import decoders, models, pre_tokenizers
 
 from rlax_model import (
@@ -97,7 +98,6 @@ def test_hf_tokenizer_save_load_and_chat(hf_dir):
 
 
 def test_chat_template_matches_transformers(hf_dir):
-    transformers = pytest.importorskip("transformers")
     ref = transformers.PreTrainedTokenizerFast.from_pretrained(hf_dir)
     ours = Tokenizer.from_pretrained(hf_dir)
     for msgs in (

@@ -3,8 +3,9 @@
 SmolLM2-135M-shaped weights (hidden 576, intermediate 1536, 9 query / 3 key-value heads
 of 64, 30 layers, vocab 49152, tied embeddings): ~538 MB in float32, ~269 MB in
 bfloat16. The server and the raw sender each run in their own process with the same
-number of ZeroMQ I/O threads; receivers run as threads of this process; everything
-goes over tcp loopback. A pull includes its lease, pipelined chunk fetches, joining
+number of ZeroMQ I/O threads; pullers run either as threads of this process or as
+separate processes (as real workers are), and so do the raw receivers; everything goes
+over tcp loopback; receivers keep every frame until the transfer ends, as a pull does. A pull includes its lease, pipelined chunk fetches, joining
 multi-frame tensors and verifying every tensor's xxh3_64; the raw reference only
 moves the frames. Medians of several rounds; ratio = ours / raw.
 """
@@ -96,8 +97,9 @@ class RawPeer:
         self.control.connect(f"tcp://127.0.0.1:{control_port}")
         self.pusher = context.socket(zmq.PUSH)
         self.pusher.connect(f"tcp://127.0.0.1:{pull_port}")
+        self.ports = ports
         self.pullers = []
-        for port in ports:
+        for port in ports[: len(ports) // 2]:  # the other half is for puller processes
             socket = context.socket(zmq.PULL)
             socket.connect(f"tcp://127.0.0.1:{port}")
             self.pullers.append(socket)
@@ -125,7 +127,7 @@ class RawPeer:
         receivers = [threading.Thread(target=receive, args=(i,)) for i in range(k)]
         for thread in receivers:
             thread.start()
-        self._command(f"send {k}")
+        self._command(f"send {k} 0")
         for thread in receivers:
             thread.join()
         self._done()
@@ -147,13 +149,52 @@ class RawPeer:
             self.process.stdout.close()
 
 
+class PullerProcesses:
+    """k puller processes (ours or raw); `run()` starts them at once and waits for all."""
+
+    def __init__(self, args: list[list[str]], raw: RawPeer | None = None, raw_offset: int = 0) -> None:
+        script = str(pathlib.Path(__file__).with_name("puller_process.py"))
+        self.raw = raw
+        self.raw_offset = raw_offset
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, script, *a], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            for a in args
+        ]
+        for process in self.processes:
+            assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+
+    def run(self) -> None:
+        for process in self.processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        if self.raw is not None:
+            self.raw._command(f"send {len(self.processes)} {self.raw_offset}")
+        for process in self.processes:
+            assert process.stdout is not None
+            if process.stdout.readline().strip() != "done":
+                raise RuntimeError(f"puller process failed (exit code {process.poll()})")
+        if self.raw is not None:
+            self.raw._done()
+
+    def close(self) -> None:
+        for process in self.processes:
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write("quit\n")
+            process.stdin.close()
+            process.wait(30)
+            process.stdout.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     tree = smollm2_tree(np_dtype)
     encoded = encode_tree(tree, chunk_bytes=DEFAULT_CHUNK_BYTES)
     nbytes = sum(f.nbytes for f in encoded.frames)
-    raw = RawPeer(encoded.frames, streams=max(PULLERS))
+    raw = RawPeer(encoded.frames, streams=2 * max(PULLERS))
     server_args = ["--io-threads", str(IO_THREADS), "--workers", "4"]
     rows: list[tuple[str, float, float]] = []
     version = 0
@@ -183,27 +224,34 @@ def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
                 compare("push, 1 pusher", 1, push_once, raw.push)
                 for k in PULLERS:
                     compare(
-                        f"pull, {k} puller{'s' if k > 1 else ''}",
+                        f"pull, {k} puller thread{'s' if k > 1 else ''}",
                         k,
                         lambda k=k: concurrently(k, lambda i: clients[i].pull()),
                         lambda k=k: raw.pull(k),
                     )
-                # Diagnostic: the same pulls without checksum verification, which runs under the GIL
-                # and so is serialised across puller threads of one process.
-                unverified = [
-                    ParamClient(server.address, timeout_s=60, verify=False) for _ in range(max(PULLERS))
-                ]
-                try:
-                    k = max(PULLERS)
-                    compare(
-                        f"pull, {k} pullers, no verify",
-                        k,
-                        lambda: concurrently(k, lambda i: unverified[i].pull()),
-                        lambda: raw.pull(k),
+                # Pullers as separate processes, as real inference workers are.
+                for k in PULLERS:
+                    ours_procs = PullerProcesses([["ours", server.address]] * k)
+                    raw_procs = PullerProcesses(
+                        [
+                            ["raw", str(port), str(len(encoded.frames))]
+                            for port in raw.ports[max(PULLERS) :][:k]
+                        ],
+                        raw=raw,
+                        raw_offset=max(PULLERS),
                     )
-                finally:
-                    for client in unverified:
-                        client.close()
+                    try:
+                        ours_procs.run()  # warm up: first connection and handshake
+                        raw_procs.run()
+                        compare(
+                            f"pull, {k} puller process{'es' if k > 1 else ''}",
+                            k,
+                            ours_procs.run,
+                            raw_procs.run,
+                        )
+                    finally:
+                        ours_procs.close()
+                        raw_procs.close()
                 # The figure pytest-benchmark records: one full single pull (lease, fetch, verify).
                 benchmark.pedantic(lambda: clients[0].pull(), rounds=ROUNDS, iterations=1)
             finally:

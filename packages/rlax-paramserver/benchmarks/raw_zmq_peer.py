@@ -4,8 +4,8 @@ Run as a subprocess: ``python raw_zmq_peer.py STREAMS IO_THREADS FRAME_BYTES...`
 a REP control socket, STREAMS PUSH sockets and one PULL socket on loopback and prints
 their ports as one line. Commands on the control socket:
 
-- ``send K``: stream every frame (copy=False) over the first K PUSH sockets at once
-  (the reference for K concurrent pulls), answer ``done`` when all went out;
+- ``send K OFFSET``: stream every frame (copy=False) over PUSH sockets OFFSET..OFFSET+K-1
+  at once (the reference for K concurrent pulls), answer ``done`` when all went out;
 - ``recv``: receive every frame on the PULL socket, keeping them all as a server
   keeps a pushed version, answer ``done`` (the reference for a push);
 - ``quit``.
@@ -49,8 +49,9 @@ def main() -> None:
             held = [puller.recv(copy=False) for _ in frames]
             del held
         else:
-            k = int(command.split()[1])
-            threads = [threading.Thread(target=send_all, args=(pushers[i],)) for i in range(k)]
+            _, k, offset = command.split()
+            chosen = pushers[int(offset) : int(offset) + int(k)]
+            threads = [threading.Thread(target=send_all, args=(socket,)) for socket in chosen]
             for thread in threads:
                 thread.start()
             for thread in threads:

@@ -41,3 +41,31 @@ def test_client_rides_through_a_server_restart(tmp_path, stamp) -> None:
             check(pulled.tree, 1)
             client.push(make(2), 2)
             assert client.stat().versions == (1, 2)
+
+
+def test_pull_and_push_resend_only_unanswered_requests_after_a_timeout(stamp, monkeypatch) -> None:
+    """A timeout in the middle of a pipelined push or pull resends exactly what is unanswered."""
+    from rlax_paramserver.testing import running_server
+
+    make, check = stamp
+    with running_server() as address:
+        client = ParamClient(address, timeout_s=5, chunk_bytes=1024, message_bytes=4096, window=3)
+        rpc = client._rpc
+        original = rpc.recv_reply
+        calls = {"n": 0}
+
+        def flaky(pending, *, timeout_s, operation):
+            calls["n"] += 1
+            if calls["n"] in (3, 7):  # lose the connection twice, with requests in flight
+                raise rp.ProtocolTimeoutError(rpc.peer, f"receive {operation}", timeout_s)
+            return original(pending, timeout_s=timeout_s, operation=operation)
+
+        monkeypatch.setattr(rpc, "recv_reply", flaky)
+        client.push(make(3, layers=4), 3)
+        calls["n"] = 0
+        pulled = client.pull()
+        assert pulled is not None and pulled.version == 3
+        check(pulled.tree, 3)
+        monkeypatch.undo()
+        assert client.stat().pending_pushes == 0
+        client.close()

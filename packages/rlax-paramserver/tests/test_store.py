@@ -46,3 +46,20 @@ def test_retention_keeps_newest_and_leased() -> None:
     store.end_pull(lease.lease_id)
     assert sorted(store.versions) == [3, 4]
     assert store.begin_pull(None, 4) == 4  # not newer
+
+
+def test_overlapping_pushes_commit_in_version_order_only() -> None:
+    store = VersionStore(ServerConfig(keep=3))
+    pending = {}
+    for version in (2, 3):
+        encoded = encode_tree({"w": np.full(8, version, np.float32)})
+        push_id = store.begin_push(version, encoded.manifest, {}, f"pusher-{version}".encode())
+        store.put_chunks(push_id, 0, [memoryview(bytes(f)) for f in encoded.frames])
+        pending[version] = push_id
+    newer = store.take_for_commit(pending[3])
+    store.verify(newer)
+    store.commit(newer)
+    older = store.take_for_commit(pending[2])
+    with pytest.raises(StoreError, match="version 2 is not newer than the latest committed version 3"):
+        store.commit(older)
+    assert sorted(store.versions) == [3]

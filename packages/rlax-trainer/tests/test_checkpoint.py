@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import jax
 import numpy as np
@@ -60,33 +61,42 @@ def _corrupt(step_dir) -> None:
     target.write_bytes(bytes(data))
 
 
-def test_damaged_newest_checkpoint_falls_back(
+def test_damaged_newest_checkpoints_fall_back(
     tmp_path, model_config, model_params, make_batch, caplog, minibatch_config
 ):
     learner = Learner(model_config, minibatch_config, model_params)
     prints = {}
     with CheckpointManager(tmp_path / "c", max_to_keep=3) as ckpt:
-        for i in range(2):
+        for i in range(3):
             learner.update(make_batch(i))
             prints[learner.step] = state_fingerprint(learner.state)
             ckpt.save(learner.state, version=learner.step)
         ckpt.wait()
+    # Step 3 lost its array data (a partial write): orbax cannot read it.
+    for sub in (tmp_path / "c" / "3" / "state").iterdir():
+        if sub.is_dir() and sub.name.startswith("ocdbt"):
+            shutil.rmtree(sub)
+    # Step 2 reads fine but its bytes changed on disk: the fingerprint catches it.
     _corrupt(tmp_path / "c" / "2")
-    # A partial write left by a crash (orbax's temporary folder) is never a candidate.
-    (tmp_path / "c" / "3.orbax-checkpoint-tmp-1").mkdir()
+    # A crash mid-save leaves orbax's temporary folder, which is never a candidate.
+    (tmp_path / "c" / "4.orbax-checkpoint-tmp-1").mkdir()
     with (
         CheckpointManager(tmp_path / "c") as ckpt,
         caplog.at_level(logging.WARNING, logger="rlax_trainer.checkpoint"),
     ):
         state, info = ckpt.restore(learner.state)
     assert info.step == 1 and state_fingerprint(state) == prints[1]
-    assert "checkpoint step 2" in caplog.text and "damaged" in caplog.text
+    assert (
+        "checkpoint step 3" in caplog.text
+        and "checkpoint step 2" in caplog.text
+        and "fingerprint" in caplog.text
+    )
     assert "restored checkpoint step 1" in caplog.text
 
     _corrupt(tmp_path / "c" / "1")
     with (
         CheckpointManager(tmp_path / "c") as ckpt,
-        pytest.raises(RuntimeError, match="no loadable checkpoint.*step 2.*step 1"),
+        pytest.raises(RuntimeError, match="no loadable checkpoint.*step 3.*step 2.*step 1"),
     ):
         ckpt.restore(learner.state)
     with CheckpointManager(tmp_path / "empty") as ckpt:

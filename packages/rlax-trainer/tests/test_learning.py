@@ -1,19 +1,17 @@
 """GRPO really learns: a tiny random model learns to answer each prompt with its digit pattern.
 
-The inference engine is not used here yet: `sample` below is a minimal jitted sampling loop
-over `rlax_model.forward` (full recompute per token, no KV cache). It should move to the
-engine (rlax_inference) once that exists, as the issue asks.
+One process: the inference engine (rlax_inference.LLMEngine, paged KV cache) samples groups
+with per-request seeds and reports its logprobs; the trainer recomputes pi_old itself,
+updates, and hands the new weights (version = step) back to the engine.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import rlax_model
+from rlax_inference import EngineConfig, LLMEngine, SamplingParams
 from rlax_protocol import Rollout
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, RolloutBuffer, collate, preset
 
@@ -25,28 +23,6 @@ TARGETS = np.array([[1, 2, 3, 4], [9, 8, 7, 6], [2, 4, 6, 8], [5, 5, 0, 0]], np.
 
 def reward(prompt: int, completion: np.ndarray) -> float:
     return float((completion == TARGETS[prompt]).mean())
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def sample(params, prompts: jax.Array, key: jax.Array, *, config: rlax_model.ModelConfig):
-    """prompts: [B, P] int32 -> (completions [B, LEN] int32, logprobs [B, LEN] float32)."""
-    b, p = prompts.shape
-    tokens = jnp.concatenate([prompts, jnp.zeros((b, LEN), jnp.int32)], axis=1)
-    positions = jnp.broadcast_to(jnp.arange(p + LEN, dtype=jnp.int32), tokens.shape)
-
-    def step(t, carry):
-        tokens, lps, key = carry
-        key, sub = jax.random.split(key)
-        logits, _ = rlax_model.forward(params, tokens, positions, config=config)
-        nxt_logits = jax.lax.dynamic_index_in_dim(logits, p + t - 1, axis=1, keepdims=False)
-        tok = jax.random.categorical(sub, nxt_logits).astype(jnp.int32)
-        lp = jax.nn.log_softmax(nxt_logits)[jnp.arange(b), tok]
-        tokens = jax.lax.dynamic_update_index_in_dim(tokens, tok, p + t, axis=1)
-        lps = jax.lax.dynamic_update_index_in_dim(lps, lp, t, axis=1)
-        return tokens, lps, key
-
-    tokens, lps, _ = jax.lax.fori_loop(0, LEN, step, (tokens, jnp.zeros((b, LEN), jnp.float32), key))
-    return tokens[:, p:], lps
 
 
 def test_grpo_learns_digit_patterns():
@@ -70,37 +46,42 @@ def test_grpo_learns_digit_patterns():
         optimizer=OptimizerConfig(lr=3e-3, max_grad_norm=1.0),
     )
     learner = Learner(config, cfg, params, seed=0)
+    engine = LLMEngine(
+        config, params, EngineConfig(block_size=4, num_blocks=256, max_num_seqs=PROMPTS * G, max_model_len=16)
+    )
     buffer = RolloutBuffer(group_size=G, max_staleness=0)
-    prompts = np.array([[BOS, i] for i in range(PROMPTS) for _ in range(G)], np.int32)
-    key = jax.random.key(1)
+    prompts = [[BOS, p] for p in range(PROMPTS)]
     history = []
     for step in range(150):
-        key, sub = jax.random.split(key)
-        completions, lps = jax.device_get(
-            sample(learner.policy_params(), jnp.asarray(prompts), sub, config=config)
+        outs = engine.generate(
+            prompts, SamplingParams(n=G, temperature=1.0, max_tokens=LEN, seed=1000 + step)
         )
-        rewards = [reward(i // G, completions[i]) for i in range(len(prompts))]
-        history.append(float(np.mean(rewards)))
-        for g in range(PROMPTS):
-            buffer.add(
-                [
+        step_rewards = []
+        for p, out in enumerate(outs):
+            assert out.weight_version == learner.step
+            group = []
+            for j, c in enumerate(out.outputs):
+                r = reward(p, np.asarray(c.tokens))
+                step_rewards.append(r)
+                group.append(
                     Rollout(
-                        prompt_id=f"p{g}",
+                        prompt_id=f"p{p}",
                         group_index=j,
-                        prompt_token_ids=tuple(int(t) for t in prompts[g * G + j]),
-                        completion_token_ids=tuple(int(t) for t in completions[g * G + j]),
-                        worker_logprobs=tuple(float(x) for x in lps[g * G + j]),
-                        policy_version=learner.step,
-                        reward=rewards[g * G + j],
+                        prompt_token_ids=tuple(prompts[p]),
+                        completion_token_ids=tuple(c.tokens),
+                        worker_logprobs=tuple(c.logprobs),
+                        policy_version=out.weight_version,
+                        reward=r,
                     )
-                    for j in range(G)
-                ],
-                current_version=learner.step,
-            )
-        groups = buffer.take(PROMPTS, learner.step)
-        metrics = learner.update(collate(groups, pad_id=0))
-        assert metrics["logprob_delta_max"] < 1e-3, "trainer and sampler share one model: logprobs must agree"
+                )
+            buffer.add(group, current_version=learner.step)
+        history.append(float(np.mean(step_rewards)))
+        metrics = learner.update(collate(buffer.take(PROMPTS, learner.step), pad_id=0))
+        # One model definition on both sides: the engine's logprobs match the trainer's own pass.
+        assert metrics["logprob_delta_max"] < 1e-3, metrics
+        engine.update_weights(learner.policy_params(), learner.step)
         if step >= 5 and np.mean(history[-5:]) > 0.6:
             break
+    print(f"mean reward per step: {[round(h, 2) for h in history]}")
     assert history[0] < 0.2, history
     assert np.mean(history[-5:]) > 0.5, history

@@ -364,8 +364,17 @@ class ModelRunner:
         """Every block-table width decode compiles for."""
         return sorted({self.width_bucket(p) for p in range(1, self.max_pages_per_seq + 1)})
 
-    def warmup_decode(self, num_seqs: int) -> None:
-        """Compile decode for `num_seqs` rows at every width (padding rows only; the cache is untouched)."""
+    def warmup(self, num_seqs: int) -> None:
+        """Compile decode for `num_seqs` rows at every width, and every block-copy bucket.
+
+        Padding rows and page-0 self-copies only: the cache's contents do not change.
+        """
+        n = 8
+        while True:
+            self.copy_blocks([(0, 0)] * n)
+            if n >= max(8, self.max_num_seqs):
+                break
+            n *= 2
         for width in self.width_buckets():
             self.decode(
                 [0] * num_seqs,

@@ -171,7 +171,8 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
     merged = {}
     for k, v in metrics.items():
         if k in _SUMMED:
-            merged[k] = v.sum()
+            # Weights were normalised over the whole batch: rescale to this minibatch's share.
+            merged[k] = v.sum() * cfg.minibatches
         elif k.endswith("_max"):
             merged[k] = v.max()
         elif k.endswith("_min"):
