@@ -1,5 +1,6 @@
 """End to end: `rlax launch` with every process on loopback (parameter server, trainer,
-controller, two inference workers), read back through the run's metrics.
+controller, two inference workers, the verifier service), read back through the run's
+metrics.
 
 - An undisturbed run and a run whose worker, trainer, controller and parameter server are
   each SIGKILLed at least once both finish, consume the same prompts in the same order,
@@ -43,6 +44,7 @@ BASE = [
     "trainer.lr=3e-4",
     "trainer.preset=rloo",
     "eval.num_prompts=0",
+    "verifier.mode=service",
     "controller.heartbeat_timeout_s=15",
     "controller.request_timeout_s=60",
     "supervisor.max_restarts=10",
@@ -153,6 +155,41 @@ def test_killed_run_follows_the_undisturbed_trajectory(runs: dict[str, Any]) -> 
     assert len(consumed(calm)) == STEPS * 4
     check_trained_exactly_once(calm, batch=16)
     check_trained_exactly_once(chaos, batch=16)
+
+
+def test_progress_summary_and_plot(runs: dict[str, Any]) -> None:
+    calm = runs["calm"]
+    assert f"[train] step={STEPS}/{STEPS}" in calm["output"]  # plain progress lines (not a TTY)
+    assert "RLAX run" in calm["output"] and "train steps" in calm["output"]  # the summary table
+    assert "run finished: controller completed the run" in calm["output"]
+    png = runs["root"] / "calm" / "summary.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert list((runs["root"] / "calm" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_eval_and_convert_a_finished_run(runs: dict[str, Any]) -> None:
+    from rlax_model import load_hf_checkpoint
+
+    config = runs["root"] / "calm" / "config.yaml"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = runs["root"] / "eval"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlax_controller.cli", "eval", "--config", str(config), "--out", str(out),
+         "eval.num_prompts=8", "eval.n_samples=4", "eval.pass_k=[1,4]"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"checkpoint step {STEPS}" in result.stdout
+    report = json.loads((out / "eval.json").read_text())
+    assert "pass@4" in json.dumps(report)
+    hf = runs["root"] / "hf"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlax_controller.cli", "convert", "to-hf", "--config", str(config), "--out", str(hf)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    model_config, params = load_hf_checkpoint(hf)
+    assert model_config.num_layers == 1 and model_config.hidden_size == 32
 
 
 def test_k1_no_trained_rollout_older_than_one_version(runs: dict[str, Any]) -> None:

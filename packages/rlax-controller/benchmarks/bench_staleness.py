@@ -45,6 +45,8 @@ def test_steps_per_hour_j4k8_vs_synchronous(benchmark: Any, tmp_path: pathlib.Pa
 
     benchmark.pedantic(both, rounds=1, iterations=1)
     ratio = rates["async (4,8)"] / rates["sync (1,1)"]
-    print(f"\nsteps/hour: sync (1,1) {rates['sync (1,1)']:.0f}, async (4,8) {rates['async (4,8)']:.0f}, ratio {ratio:.2f}x")
+    print(
+        f"\nsteps/hour: sync (1,1) {rates['sync (1,1)']:.0f}, async (4,8) {rates['async (4,8)']:.0f}, ratio {ratio:.2f}x"
+    )
     benchmark.extra_info.update(rates | {"ratio": ratio})
     assert rates["sync (1,1)"] > 0 and rates["async (4,8)"] > 0

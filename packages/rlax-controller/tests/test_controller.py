@@ -7,7 +7,6 @@ import threading
 from typing import Any
 
 import pytest
-from rlax_protocol.errors import ProtocolTimeoutError
 
 from rlax_controller.config import load_config
 from rlax_controller.controller import Controller, pass_at_k
@@ -22,6 +21,7 @@ from rlax_controller.messages import (
 )
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.scheduling import PromptItem
+from rlax_protocol.errors import ProtocolTimeoutError
 
 
 def make_config(tmp_path: pathlib.Path, port: int, **extra: Any) -> Any:

@@ -74,3 +74,36 @@ def test_unreachable_controller_gives_a_timeout_error_naming_peer_and_operation(
     assert time.monotonic() - started < 5
     assert "controller tcp://127.0.0.1:9" in str(info.value) and "Hello" in str(info.value)
     client.close()
+
+
+def test_worker_with_unreachable_parameter_server_fails_with_a_clear_timeout(
+    tmp_path: pathlib.Path, toy
+) -> None:
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        f"paramserver.address=tcp://127.0.0.1:{toy.port()}",  # nothing listens there
+        f"workers.addresses=[tcp://127.0.0.1:{toy.port()}]",
+        "workers.count=1",
+        "controller.request_timeout_s=2",
+    ]
+    config = tmp_path / "run.yaml"
+    config.write_text("run:\n  name: unreachable\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlax_controller.cli",
+            "worker",
+            "--config",
+            str(config),
+            "--index",
+            "0",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "no answer from the parameter server at tcp://127.0.0.1:" in result.stderr

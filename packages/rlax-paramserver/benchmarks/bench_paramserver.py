@@ -115,6 +115,8 @@ class RawPeer:
 
     def pull(self, k: int) -> None:
         """k receivers here each get every frame (kept until all arrived, as a pull keeps them)."""
+        if k > len(self.pullers):
+            raise ValueError(f"pull({k}): this peer has {len(self.pullers)} in-process receivers")
 
         def receive(i: int) -> None:
             socket = self.pullers[i]

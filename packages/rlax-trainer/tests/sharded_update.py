@@ -4,8 +4,9 @@ Executed by test_sharding.py in subprocesses (XLA_FLAGS sets the CPU device coun
 
     python sharded_update.py local OUT.npz
         one single-device update, then FSDP=4 and (fsdp=2, tensor=2) updates on 4 devices
-    python sharded_update.py multihost OUT.npz PROCESS_ID NUM_PROCESSES PORT
-        one FSDP update over every device of every process, joined by jax.distributed;
+    python sharded_update.py multihost OUT.npz PROCESS_ID NUM_PROCESSES PORT CKPT_DIR
+        one FSDP update over every device of every process, joined by jax.distributed, then an
+        orbax save + restore of the sharded state by all processes (fingerprints must agree);
         process 0 also runs the single-device reference and writes both
 """
 
@@ -20,6 +21,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    ckpt_dir = sys.argv[6] if mode == "multihost" else None
     if mode == "multihost":
         pid, nproc, port = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
         jax.distributed.initialize(
@@ -73,6 +75,17 @@ def main() -> None:
             mu = learner.state.opt_state[1][0].mu["policy"]["layers"]["gate_proj"]
             assert "fsdp" in str(mu.sharding.spec), f"optimizer state not sharded: {mu.sharding.spec}"
         metrics = learner.update(batch)
+        if mesh is not None and ckpt_dir is not None:
+            from rlax_trainer.checkpoint import CheckpointManager, state_fingerprint
+
+            with CheckpointManager(ckpt_dir) as ckpt:
+                ckpt.save(learner.state, version=learner.step)
+                ckpt.wait()
+                state, info = ckpt.restore(learner.state)
+            assert info.step == 1 and state_fingerprint(state) == state_fingerprint(learner.state)
+            assert (
+                state.params["policy"]["embed"].sharding == learner.state.params["policy"]["embed"].sharding
+            )
         flat = jax.tree_util.tree_flatten_with_path(learner.host_params())[0]
         out = {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}
         out["__loss"] = np.float64(metrics["loss"])

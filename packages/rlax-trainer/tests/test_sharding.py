@@ -56,7 +56,16 @@ def test_two_processes_joined_by_jax_distributed_match(tmp_path):
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), "multihost", str(out), str(i), "2", str(port)],
+            [
+                sys.executable,
+                str(SCRIPT),
+                "multihost",
+                str(out),
+                str(i),
+                "2",
+                str(port),
+                str(tmp_path / "ckpt"),
+            ],
             env=_env(2),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

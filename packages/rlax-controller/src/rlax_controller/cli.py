@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", default="", help="trainer checkpoint folder (default: the run's newest)"
     )
     evaluate.add_argument("--out", default="", help="folder for the JSON and markdown report")
+    # Listed for `rlax -h`; main() hands their arguments to the tools before parsing.
     curate = sub.add_parser("curate", help="data curation (pass-rate pre-filtering, dedup, contamination)")
     curate.add_argument("args", nargs=argparse.REMAINDER)
     convert = sub.add_parser("convert", help="convert checkpoints between HF and RLAX formats")
@@ -73,6 +74,12 @@ def _load(args: argparse.Namespace) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("curate", "convert"):
+        # These tools own their whole command line (their -h included).
+        from rlax_controller import components
+
+        return components.run_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO").upper(),
@@ -85,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
 
             report = launch(args.config, list(args.overrides), overwrite=args.overwrite)
             return 0 if report.success else 1
-        if args.command in ("curate", "convert"):
-            from rlax_controller import components
-
-            return components.run_tool(args.command, list(args.args))
         config = _load(args)
         from rlax_controller import components
 

@@ -196,6 +196,7 @@ class TrainerConfig(_Section):
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch: int = 0
+    minibatches: int = 1
     k: int = 2
     sft_steps: int = 0
     sft_lr: float = 3e-3
@@ -218,6 +219,9 @@ class TrainerConfig(_Section):
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(self.micro_batch >= 0, "micro_batch", self.micro_batch, "must be >= 0 (0: whole batch)")
+        _check(
+            self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1 (optimizer steps per batch)"
+        )
         _check(self.k >= 1, "k", self.k, "must be >= 1")
         _check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
         _check(self.sft_batch >= 1, "sft_batch", self.sft_batch, "must be >= 1")

@@ -186,7 +186,11 @@ class RolloutScheduler:
     # -- drawing and dispatch -----------------------------------------------------------
     def _lookahead(self) -> int:
         # Weights of version `step` stay usable for batches step..step+k.
-        ahead = self.config.k if self.config.lookahead_steps is None else min(self.config.k, self.config.lookahead_steps)
+        ahead = (
+            self.config.k
+            if self.config.lookahead_steps is None
+            else min(self.config.k, self.config.lookahead_steps)
+        )
         return (ahead + 1) * self.config.prompts_per_step
 
     def _useful_groups(self) -> int:

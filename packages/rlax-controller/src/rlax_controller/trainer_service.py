@@ -58,6 +58,7 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "group_size": config.data.group_size,
             "global_batch": config.batch_size,
             "micro_batch": t.micro_batch,
+            "minibatches": t.minibatches,
             "param_dtype": config.model.param_dtype,
             "remat": t.remat,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
