@@ -26,9 +26,9 @@ def fill(writer: MetricsWriter) -> None:
                 "reward_mean": 0.1 * step,
                 "pass_rate": 0.1 * step,
                 "staleness_max": 1,
-                "abs_dlogprob_p50": 1e-4,
-                "abs_dlogprob_p95": 2e-4,
-                "abs_dlogprob_max": 5e-4,
+                "logprob_delta_p50": 1e-4,
+                "logprob_delta_p95": 2e-4,
+                "logprob_delta_max": 5e-4,
             }
         )
     writer.write({"kind": "eval", "step": 0, "pass@1": 0.10, "pass@8": 0.30, "reward_mean": 0.1})

@@ -197,3 +197,16 @@ def test_weight_swap_policies(policy):
     )
     with pytest.raises(ValueError, match=r"\['embed'\] is float32\[3, 64\]"):
         engine.update_weights({**new, "embed": new["embed"][:3]}, 2)
+
+
+# The TPU kernel's interpret mode emulates its DMAs step by step: slow on CPU.
+@pytest.mark.parametrize("backend", [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"])
+def test_pallas_decode_path_in_interpret_mode_matches(backend):
+    rng = np.random.default_rng(7)
+    ps = prompts(3, rng, 3, 20)
+    engine = make_engine(attention=backend, attention_interpret=True, max_num_seqs=8)
+    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=4))
+    for p, out in zip(ps, outs):
+        c = out.outputs[0]
+        assert c.tokens == naive_greedy(PARAMS, p, 4)
+        np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)

@@ -231,6 +231,12 @@ def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
                         lambda k=k: concurrently(k, lambda i: clients[i].pull()),
                         lambda k=k: raw.pull(k),
                     )
+                # Diagnostic: the share of checksum verification (it competes for the CPU with the transfer).
+                unverified = ParamClient(server.address, timeout_s=60, verify=False)
+                try:
+                    compare("pull, 1 thread, verify=False", 1, lambda: unverified.pull(), lambda: raw.pull(1))
+                finally:
+                    unverified.close()
                 # Pullers as separate processes, as real inference workers are.
                 for k in PULLERS:
                     ours_procs = PullerProcesses([["ours", server.address]] * k)

@@ -14,7 +14,7 @@ from rlax_controller.config import (
     load_config,
     parse_config,
 )
-from rlax_controller.controller import Controller, RolloutScorer, pass_at_k
+from rlax_controller.controller import Controller, RolloutScorer
 from rlax_controller.launcher import build_specs, launch, resolve_addresses
 from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
 from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
@@ -62,7 +62,6 @@ __all__ = [
     "launch",
     "load_config",
     "parse_config",
-    "pass_at_k",
     "plot_run",
     "read_metrics",
     "resolve_addresses",

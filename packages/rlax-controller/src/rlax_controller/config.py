@@ -483,8 +483,3 @@ def dump_config(config: RunConfig, path: str | pathlib.Path) -> pathlib.Path:
 
     text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
     return atomic_write_bytes(pathlib.Path(path), text.encode())
-
-
-def replace(config: Any, **changes: Any) -> Any:
-    """A copy of a config section with some fields changed."""
-    return msgspec.structs.replace(config, **changes)

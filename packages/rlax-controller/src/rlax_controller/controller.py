@@ -40,7 +40,6 @@ from rlax_controller.metrics import MetricsWriter, plot_run, read_metrics, summa
 from rlax_controller.scheduling import (
     Batch,
     BatchNotReady,
-    Group,
     PromptItem,
     PromptSource,
     RolloutScheduler,
@@ -49,6 +48,7 @@ from rlax_controller.scheduling import (
     stable_seed,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
+from rlax_data.evaluation import pass_at_k
 from rlax_protocol.errors import MalformedMessageError, ProtocolError
 from rlax_protocol.messages import (
     ErrorReply,
@@ -64,7 +64,7 @@ from rlax_protocol.messages import decode as decode_protocol
 from rlax_protocol.messages import encode as encode_protocol
 from rlax_protocol.transport import pack_request_id, unpack_request_id, welcome_for
 
-__all__ = ["Controller", "RolloutScorer", "pass_at_k"]
+__all__ = ["Controller", "RolloutScorer"]
 
 log = logging.getLogger("rlax.controller")
 
@@ -73,13 +73,6 @@ class RolloutScorer(Protocol):
     """Scores the completions of one prompt: one (reward, correct) per completion."""
 
     def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]: ...
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 @dataclasses.dataclass
@@ -646,7 +639,11 @@ class Controller:
             ScoredSample(tuple(s.token_ids), tuple(s.logprobs), s.finish_reason, float(r), bool(c))
             for s, (r, c) in zip(result.samples, scores, strict=True)
         ]
-        self.scheduler.complete(result.request_id, result.weight_version, samples)
+        try:
+            self.scheduler.complete(result.request_id, result.weight_version, samples)
+        except ValueError as error:  # a worker that answered with the wrong number of samples
+            log.error("%s: %s; the group goes back to the queue", worker.name, error)
+            self.scheduler.release(group)
 
     def _on_eval_result(self, result: GenerateResult, completions: list[tuple[int, ...]]) -> None:
         job = self.eval_job
@@ -667,9 +664,6 @@ class Controller:
             self._finish_eval(job)
 
     # ------------------------------------------------------------------ main loop
-    def pending_groups(self) -> list[Group]:
-        return list(self.scheduler.groups.values())
-
     def run(self, *, stop_after_complete_s: float = 2.0, max_seconds: float | None = None) -> int:
         """Serve until the trainer has been told the run is complete; returns an exit code."""
         poller = zmq.Poller()

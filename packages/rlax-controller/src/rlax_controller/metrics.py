@@ -187,7 +187,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
     train = latest_per_step(r for r in records if r.get("kind") == "train")
     if train:
         first, last = train[0], train[-1]
-        for key in ("reward_mean", "pass_rate", "staleness_max", "abs_dlogprob_p95", "gen_tokens_per_s"):
+        for key in ("reward_mean", "pass_rate", "staleness_max", "logprob_delta_p95", "gen_tokens_per_s"):
             if key in last:
                 a, b = first.get(key), last.get(key)
                 change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
@@ -229,10 +229,10 @@ def plot_run(
         axes[1].plot([r["step"] for r in evals], [r.get(key, math.nan) for r in evals], marker="o", label=key)
     axes[1].set_title("evaluation")
     axes[1].set_ylim(-0.02, 1.02)
-    for key in ("abs_dlogprob_p50", "abs_dlogprob_p95", "abs_dlogprob_max"):
+    for key in ("logprob_delta_p50", "logprob_delta_p95", "logprob_delta_max"):
         values = [r.get(key, math.nan) for r in train]
         if any(isinstance(v, int | float) and math.isfinite(v) for v in values):
-            axes[2].plot(steps, values, marker=".", label=key.replace("abs_dlogprob_", "|Δ logprob| "))
+            axes[2].plot(steps, values, marker=".", label=key.replace("logprob_delta_", "|Δ logprob| "))
     axes[2].set_title("trainer vs worker |Δ logprob|")
     for axis in axes:
         axis.set_xlabel("step")

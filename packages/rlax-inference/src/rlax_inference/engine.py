@@ -44,6 +44,7 @@ class EngineConfig:
     max_prefill_rows: prompts per prefill call (larger batches are split).
     attention: decode attention backend of `rlax_kernels.paged_attention` ("auto" = Pallas on
       TPU/GPU, the XLA reference path on CPU; or "xla", "pallas_tpu", "pallas_gpu").
+    attention_interpret: run a named Pallas kernel in interpret mode (tests on CPU).
     """
 
     block_size: int = 16
@@ -55,6 +56,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] | None = None
     swap_policy: SwapPolicy = SwapPolicy.DROP
     attention: AttentionBackend = "auto"
+    attention_interpret: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows"):
@@ -132,6 +134,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             max_prefill_rows=config.max_prefill_rows,
             attention=config.attention,
+            interpret=config.attention_interpret,
         )
         self.weight_version = weight_version
         self.detokenize = detokenize

@@ -136,13 +136,19 @@ def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -
     return {"k": new_k, "v": new_v}
 
 
-def _make_kernel_decode_attention(backend: AttentionBackend) -> Callable[..., Any]:
+def _make_kernel_decode_attention(backend: AttentionBackend, interpret: bool) -> Callable[..., Any]:
     """Decode attention by `rlax_kernels.paged_attention` (Pallas): the layer's pages go through the scan."""
 
     def attention(q, k, v, layer_cache, ctx: _DecodeContext):  # type: ignore[no-untyped-def]
         new_cache = _write(layer_cache, k[:, 0], v[:, 0], ctx.slots)
         out = rlax_kernels.paged_attention(
-            q[:, 0], new_cache["k"], new_cache["v"], ctx.lengths, ctx.block_tables, backend=backend
+            q[:, 0],
+            new_cache["k"],
+            new_cache["v"],
+            ctx.lengths,
+            ctx.block_tables,
+            backend=backend,
+            interpret=interpret,
         )
         return out[:, None], new_cache
 
@@ -191,10 +197,22 @@ def _prefill_step(
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
 
-@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention", "interpret"), donate_argnums=(1,))
 @_counted("decode")
 def _decode_step(
-    params, cache, tokens, slots, block_tables, lengths, sampling, *, config, attention, use_filters, num_top
+    params,
+    cache,
+    tokens,
+    slots,
+    block_tables,
+    lengths,
+    sampling,
+    *,
+    config,
+    attention,
+    interpret,
+    use_filters,
+    num_top,
 ):  # type: ignore[no-untyped-def]
     positions = (lengths - 1)[:, None]
     if attention == "xla":
@@ -214,7 +232,7 @@ def _decode_step(
             tokens[:, None],
             positions,
             config=config,
-            attention=_make_kernel_decode_attention(attention),
+            attention=_make_kernel_decode_attention(attention, interpret),
             attention_context=_DecodeContext(slots, lengths, block_tables),
             kv_cache=cache,
         )
@@ -252,6 +270,7 @@ class ModelRunner:
         max_prefill_rows: int = 16,
         min_len_bucket: int = 16,
         attention: AttentionBackend = "auto",
+        interpret: bool = False,
     ) -> None:
         self.config = config
         self.params = params
@@ -267,7 +286,8 @@ class ModelRunner:
         dtype = config.compute_jnp_dtype
         self.cache: KVCache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
-        self.attention = rlax_kernels.resolve_backend(attention, False)
+        self.attention = rlax_kernels.resolve_backend(attention, interpret)
+        self.interpret = interpret
 
     @property
     def num_compilations(self) -> collections.Counter[str]:
@@ -341,7 +361,7 @@ class ModelRunner:
             tables[i, : len(t)] = t
         batch = self._sampling_batch(sampling, rows)
         out, self.cache = _decode_step(
-            self.params, self.cache, tok, slot_arr, tables, lens, batch, config=self.config, attention=self.attention,
+            self.params, self.cache, tok, slot_arr, tables, lens, batch, config=self.config, attention=self.attention, interpret=self.interpret,
             use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top),
         )  # fmt: skip
         return self._host(out, n, num_top)

@@ -282,29 +282,39 @@ class ParamClient:
         wanted = None if version == "latest" else int(version)
         with self._lock:
             for attempt in range(self._rpc.retries + 1):
-                granted = self._call(
-                    PullBegin(version=wanted, if_newer_than=if_newer_than), expect=(PullGranted, NotNewer)
+                begin = PullBegin(
+                    version=wanted, if_newer_than=if_newer_than, prefetch_bytes=self.message_bytes
                 )
+                granted = self._call(begin, expect=(PullGranted, NotNewer))
                 if isinstance(granted.message, NotNewer):
                     return None
                 lease = granted.message
                 assert isinstance(lease, PullGranted)
                 try:
-                    tree = self._fetch(lease)
+                    # The lease ends on the server once every frame was sent: no PullEnd round trip.
+                    tree = self._fetch(lease, granted.frames)
                 except LeaseExpiredError:
                     if attempt == self._rpc.retries:
                         raise
                     time.sleep(self._rpc.backoff(attempt))
                     continue
-                finally:
+                except BaseException:
                     self._end_quietly(lease.lease_id)
+                    raise
                 return PulledWeights(tree=tree, version=lease.version, metadata=dict(lease.metadata))
         raise AssertionError("unreachable")
 
-    def _fetch(self, lease: PullGranted) -> dict[str, Any]:
+    def _fetch(self, lease: PullGranted, prefetched: list[zmq.Frame]) -> dict[str, Any]:
         """Fetch every frame of a leased version; tensors are joined and verified as they arrive."""
         assembler = TreeAssembler(lease.manifest, verify=self.verify)
-        runs = _batches([s.nbytes for s in frame_layout(lease.manifest)], self.message_bytes)
+        if len(prefetched) != lease.first_frames:
+            raise MalformedMessageError(
+                f"PullGranted announces {lease.first_frames} frames, {len(prefetched)} attached"
+            )
+        assembler.add(0, prefetched)
+        sizes = [s.nbytes for s in frame_layout(lease.manifest)]
+        start = lease.first_frames
+        runs = [(start + first, count) for first, count in _batches(sizes[start:], self.message_bytes)]
         requests: list[tuple[Message, Sequence[Part]]] = [
             (FetchChunks(lease.lease_id, first, count), ()) for first, count in runs
         ]

@@ -26,7 +26,7 @@ class ServerConfig:
     lease_ttl_s: a pull lease not renewed for this long expires (its client is presumed dead).
     push_idle_timeout_s: a pending push with no chunk for this long is dropped.
     max_frame_bytes: largest single frame accepted (bigger ones drop the connection).
-    max_message_bytes: largest total of frames in one PushChunks/Chunks message.
+    max_message_bytes: largest total of several frames in one message (a single frame may reach max_frame_bytes).
     max_version_bytes: largest total size of one version.
     max_frames: most frames one version may be split into.
     max_pending_pushes / max_pending_per_client: caps on unfinished pushes.

@@ -282,9 +282,20 @@ class ParamServer:
             if granted is None or isinstance(granted, int):
                 return NotNewer(latest=granted), []
             lease, stored = granted
-            return PullGranted(
-                lease.lease_id, stored.version, stored.manifest, stored.metadata, self.config.lease_ttl_s
-            ), []
+            frames: list[Any] = []
+            if message.prefetch_bytes > 0 or not stored.frames:
+                frames = store.prefetch(
+                    lease, stored, min(message.prefetch_bytes, self.config.max_message_bytes)
+                )
+            grant = PullGranted(
+                lease.lease_id,
+                stored.version,
+                stored.manifest,
+                stored.metadata,
+                self.config.lease_ttl_s,
+                first_frames=len(frames),
+            )
+            return grant, frames
         if isinstance(message, FetchChunks):
             frames = store.fetch(message.lease_id, message.first_frame, message.count)
             return Chunks(message.lease_id, message.first_frame, message.count), frames
@@ -300,7 +311,7 @@ class ParamServer:
                     "malformed", f"PushChunks says {message.count} frames, {len(request.frames)} attached"
                 )
             total = sum(f.buffer.nbytes for f in request.frames)
-            if total > self.config.max_message_bytes:
+            if len(request.frames) > 1 and total > self.config.max_message_bytes:
                 raise StoreError(
                     "too_large",
                     f"{total} bytes in one message exceed max_message_bytes={self.config.max_message_bytes}",

@@ -65,9 +65,19 @@ class TensorCheck:
 
 @dataclass
 class Lease:
+    """A pull in flight; it ends when every frame was sent once (`unsent` reaches 0)."""
+
     lease_id: int
     version: int
     expires: float
+    sent: bytearray
+    unsent: int
+
+    def mark_sent(self, first: int, count: int) -> None:
+        for index in range(first, first + count):
+            if not self.sent[index]:
+                self.sent[index] = 1
+                self.unsent -= 1
 
 
 @dataclass
@@ -303,9 +313,28 @@ class VersionStore:
             stored = self.versions.get(wanted)
             if stored is None:
                 raise StoreError("not_found", f"version {wanted} is not held (held: {sorted(self.versions)})")
-            lease = Lease(next(self._ids), wanted, now + self.config.lease_ttl_s)
+            lease = Lease(
+                next(self._ids),
+                wanted,
+                now + self.config.lease_ttl_s,
+                bytearray(len(stored.frames)),
+                len(stored.frames),
+            )
             self.leases[lease.lease_id] = lease
             return lease, stored
+
+    def prefetch(self, lease: Lease, stored: StoredVersion, budget: int) -> list[memoryview]:
+        """The first frames of a just-granted pull (at least one, about `budget` bytes)."""
+        frames: list[memoryview] = []
+        total = 0
+        for frame in stored.frames:
+            if frames and total + frame.nbytes > budget:
+                break
+            frames.append(frame)
+            total += frame.nbytes
+        with self._lock:
+            self._sent(lease, 0, len(frames))
+        return frames
 
     def fetch(self, lease_id: int, first_frame: int, count: int) -> list[memoryview]:
         now = time.monotonic()
@@ -323,6 +352,7 @@ class VersionStore:
                     f"frames {first_frame}..{first_frame + count - 1} outside version {lease.version}'s {len(stored.frames)}",
                 )
             lease.expires = now + self.config.lease_ttl_s
+            self._sent(lease, first_frame, count)
             return stored.frames[first_frame : first_frame + count]
 
     def end_pull(self, lease_id: int) -> None:
@@ -360,6 +390,12 @@ class VersionStore:
             return [Wakeup(w.identity, w.request_id, latest) for w in due]
 
     # ------------------------------------------------------------------ internals (lock held)
+
+    def _sent(self, lease: Lease, first: int, count: int) -> None:
+        lease.mark_sent(first, count)
+        if lease.unsent == 0 and self.leases.pop(lease.lease_id, None) is not None:
+            # Every frame is on its way (ZeroMQ holds references to the buffers): the pull is done.
+            self._evict(time.monotonic())
 
     def _pending(self, push_id: int) -> PendingPush:
         push = self.pending.get(push_id)

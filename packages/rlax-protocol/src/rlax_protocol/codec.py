@@ -24,7 +24,7 @@ import xxhash
 from rlax_protocol.errors import ChecksumError, MalformedMessageError, VersionMismatchError
 from rlax_protocol.messages import DTYPE_ITEMSIZE, PROTOCOL_VERSION, TensorHeader, TensorManifest
 
-DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 128 * 1024 * 1024
 SEP = "/"
 
 _DTYPES: dict[str, np.dtype[Any]] = {

@@ -186,18 +186,25 @@ class Committed(Message, frozen=True):
 
 class PullBegin(Message, frozen=True):
     """Lease a version for pulling: `version` None means the latest. With `if_newer_than`
-    the server answers `NotNewer` instead when its version is not newer."""
+    the server answers `NotNewer` instead when its version is not newer. With
+    `prefetch_bytes` > 0 the grant already carries the first frames (at least one, about
+    that many bytes), saving a round trip."""
 
     version: int | None = None
     if_newer_than: int | None = None
+    prefetch_bytes: int = 0
 
 
 class PullGranted(Message, frozen=True):
+    """Followed by `first_frames` raw frames (frames ``0 .. first_frames-1``). The lease ends
+    by itself once every frame was sent, or with `PullEnd`, or after `lease_ttl_s` idle."""
+
     lease_id: int
     version: int
     manifest: TensorManifest
     metadata: Metadata
     lease_ttl_s: float
+    first_frames: int = 0
 
 
 class NotNewer(Message, frozen=True):
@@ -205,7 +212,8 @@ class NotNewer(Message, frozen=True):
 
 
 class FetchChunks(Message, frozen=True):
-    """Ask for frames ``first_frame .. first_frame+count-1`` of a leased version; renews the lease."""
+    """Ask for frames ``first_frame .. first_frame+count-1`` of a leased version; renews the
+    lease (which ends once every frame of the version was sent under it)."""
 
     lease_id: int
     first_frame: int
