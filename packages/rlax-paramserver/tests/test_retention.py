@@ -33,6 +33,8 @@ def test_keep_three_after_ten_pushes_and_a_leased_version_survives() -> None:
             assert stats.pulls_in_flight == 1 and stats.leases_by_version == {8: 1}
             pulled = client.pull(8)  # still servable while pinned
             assert pulled is not None and np.all(pulled.tree["w"] == 8)
+            # A completed pull leaves no lease behind; only the holder's remains.
+            assert client.stat().leases_by_version == {8: 1}
             holder.call(PullEnd(lease.lease_id))
         assert client.stat().versions == (13, 14, 15)
 

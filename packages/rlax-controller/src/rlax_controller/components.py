@@ -109,16 +109,48 @@ def run_trainer(config: RunConfig) -> int:
 
 
 def run_worker(config: RunConfig, index: int) -> int:
-    from rlax_controller.worker_service import run
-
     if not 0 <= index < len(config.workers.addresses):
         raise SystemExit(
             f"rlax worker --index {index}: the config has {len(config.workers.addresses)} worker addresses"
         )
     _select_platform(config.workers.platform)
     _compile_cache(config)
-    _exit_on_sigterm()
-    return run(config, index)
+    if config.workers.implementation == "builtin":
+        from rlax_controller.worker_service import run
+
+        _exit_on_sigterm()
+        return run(config, index)
+    return _run_inference_worker(config, index)
+
+
+def _run_inference_worker(config: RunConfig, index: int) -> int:
+    """`rlax_inference.worker` (the `rlax-worker` entry point) with the run's model and engine."""
+    import dataclasses
+    import json
+
+    from rlax_controller.fsutil import atomic_write_bytes
+    from rlax_controller.models import build_model_config
+    from rlax_controller.tasks import build_task
+    from rlax_controller.worker_service import engine_config_fields
+    from rlax_inference.worker import main
+
+    model_config = build_model_config(config, build_task(config).tokenizer)
+    folder = config.output_dir / "workers"
+    model_json = json.dumps(dataclasses.asdict(model_config)).encode()
+    model_file = atomic_write_bytes(folder / f"worker{index}-model.json", model_json)
+    engine_file = atomic_write_bytes(
+        folder / f"worker{index}-engine.json", json.dumps(engine_config_fields(config)).encode()
+    )
+    argv = [
+        "--paramserver", config.paramserver.address,
+        "--bind", config.workers.addresses[index],
+        "--reload-staleness", str(config.workers.j),
+        "--weights-poll-s", "0.05",
+        "--model-config", str(model_file),
+        "--engine-config", str(engine_file),
+        "--worker-id", f"worker{index}",
+    ]  # fmt: skip
+    return int(main(argv) or 0)
 
 
 def run_eval(config: RunConfig, *, checkpoint: str = "", out: str = "") -> int:

@@ -161,7 +161,9 @@ class DataConfig(_Section):
 
 class WorkersConfig(_Section):
     """Inference workers: how many, reload staleness j, and back-pressure.
-    `attention`: the inference engine's attention backend (its `EngineConfig.attention`)."""
+    `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
+    `implementation`: `inference` runs `rlax_inference`'s `rlax-worker` (I/O, weights and
+    compute on separate threads); `builtin` runs `rlax_controller.worker_service` (one loop)."""
 
     count: int = 2
     j: int = 1
@@ -170,6 +172,7 @@ class WorkersConfig(_Section):
     max_batch_seqs: int = 64
     platform: str = "cpu"
     attention: str = "auto"
+    implementation: Literal["inference", "builtin"] = "inference"
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, "count", self.count, "must be >= 1")

@@ -30,6 +30,23 @@ log = logging.getLogger("rlax.worker")
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
 
+def engine_config_fields(config: RunConfig) -> dict[str, Any]:
+    """`rlax_inference.EngineConfig` fields sized for the run: every running sequence can
+    hold `model.max_seq_len` tokens."""
+    max_len = config.model.max_seq_len
+    seqs = config.workers.max_batch_seqs
+    block = 16
+    return {
+        "block_size": block,
+        "num_blocks": seqs * (-(-max_len // block) + 1) + 8,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": max(2048, seqs * 4),
+        "max_model_len": max_len,
+        "swap_policy": "drop",
+        "attention": config.workers.attention,
+    }
+
+
 class WorkerService:
     def __init__(self, config: RunConfig, index: int, *, context: zmq.Context[Any] | None = None) -> None:
         from rlax_controller.models import build_model_config
@@ -68,18 +85,7 @@ class WorkerService:
     def _engine_config(self) -> Any:
         from rlax_inference.engine import EngineConfig
 
-        max_len = self.config.model.max_seq_len
-        seqs = self.config.workers.max_batch_seqs
-        block = 16
-        return EngineConfig(
-            block_size=block,
-            num_blocks=seqs * (-(-max_len // block) + 1) + 8,
-            max_num_seqs=seqs,
-            max_num_batched_tokens=max(2048, seqs * 4),
-            max_model_len=max_len,
-            swap_policy="drop",
-            attention=self.config.workers.attention,
-        )
+        return EngineConfig(**engine_config_fields(self.config))
 
     def maybe_reload(self, now: float, *, force_check: bool = False) -> None:
         """Pull the newest weights if we have none or are `j` or more versions behind."""
