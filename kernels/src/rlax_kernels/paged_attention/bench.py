@@ -219,7 +219,7 @@ def implementations(case: BenchCase, config: DecodeBenchConfig) -> list[Implemen
 
         def interpreted() -> jax.Array:
             with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-                return fn(*jax_args)
+                return jax.block_until_ready(fn(*jax_args))
 
         return interpreted
 

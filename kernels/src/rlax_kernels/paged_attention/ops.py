@@ -257,6 +257,19 @@ def _attention_rows(
     return out.reshape(batch, chunk, num_heads, head_dim)
 
 
+def _settle(out: jax.Array, backend: str, interpret: bool) -> jax.Array:
+    """Wait for an eager TPU-interpret result before the caller can dispatch more work.
+
+    TPU interpret mode simulates the chip with host callbacks that themselves run JAX ops
+    on the CPU device. If the caller enqueues another computation while the kernel runs,
+    the callbacks' ops queue behind it and both wait forever (observed as a rare hang in
+    the test grid). Under an outer trace nothing runs yet, so there is nothing to wait for.
+    """
+    if backend == "pallas_tpu" and interpret and not isinstance(out, jax.core.Tracer):
+        jax.block_until_ready(out)
+    return out
+
+
 _paged_attention_xla = jax.jit(paged_attention_reference, static_argnames=("scale",))
 _paged_prefill_xla = jax.jit(paged_prefill_attention_reference, static_argnames=("scale",))
 
@@ -338,7 +351,7 @@ def paged_attention(
         block_rows=br,
         interpret=interpret,
     )
-    return out[:, 0]
+    return _settle(out[:, 0], chosen, interpret)
 
 
 def paged_prefill_attention(
@@ -412,7 +425,7 @@ def paged_prefill_attention(
         block_rows,
         q.dtype.itemsize,
     )
-    return _attention_rows(
+    out = _attention_rows(
         q,
         k_pages,
         v_pages,
@@ -425,3 +438,4 @@ def paged_prefill_attention(
         block_rows=br,
         interpret=interpret,
     )
+    return _settle(out, chosen, interpret)

@@ -162,8 +162,10 @@ class DataConfig(_Section):
 class WorkersConfig(_Section):
     """Inference workers: how many, reload staleness j, and back-pressure.
     `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
-    `implementation`: `inference` runs `rlax_inference`'s `rlax-worker` (I/O, weights and
-    compute on separate threads); `builtin` runs `rlax_controller.worker_service` (one loop)."""
+    `implementation`: `builtin` runs `rlax_controller.worker_service` (one loop that checks
+    the weights version before admitting new requests); `inference` runs `rlax_inference`'s
+    `rlax-worker` (I/O, weights and compute on separate threads; its asynchronous reload
+    makes rollouts about one version staler at j=1)."""
 
     count: int = 2
     j: int = 1
@@ -172,7 +174,7 @@ class WorkersConfig(_Section):
     max_batch_seqs: int = 64
     platform: str = "cpu"
     attention: str = "auto"
-    implementation: Literal["inference", "builtin"] = "inference"
+    implementation: Literal["builtin", "inference"] = "builtin"
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, "count", self.count, "must be >= 1")

@@ -616,6 +616,20 @@ class Controller:
                 }
             )
         worker.version = result.weight_version
+        lag = self.scheduler.step - result.weight_version
+        if lag > self.config.workers.j + self.config.trainer.k + 1:
+            # It should have reloaded long ago (its weight puller is stuck): keep work away.
+            log.warning(
+                "%s generates with version %d, %d behind step %d: quarantined",
+                worker.name,
+                result.weight_version,
+                lag,
+                self.scheduler.step,
+            )
+            self.scheduler.counters["stale_worker_results"] = (
+                self.scheduler.counters.get("stale_worker_results", 0) + 1
+            )
+            worker.quarantine_until = time.monotonic() + self.config.controller.request_timeout_s
         completions = [tuple(s.token_ids) for s in result.samples]
         self._rate_tokens += sum(len(c) for c in completions)
         if result.request_id.startswith("eval"):

@@ -94,7 +94,12 @@ def _sample_row(
         dist = logits / jnp.where(greedy, 1.0, temperature)
     dist = jnp.where(greedy, logits, dist)
     logp = jax.nn.log_softmax(dist)
-    drawn = jax.random.categorical(key, dist)
+    # Inverse-CDF draw: one uniform per row instead of a Gumbel per vocabulary entry
+    # (jax.random.categorical), which costs more than the model's matmuls at large batch.
+    cdf = jnp.cumsum(jnp.exp(logp))
+    target = jax.random.uniform(key, dtype=jnp.float32) * cdf[-1]
+    drawn = jnp.sum(cdf <= target)  # first index whose cdf exceeds the target; zero-width entries skipped
+    drawn = jnp.where(drawn >= logits.shape[-1], jnp.argmax(dist), drawn)  # u*total rounded up to total
     token = jnp.where(greedy, jnp.argmax(logits), drawn).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp, num_top) if num_top else (logp[:0], jnp.zeros((0,), jnp.int32))
     return token, logp[token], top_ids.astype(jnp.int32), top_lp
