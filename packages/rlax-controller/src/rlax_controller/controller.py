@@ -274,6 +274,9 @@ class Controller:
                 self.complete_replied = True
                 return RunComplete(final_step=self.scheduler.step)
             return NoBatchYet(reason="final evaluation", retry_after_s=0.2)
+        if self.eval_job is not None and self.eval_job.step == self.scheduler.step:
+            # Hold version `step` still until its evaluation is scored: the eval measures it.
+            return NoBatchYet(reason=f"evaluation at step {self.scheduler.step}", retry_after_s=0.05)
         if self.sent_batch is None:
             try:
                 batch = self.scheduler.build_batch()
