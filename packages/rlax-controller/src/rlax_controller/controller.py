@@ -514,18 +514,31 @@ class Controller:
         if self.scheduler.step >= self.config.run.steps:
             return  # the run is trained; only the final evaluation remains
         names = [w.name for w in alive if len(w.requests) < self.config.workers.max_inflight_groups]
+        unreachable: set[str] = set()
         for name, group in self.scheduler.assign(names):
             worker = self.workers[name]
             sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
             assert group.request_id is not None
-            if not self._send_generate(
+            if name in unreachable or not self._send_generate(
                 worker, group.request_id, group.item, self.config.data.group_size, sampling
             ):
-                self._declare_dead(worker, "it is not connected", reopen=False)
-                break
+                # Every group assigned to it goes back to the queue, not only this one.
+                unreachable.add(name)
+                self.scheduler.release(group)
+                if worker.alive:
+                    self._declare_dead(worker, "it is not connected", reopen=False)
+
+    def _release_orphans(self) -> None:
+        """A group marked dispatched whose request no worker link holds can never complete."""
+        live = {tag for w in self.workers.values() for tag in w.requests.values()}
+        for group in list(self.scheduler.groups.values()):
+            if group.status is GroupStatus.DISPATCHED and group.request_id not in live:
+                log.warning("group %d had no live request; back to the queue", group.index)
+                self.scheduler.release(group)
 
     def _heartbeat(self, now: float) -> None:
         cfg = self.config.controller
+        self._release_orphans()
         for worker in self.workers.values():
             if now - worker.last_ping >= cfg.heartbeat_interval_s:
                 worker.last_ping = now
