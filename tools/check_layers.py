@@ -24,10 +24,21 @@ ALLOWED: dict[str, tuple[str, set[str]]] = {
         {"rlax_model", "rlax_kernels", "rlax_protocol", "rlax_paramserver"},
     ),
     "rlax_data": ("packages/rlax-data/src", {"rlax_protocol", "rlax_model", "rlax_inference"}),
-    "rlax_trainer": ("packages/rlax-trainer/src", {"rlax_model", "rlax_protocol", "rlax_paramserver", "rlax_kernels"}),
+    "rlax_trainer": (
+        "packages/rlax-trainer/src",
+        {"rlax_model", "rlax_protocol", "rlax_paramserver", "rlax_kernels"},
+    ),
     "rlax_controller": (
         "packages/rlax-controller/src",
-        {"rlax_protocol", "rlax_data", "rlax_paramserver", "rlax_model", "rlax_inference", "rlax_trainer", "rlax_kernels"},
+        {
+            "rlax_protocol",
+            "rlax_data",
+            "rlax_paramserver",
+            "rlax_model",
+            "rlax_inference",
+            "rlax_trainer",
+            "rlax_kernels",
+        },
     ),
 }
 JAX_FREE = {"rlax_protocol", "rlax_paramserver"}

@@ -40,6 +40,7 @@ from rlax_controller.metrics import MetricsWriter, plot_run, read_metrics, summa
 from rlax_controller.scheduling import (
     Batch,
     BatchNotReady,
+    GroupStatus,
     PromptItem,
     PromptSource,
     RolloutScheduler,
