@@ -208,3 +208,32 @@ def test_j4_k8_workers_reload_at_most_every_4_versions(runs: dict[str, Any]) -> 
     for record in run["train"]:
         assert record["staleness_max"] <= 8
     assert consumed(run) == consumed(runs["calm"])  # prompt order does not depend on (j, k)
+
+
+def test_pass_rate_prefilter_with_the_trained_tiny_model(runs: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """Issue 6: pre-filtering samples with the real engine and the run's tiny model keeps
+    exactly the prompts whose recounted pass rate lies strictly between the bounds."""
+    from rlax_controller.evaluation import engine_sampler
+    from rlax_data.curation import PassRateConfig, prefilter_by_pass_rate
+    from rlax_data.datasets import load_jsonl
+
+    config = runs["root"] / "calm" / "config.yaml"
+    sampler = engine_sampler(str(config), **{"eval.temperature": "1.0"})
+    records = list(sampler.task.task.generate(24, seed=1234))
+    verifier = sampler.task.verifier
+    bounds = PassRateConfig(n=8, lower=0.125, upper=0.875, batch_size=len(records))
+    kept, report = prefilter_by_pass_rate(
+        records, sampler, verifier, bounds, out_path=tmp_path / "kept.jsonl", report_path=tmp_path / "report.json"
+    )
+    # Recount: the same seeded samples (one batch, so the same per-prompt seeds), scored here.
+    samples = sampler([r.prompt for r in records], bounds.n)
+    recount = {}
+    for record, row in zip(records, samples, strict=True):
+        results = verifier.verify([(s, record) for s in row])
+        recount[record.id] = sum(r.correct for r in results) / bounds.n
+    assert recount == report.pass_rates
+    expected = [r.id for r in records if bounds.lower < recount[r.id] < bounds.upper]
+    assert [r.id for r in kept] == expected
+    assert [r.id for r in load_jsonl(tmp_path / "kept.jsonl").records] == expected
+    assert report.kept == len(expected) and report.total == len(records)
+    assert report.too_hard + report.too_easy + report.kept == len(records)
