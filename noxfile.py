@@ -85,7 +85,10 @@ def run_pytest(session: nox.Session, *args: str, allow_empty: bool = False) -> N
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Every package's unit tests and the root integration tests, on the CPU."""
+    """Every package's unit tests and the root integration tests, on the CPU; then the
+    lint, type and JAX-free-install checks, so that CI (`.ci/run`) gates on all of them."""
+    for gate in ("lint", "typecheck", "protocol_alone"):
+        session.notify(gate)
     install_checkout(session, reference=True)
     run_pytest(
         session,
@@ -163,4 +166,6 @@ def demo(session: nox.Session) -> None:
     config = ROOT / "configs" / "demo.yaml"
     if not config.exists() or shutil.which("rlax", path=os.path.join(session.bin, "")) is None:
         session.error("The demo lands with the controller (issue 7); it is not built yet.")
-    session.run("rlax", "launch", str(config), *session.posargs, env=CPU_ENV)
+    # A demo shows a whole run, so it starts over; `rlax launch` without --overwrite resumes.
+    # Dotted overrides pass through: `nox -s demo -- trainer.lr=1e-3`.
+    session.run("rlax", "launch", str(config), "--overwrite", *session.posargs, env=CPU_ENV)
