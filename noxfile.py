@@ -152,7 +152,7 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "--strict", *strict)
 
 
-@nox.session(python="3.11", venv_backend="venv")
+@nox.session(python="3.11", venv_backend="venv", reuse_venv=False)
 def protocol_alone(session: nox.Session) -> None:
     """Install rlax-protocol (and rlax-paramserver) alone with pip: no JAX may come along."""
     session.install(str(ROOT / "packages/rlax-protocol"))
