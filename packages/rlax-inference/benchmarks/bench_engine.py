@@ -29,25 +29,13 @@ import pytest
 
 from rlax_inference import EngineConfig, LLMEngine, SamplingParams
 from rlax_model import ModelConfig, find_smollm2_gguf, init_params, load_gguf, save_hf_checkpoint
+from rlax_model.roofline import matmul_peak_flops
 
 PROMPTS = int(os.environ.get("RLAX_BENCH_PROMPTS", "64"))
 SAMPLES = 8
 NEW_TOKENS = int(os.environ.get("RLAX_BENCH_TOKENS", "128"))
 HF_PROMPTS_PER_CALL = 8
 BLOCK = 16
-
-
-def matmul_peak_flops(dtype: jnp.dtype, n: int = 2048, reps: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def flops_per_token(c: ModelConfig) -> float:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_model import ModelConfig, init_params, logprobs
+from rlax_model.roofline import matmul_peak_flops
 
 SEQ = 512
 BATCH = 1
@@ -22,15 +23,6 @@ def _best_seconds(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Best observed float32 FLOP/s of an n x n x n matmul."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    jax.block_until_ready(mm(a, b))
-    return 2.0 * n**3 / _best_seconds(lambda: mm(a, b), repeats)
 
 
 def train_flops_per_token(config: ModelConfig, seq: int) -> float:

@@ -12,33 +12,18 @@ RLAX_BENCH_SEQ / RLAX_BENCH_BATCH for slow machines.
 from __future__ import annotations
 
 import os
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import rlax_model
+from rlax_model.roofline import matmul_peak_flops
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, preset
 
 SEQ = int(os.environ.get("RLAX_BENCH_SEQ", "128"))
 BATCH = int(os.environ.get("RLAX_BENCH_BATCH", "4"))
 RESULTS: dict[str, float] = {}
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Best-of float32 [n, n] @ [n, n] throughput, FLOP/s."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def make_batch(vocab: int) -> dict[str, np.ndarray]:
