@@ -7,7 +7,7 @@ import json
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -50,7 +50,31 @@ def _token_text(value: Any) -> str | None:
     raise TokenizerError(f"special token {value!r} is neither a string nor a {{'content': ...}} mapping")
 
 
-class Tokenizer:
+class _ChatRendering:
+    """Chat rendering shared by both tokenizers: a `chat_template` plus `encode`."""
+
+    chat_template: ChatTemplate | None
+
+    if TYPE_CHECKING:
+
+        def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The chat template applied to `messages`, as text."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template itself places any BOS token)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
+
+
+class Tokenizer(_ChatRendering):
     """HF `tokenizers` tokenizer plus special tokens and a chat template.
 
     Build with `Tokenizer.from_pretrained(directory)` (tokenizer.json + tokenizer_config.json
@@ -211,20 +235,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
-        """The chat template applied to `messages`, as text."""
-        if self.chat_template is None:
-            raise ChatTemplateError("this tokenizer has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
-    ) -> list[int]:
-        """Token ids of the rendered chat (the template itself places any BOS token)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
-
 
 DEFAULT_ALPHABET = "0123456789+-*/%=()<>.,:;?! abcdefghijklmnopqrstuvwxyz"
 # A plain format for synthetic tasks: "user text=answer" style prompts need no roles.
@@ -233,7 +243,7 @@ DEFAULT_CHAR_CHAT_TEMPLATE = (
 )
 
 
-class CharTokenizer:
+class CharTokenizer(_ChatRendering):
     """A character-level tokenizer for synthetic tasks (arithmetic and the like).
 
     Ids: 0 = "<pad>", 1 = "<bos>", 2 = "<eos>", then one id per character of `alphabet`
@@ -303,15 +313,3 @@ class CharTokenizer:
                 continue
             out.append(self._char[t])
         return "".join(out)
-
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
-        if self.chat_template is None:
-            raise ChatTemplateError("this tokenizer has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
-    ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra))
