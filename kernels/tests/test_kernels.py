@@ -5,6 +5,10 @@ padding query rows, and points unused block-table entries at NaN pages or far ou
 cache: any read or weight that should not happen turns the output into NaN or, in TPU
 interpret mode, an out-of-bounds error.
 
+The XLA decode path (what the CPU runs: an online softmax over a few pages at a time) gets
+the same grid and poison, plus the engine's extras (the newest token's K/V beside the cache,
+pages read through a layer axis).
+
 The default grid covers every value of each axis (batch 1-8, 1/4/8 query heads per KV
 head, head_dim 64/128, page size 16/32, float32/bfloat16, lengths of 1, exact page
 multiples and ragged, several compute-block widths); the full cross product is `slow`.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,10 +26,13 @@ import pytest
 from rlax_kernels import (
     paged_attention,
     paged_attention_reference,
+    paged_attention_xla,
     paged_prefill_attention,
     paged_prefill_attention_reference,
+    write_kv,
 )
 from rlax_kernels.paged_attention.testing import make_paged_case
+from rlax_kernels.paged_attention.xla import _pages_per_step
 
 BACKENDS = ["pallas_tpu", "pallas_gpu"]
 # float32 kernels accumulate exactly like the reference up to summation order; bfloat16
@@ -179,3 +187,94 @@ def test_prefill_of_one_token_equals_decode(backend: str) -> None:
         interpret=True,
     )
     np.testing.assert_allclose(np.asarray(prefill[:, 0]), np.asarray(decode), rtol=1e-6, atol=1e-6)
+
+
+# -- the XLA decode path ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "batch,group,num_kv_heads,head_dim,page_size,dtype,kind",
+    [c[:7] for c in DECODE_GRID],
+    ids=[f"b{c[0]}-g{c[1]}-kv{c[2]}-d{c[3]}-p{c[4]}-{c[5]}-{c[6]}" for c in DECODE_GRID],
+)
+def test_xla_decode_matches_reference(batch, group, num_kv_heads, head_dim, page_size, dtype, kind):
+    case = make_paged_case(
+        7,
+        seq_lens=_lengths(kind, batch, page_size),
+        num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=DTYPES[dtype],
+        extra_table_columns=5,  # several loop steps past the longest sequence
+    )
+    args = (case.q, case.k_pages, case.v_pages, case.seq_lens, case.block_tables)
+    out = paged_attention(*args, backend="xla")
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    out32 = np.asarray(out, np.float32)
+    assert np.isfinite(out32).all(), "poison from an unused slot reached the output"
+    np.testing.assert_allclose(
+        out32, np.asarray(paged_attention_reference(*args), np.float32), **TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("layer_axis", [False, True])
+def test_newest_token_beside_the_cache_equals_writing_it_first(layer_axis):
+    """Attending to (cache + new K/V) equals writing the token with write_kv and attending to the cache."""
+    page_size, lengths = 16, [1, 16, 33, 64, 5]
+    case = make_paged_case(
+        3, seq_lens=lengths, num_heads=8, num_kv_heads=2, head_dim=64, page_size=page_size, spare_pages=8
+    )
+    rng = np.random.default_rng(0)
+    new_k = jnp.asarray(rng.normal(size=(len(lengths), 2, 64)), jnp.float32)
+    new_v = jnp.asarray(rng.normal(size=(len(lengths), 2, 64)), jnp.float32)
+    # Cached tokens are all but the last of each sequence; the last slot is where the new token goes.
+    cached = case.seq_lens - 1
+    tables = np.asarray(case.block_tables)
+    last = np.asarray(cached)
+    slots = jnp.asarray(tables[np.arange(len(lengths)), last // page_size] * page_size + last % page_size)
+    k_written, v_written = write_kv(case.k_pages, case.v_pages, new_k, new_v, slots)
+    expected = paged_attention_reference(case.q, k_written, v_written, case.seq_lens, case.block_tables)
+
+    k_pages, v_pages, layer = case.k_pages, case.v_pages, None
+    if layer_axis:  # the engine's cache: [layers, kv_heads, pages, page_size, head_dim]
+        k_pages = jnp.stack([jnp.full_like(case.k_pages, jnp.nan), case.k_pages])
+        v_pages = jnp.stack([jnp.full_like(case.v_pages, jnp.nan), case.v_pages])
+        layer = jnp.int32(1)
+    out = jax.jit(paged_attention_xla)(
+        case.q, k_pages, v_pages, cached, case.block_tables, new_k=new_k, new_v=new_v, layer=layer
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_new_token_when_nothing_is_cached():
+    q = jnp.ones((2, 4, 8))
+    pages = jnp.full((2, 3, 4, 8), jnp.nan)
+    new_v = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)
+    out = paged_attention_xla(
+        q,
+        pages,
+        pages,
+        jnp.zeros(2, jnp.int32),
+        jnp.zeros((2, 2), jnp.int32),
+        new_k=jnp.ones((2, 2, 8)),
+        new_v=new_v,
+    )
+    # One key: softmax weight 1 on it, so each query head returns its KV head's value.
+    np.testing.assert_array_equal(np.asarray(out), np.repeat(np.asarray(new_v), 2, axis=1))
+
+
+def test_bad_arguments_name_the_problem():
+    q, pages = jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8))
+    lengths, tables = jnp.ones(1, jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="layer"):
+        paged_attention_xla(q, pages, pages, lengths, tables, layer=0)
+    with pytest.raises(ValueError, match="layer"):
+        paged_attention_xla(q, pages[None], pages[None], lengths, tables)
+    with pytest.raises(ValueError, match="together"):
+        paged_attention_xla(q, pages, pages, lengths, tables, new_k=jnp.ones((1, 1, 8)))
+
+
+@pytest.mark.parametrize(
+    "width,page_size,expected", [(12, 16, 2), (7, 16, 1), (8, 8, 4), (3, 64, 1), (1, 16, 1)]
+)
+def test_pages_per_step_divides_the_table(width, page_size, expected):
+    assert _pages_per_step(width, page_size) == expected

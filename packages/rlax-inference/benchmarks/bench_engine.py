@@ -83,7 +83,7 @@ def run_ours(config: ModelConfig, params, prompts: list[list[int]]) -> dict[str,
     assert generated == seqs * NEW_TOKENS
     assert sum(engine.runner.num_compilations.values()) == compiles, "the timed run recompiled"
     c = config
-    block_bytes = 2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * jnp.dtype(c.compute_dtype).itemsize
+    block_bytes = 2 * c.num_layers * c.num_kv_heads * BLOCK * c.head_dim * engine.runner.cache_dtype.itemsize
     return {
         "tok_s": generated / elapsed,
         "peak_blocks": peak_used,

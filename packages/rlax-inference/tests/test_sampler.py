@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rlax_inference.sampler import SamplingBatch, sample_jit
+from rlax_inference.sampler import SamplingBatch, inverse_cdf_draw, sample_jit
 
 V = 12
 LOGITS = np.random.default_rng(0).normal(size=V).astype(np.float32) * 1.5
@@ -91,3 +91,42 @@ def test_same_seed_same_output_alone_or_in_batch():
         jnp.asarray(logits), SamplingBatch.from_rows([(r[0], r[1], r[2], r[3], r[4], r[5] + 1) for r in rows])
     )
     assert not np.array_equal(np.asarray(moved.tokens), np.asarray(together.tokens))
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_two_level_inverse_cdf_equals_full_cumsum_search(vocab):
+    rng = np.random.default_rng(vocab)
+    weights = rng.exponential(size=vocab).astype(np.float32)
+    weights[rng.random(vocab) < 0.3] = 0.0  # zero-width entries (filtered tokens) must never be drawn
+    weights[0] = weights[-1] = 0.0
+    total = float(weights.astype(np.float64).sum())
+    cdf = np.cumsum(weights.astype(np.float64))
+    # Random targets plus the edges: 0, the very end of the mass, and past it (float32 rounding
+    # of the caller's total can land there): the draw stays on the last entry of nonzero weight.
+    edges = [0.0, np.nextafter(np.float32(total), 0), total * 0.999999, total, total * 1.001]
+    targets = np.concatenate([rng.random(300) * total, edges])
+    drawn = np.asarray(
+        jax.vmap(inverse_cdf_draw, in_axes=(None, 0))(jnp.asarray(weights), jnp.asarray(targets, jnp.float32))
+    )
+    expected = np.minimum(
+        np.searchsorted(cdf, targets.astype(np.float32), side="right"), np.flatnonzero(weights)[-1]
+    )
+    assert (weights[drawn] > 0).all(), "drew an entry of weight zero"
+    # Float32 sums differ from the float64 reference only for targets within rounding of a boundary.
+    near = np.abs(cdf[np.minimum(expected, vocab - 1)] - targets) < 1e-4 * total
+    assert (drawn == expected)[~near].all()
+
+
+def test_large_vocabulary_chi_square():
+    vocab, n = 1000, 20_000  # several CDF blocks, unlike the 12-token tests above
+    logits = np.random.default_rng(5).normal(size=vocab).astype(np.float32) * 2
+    batch = SamplingBatch.from_rows([(1.0, 1.0, 0, i, 0, 0) for i in range(n)])
+    out = sample_jit(jnp.broadcast_to(jnp.asarray(logits), (n, vocab)), batch, use_filters=False)
+    p = np.exp(logits - logits.max()).astype(np.float64)
+    p /= p.sum()
+    top = np.argsort(-p)[:40]  # pool the tail so every expected count is large
+    counts = np.bincount(np.asarray(out.tokens), minlength=vocab)
+    observed = np.append(counts[top], n - counts[top].sum())
+    expected = np.append(n * p[top], n * (1 - p[top].sum()))
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.log(p[np.asarray(out.tokens)]), atol=2e-5)

@@ -12,12 +12,14 @@ from rlax_kernels.paged_attention.reference import (
     paged_attention_reference,
     paged_prefill_attention_reference,
 )
+from rlax_kernels.paged_attention.xla import paged_attention_xla
 
 __all__ = [
     "Backend",
     "default_scale",
     "paged_attention",
     "paged_attention_reference",
+    "paged_attention_xla",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
     "resolve_backend",

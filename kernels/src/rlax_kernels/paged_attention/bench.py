@@ -9,7 +9,8 @@ What runs depends on ``jax.default_backend()``:
   ``jax.experimental.pallas.ops.tpu.paged_attention``, all compiled for the chip;
 - gpu: our Pallas Triton kernel, the XLA reference, and
   ``jax.experimental.pallas.ops.gpu.paged_attention``;
-- cpu: the XLA reference (compiled, labelled ``xla``) and all four Pallas kernels in
+- cpu: the XLA reference and our XLA decode path (``xla.py``, what the CPU engine runs),
+  both compiled and labelled ``xla``, and all four Pallas kernels in
   interpret mode (labelled ``interpret``; JAX's TPU kernel under
   ``pltpu.force_tpu_interpret_mode``). Interpret timings measure the interpreter, not a
   device: the ratios between them say how much work each kernel issues, nothing more.
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_kernels.paged_attention.ops import _platform, paged_attention
-from rlax_kernels.paged_attention.reference import default_scale
+from rlax_kernels.paged_attention.reference import default_scale, paged_attention_reference
 from rlax_kernels.paged_attention.testing import make_paged_case
 
 # Peak HBM bandwidth per chip (GB/s) from the vendors' spec sheets; matched by substring
@@ -174,6 +175,7 @@ PLAN: dict[str, tuple[tuple[str, str], ...]] = {
     "gpu": (("rlax_pallas_gpu", "native"), ("xla_reference", "xla"), ("jax_pallas_gpu", "native")),
     "cpu": (
         ("xla_reference", "xla"),
+        ("rlax_xla", "xla"),
         ("rlax_pallas_tpu", "interpret"),
         ("jax_pallas_tpu", "interpret"),
         ("rlax_pallas_gpu", "interpret"),
@@ -234,8 +236,10 @@ def implementations(case: BenchCase, config: DecodeBenchConfig) -> list[Implemen
         )
         return lambda: fn(*jax_args)
 
+    reference = jax.jit(paged_attention_reference)
     builders: dict[str, Callable[[bool], Callable[[], jax.Array]]] = {
-        "xla_reference": lambda interpret: ours("xla", False),
+        "xla_reference": lambda interpret: lambda: reference(*args),
+        "rlax_xla": lambda interpret: ours("xla", False),
         "rlax_pallas_tpu": lambda interpret: ours("pallas_tpu", interpret),
         "rlax_pallas_gpu": lambda interpret: ours("pallas_gpu", interpret),
         "jax_pallas_tpu": lambda interpret: jax_tpu(),
@@ -309,7 +313,8 @@ def format_table(results: list[BenchResult], config: DecodeBenchConfig) -> str:
     if _platform() == "cpu":
         lines.append(
             "cpu: 'interpret' rows time Pallas' interpreter (not a device) and are comparable only with "
-            "each other; 'xla' is the compiled reference path the CPU engine uses."
+            "each other; 'rlax_xla' is the XLA decode path the CPU engine runs, 'xla_reference' the "
+            "gather-everything reference it is tested against."
         )
     return "\n".join(lines)
 

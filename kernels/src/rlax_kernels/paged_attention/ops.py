@@ -7,8 +7,9 @@ KV-head-grouped rows and runs the chosen backend:
 
 - ``"pallas_tpu"``: the Mosaic kernel of ``tpu.py`` (async page DMAs, double buffering);
 - ``"pallas_gpu"``: the Triton kernel of ``gpu.py``;
-- ``"xla"``: the pure-jnp references of ``reference.py`` (gather all pages, masked
-  softmax), which is what the CPU runs;
+- ``"xla"``: ``xla.py`` for decode (online softmax over a few pages at a time, checked
+  against the reference) and the pure-jnp reference of ``reference.py`` for prefill:
+  what the CPU runs;
 - ``"auto"``: by ``jax.default_backend()``: tpu -> pallas_tpu, gpu -> pallas_gpu,
   anything else -> xla.
 
@@ -29,10 +30,10 @@ import numpy as np
 from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
 from rlax_kernels.paged_attention.reference import (
     default_scale,
-    paged_attention_reference,
     paged_prefill_attention_reference,
 )
 from rlax_kernels.paged_attention.tpu import paged_attention_rows_tpu
+from rlax_kernels.paged_attention.xla import paged_attention_xla
 
 Backend = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
 _BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
@@ -270,7 +271,7 @@ def _settle(out: jax.Array, backend: str, interpret: bool) -> jax.Array:
     return out
 
 
-_paged_attention_xla = jax.jit(paged_attention_reference, static_argnames=("scale",))
+_paged_attention_xla = jax.jit(paged_attention_xla, static_argnames=("scale",))
 _paged_prefill_xla = jax.jit(paged_prefill_attention_reference, static_argnames=("scale",))
 
 

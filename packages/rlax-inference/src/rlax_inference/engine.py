@@ -43,7 +43,7 @@ class EngineConfig:
     eos_token_ids: None means the model config's `eos_token_ids`.
     max_prefill_rows: prompts per prefill call (larger batches are split).
     attention: decode attention backend of `rlax_kernels.paged_attention` ("auto" = Pallas on
-      TPU/GPU, the XLA reference path on CPU; or "xla", "pallas_tpu", "pallas_gpu").
+      TPU/GPU, `rlax_kernels.paged_attention_xla` on CPU; or "xla", "pallas_tpu", "pallas_gpu").
     attention_interpret: run a named Pallas kernel in interpret mode (tests on CPU).
     """
 

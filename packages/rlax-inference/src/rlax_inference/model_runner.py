@@ -1,10 +1,11 @@
 """Jit-compiled prefill and decode steps over a paged KV cache, at bucketed shapes.
 
 The cache is `{"k": ..., "v": ...}`, each `[num_layers, num_kv_heads, num_pages, page_size,
-head_dim]` in the model's compute dtype: per layer, the layout of `rlax_kernels`
+head_dim]`: per layer, the layout of `rlax_kernels`
 (`[num_kv_heads, total_pages, page_size, head_dim]`). K/V are written with
 `rlax_kernels.write_kv` (padding rows carry slot -1 and are skipped) and decode attention is
-`rlax_kernels.paged_attention` (Pallas on TPU/GPU, the XLA reference path on CPU). Page 0
+`rlax_kernels.paged_attention` on TPU/GPU (Pallas) and `rlax_kernels.paged_attention_xla` on
+CPU (see below). Page 0
 is never handed out by the block pool: padded decode rows point their block table at it.
 
 Shapes are rounded up to buckets so that new request lengths reuse compiled code: decode
@@ -17,8 +18,9 @@ attention hands its new K/V out of the scan and one scatter writes all layers in
 donated cache afterwards (threading the cache through the scan copies all of it every step
 on CPU). Prefill starts every sequence from an empty cache (prefix sharing happens by forking
 block tables after the prefill), so it is dense causal attention over the padded prompt rows.
-Decode on the XLA path reads the cached tokens through the block tables and adds the current
-token to the softmax itself; with a Pallas backend the layer's pages go through the scan,
+Decode on the XLA path is `rlax_kernels.paged_attention_xla`: it reads the cached tokens in
+place through the block tables, a few pages at a time, and adds the current token to the
+softmax itself; with a Pallas backend the layer's pages go through the scan,
 `rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
 """
 
@@ -97,38 +99,24 @@ def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ign
 
 
 def _decode_attention_fused(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
-    """XLA decode attention: cached tokens (read through the block tables) plus the current token.
+    """XLA decode attention: cached tokens (read in place through the block tables) plus the current token.
 
-    The current token's K/V join the softmax directly and leave as this layer's output, to be
-    written into the cache once after the layer scan. Threading the cache through the scan
-    instead would copy all of it every step on CPU.
+    The current token's K/V join the softmax directly (`rlax_kernels.paged_attention_xla`)
+    and leave as this layer's output, to be written into the cache once after the layer
+    scan. Threading the cache through the scan instead would copy all of it every step on CPU.
     q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar.
     """
-    batch, _, num_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    group = num_heads // kv_heads
-    k_pages, v_pages = ctx.cache["k"][layer], ctx.cache["v"][layer]  # [kv_heads, pages, page_size, head_dim]
-    page_size = k_pages.shape[2]
-    width = ctx.block_tables.shape[1]
-    cached = ctx.lengths - 1
-    used = jnp.arange(width)[None, :] < (cached[:, None] + page_size - 1) // page_size
-    tables = jnp.where(used, ctx.block_tables, 0)
-    k_old = k_pages[:, tables].reshape(kv_heads, batch, width * page_size, head_dim)
-    v_old = v_pages[:, tables].reshape(kv_heads, batch, width * page_size, head_dim)
-    qg = q[:, 0].reshape(batch, kv_heads, group, head_dim)
-    scale = float(head_dim) ** -0.5
-    s_old = jnp.einsum("bhgd,hbtd->bhgt", qg, k_old, preferred_element_type=jnp.float32) * scale
-    valid = jnp.arange(width * page_size)[None, :] < cached[:, None]
-    s_old = jnp.where(valid[:, None, None, :], s_old, -jnp.inf)
-    s_cur = jnp.einsum("bhgd,bhd->bhg", qg, k[:, 0], preferred_element_type=jnp.float32) * scale
-    m = jnp.maximum(s_old.max(axis=-1), s_cur)
-    p_old = jnp.exp(s_old - m[..., None])
-    p_cur = jnp.exp(s_cur - m)
-    denom = p_old.sum(axis=-1) + p_cur
-    acc = jnp.einsum("bhgt,hbtd->bhgd", p_old.astype(v_old.dtype), v_old, preferred_element_type=jnp.float32)
-    acc = acc + p_cur[..., None] * v[:, 0, :, None, :].astype(jnp.float32)
-    out = (acc / denom[..., None]).reshape(batch, 1, num_heads, head_dim).astype(q.dtype)
-    return out, {"k": k[:, 0], "v": v[:, 0]}
+    out = rlax_kernels.paged_attention_xla(
+        q[:, 0],
+        ctx.cache["k"],
+        ctx.cache["v"],
+        ctx.lengths - 1,
+        ctx.block_tables,
+        new_k=k[:, 0],
+        new_v=v[:, 0],
+        layer=layer,
+    )
+    return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
 
 
 def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
@@ -282,12 +270,24 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // block_size)
         # Short block tables share one program: padding a few pages is cheaper than compiling.
         self.min_width_bucket = min(self.max_pages_per_seq, max(1, 64 // block_size))
-        shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
-        dtype = config.compute_jnp_dtype
-        self.cache: KVCache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
         self.interpret = interpret
+        shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
+        self.cache: KVCache = {
+            "k": jnp.zeros(shape, self.cache_dtype),
+            "v": jnp.zeros(shape, self.cache_dtype),
+        }
+
+    @property
+    def cache_dtype(self) -> jnp.dtype:
+        """The KV cache's dtype: the compute dtype, except float32 on the XLA path.
+
+        XLA on CPU gathers 16-bit elements ~14x slower than 32-bit ones, and decode attention
+        there is mostly gathering pages; a float32 cache holds bfloat16 K/V exactly (the
+        attention math is float32 either way), at twice the memory.
+        """
+        return jnp.dtype(jnp.float32 if self.attention == "xla" else self.config.compute_jnp_dtype)
 
     @property
     def num_compilations(self) -> collections.Counter[str]:
