@@ -128,6 +128,9 @@ class KVCacheManager:
     def append_slot(self, table: BlockTable) -> SlotAssignment:
         """Reserve the slot of token `table.num_tokens`, copying a shared tail block first."""
         offset = table.num_tokens % self.block_size
+        if offset and self.pool._refcount[table.blocks[-1]] == 1:  # the common case: room in an own block
+            table.num_tokens += 1
+            return SlotAssignment(table.blocks[-1] * self.block_size + offset)
         copy_from = copy_to = None
         if offset == 0:
             table.blocks.append(self.pool.allocate())

@@ -140,10 +140,19 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         kv = self.kv
-        queue = list(self.running)
+        if kv.num_free >= len(self.running):
+            # Each append takes at most one block, so nothing can run out: no victim search.
+            for seq in self.running:
+                slot = kv.append_slot(seq.table)  # type: ignore[arg-type]
+                if slot.copy_from is not None:
+                    out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
+                out.decode_slots.append(slot.slot)
+            out.decodes.extend(self.running)
+            return
+        queue = collections.deque(self.running)
         kept: list[Sequence] = []
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             assert seq.table is not None
             preempted_self = False
             while kv.blocks_needed_to_append(seq.table) > kv.num_free:
