@@ -13,6 +13,9 @@ several jitted 2048x2048 f32 matmuls. Our engine also runs with bfloat16 compute
 The KV memory saved by prefix sharing is read from the block pool: peak physical blocks vs the
 blocks the same sequences would hold without sharing.
 
+The engine decodes `RLAX_BENCH_DECODE_STEPS` (default 8) steps per model call (multi-step
+decoding; the outputs equal single steps').
+
 RLAX_BENCH_PROMPTS / RLAX_BENCH_TOKENS shrink the workload for a quick look (defaults 64 / 128).
 """
 
@@ -34,6 +37,7 @@ from rlax_model.roofline import matmul_peak_flops
 PROMPTS = int(os.environ.get("RLAX_BENCH_PROMPTS", "64"))
 SAMPLES = 8
 NEW_TOKENS = int(os.environ.get("RLAX_BENCH_TOKENS", "128"))
+DECODE_STEPS = int(os.environ.get("RLAX_BENCH_DECODE_STEPS", "8"))
 HF_PROMPTS_PER_CALL = 8
 BLOCK = 16
 
@@ -60,12 +64,13 @@ def run_ours(config: ModelConfig, params, prompts: list[list[int]]) -> dict[str,
         max_num_batched_tokens=max(4096, seqs),
         max_model_len=max_len,
         eos_token_ids=(),
+        num_decode_steps=DECODE_STEPS,
     )
     engine = LLMEngine(config, params, engine_config)
     sp = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=NEW_TOKENS, seed=0, ignore_eos=True)
     # Compile outside the timed run: prefill at these shapes, decode at every block-table width used.
     engine.generate(prompts, SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=1))
-    engine.runner.warmup(seqs)
+    engine.runner.warmup(seqs, num_steps=sorted({1, DECODE_STEPS}))
     compiles = sum(engine.runner.num_compilations.values())
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, sp)

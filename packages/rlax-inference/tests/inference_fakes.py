@@ -12,7 +12,7 @@ import zlib
 
 from rlax_inference.block_pool import NULL_BLOCK
 from rlax_inference.scheduler import Scheduler, SchedulerOutput
-from rlax_inference.sequence import FinishReason, Request, Sequence
+from rlax_inference.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 VOCAB = 50
 
@@ -30,8 +30,9 @@ def reference_completion(prompt: list[int], sample_index: int, max_tokens: int, 
 
 
 class PagedFakeRunner:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, num_steps: int = 1) -> None:
         self.scheduler = scheduler
+        self.num_steps = num_steps
         self.block_size = scheduler.kv.block_size
         self.cache: dict[int, int] = {}
 
@@ -42,7 +43,7 @@ class PagedFakeRunner:
 
     def step(self) -> SchedulerOutput:
         sched = self.scheduler
-        out = sched.schedule()
+        out = sched.schedule(num_steps=self.num_steps)
         bs = self.block_size
         for src, dst in out.copies:
             for o in range(bs):
@@ -52,10 +53,13 @@ class PagedFakeRunner:
         live = {b for s in sched.running for b in (s.table.blocks if s.table else [])}
         live |= {b for j in out.prefills for b in (j.table.blocks if j.table else [])}
         self.cache = {k: v for k, v in self.cache.items() if k // bs in live}
-        for seq, slot in zip(out.decodes, out.decode_slots):
-            self.cache[slot] = seq.tokens[-1]
-            ctx = self._read(seq.table.blocks, len(seq.tokens))
-            self._append(seq, next_token(ctx, seq.sample_index))
+        for seq, slots in zip(out.decodes, out.decode_slots):
+            for slot in slots:
+                if seq.status is SequenceStatus.FINISHED:
+                    break  # stopped inside a multi-step decode: the remaining slots go unused
+                self.cache[slot] = seq.tokens[-1]
+                ctx = self._read(seq.table.blocks, len(seq.tokens))
+                self._append(seq, next_token(ctx, seq.sample_index))
         for job in out.prefills:
             for i, tok in enumerate(job.tokens):
                 self.cache[job.table.blocks[i // bs] * bs + i % bs] = tok

@@ -23,10 +23,11 @@ def make_engine(**kw):
     return LLMEngine(CONFIG, PARAMS, EngineConfig(**cfg))
 
 
-def test_greedy_batch_matches_naive_decoding_and_teacher_forced_logprobs():
+@pytest.mark.parametrize("num_decode_steps", [1, 5])
+def test_greedy_batch_matches_naive_decoding_and_teacher_forced_logprobs(num_decode_steps):
     rng = np.random.default_rng(0)
     ps = prompts(16, rng)
-    engine = make_engine()
+    engine = make_engine(num_decode_steps=num_decode_steps)
     outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=12))
     for p, out in zip(ps, outs):
         assert out.error is None
@@ -127,8 +128,9 @@ def test_bad_requests_get_errors_and_others_are_served():
         engine.add_request("x", good, SamplingParams())
 
 
-def test_stop_conditions():
-    engine = make_engine(eos_token_ids=())
+@pytest.mark.parametrize("num_decode_steps", [1, 4])
+def test_stop_conditions(num_decode_steps):
+    engine = make_engine(eos_token_ids=(), num_decode_steps=num_decode_steps)
     prompt = [5, 9, 17, 33]
     ref = naive_greedy(PARAMS, prompt, 12)
     stop_tok = ref[4]
@@ -137,14 +139,17 @@ def test_stop_conditions():
         [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_tok,))
     )[0]
     assert out.outputs[0].tokens == ref[: first + 1] and out.outputs[0].finish_reason is FinishReason.EOS
-    eos_engine = make_engine(eos_token_ids=(stop_tok,))
+    eos_engine = make_engine(eos_token_ids=(stop_tok,), num_decode_steps=num_decode_steps)
     out = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert out.outputs[0].tokens == ref[: first + 1]
     out = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     assert out.outputs[0].tokens == ref and out.outputs[0].finish_reason is FinishReason.LENGTH
 
     text_engine = LLMEngine(
-        CONFIG, PARAMS, make_engine().config, detokenize=lambda ts: "".join(f"<{t}>" for t in ts)
+        CONFIG,
+        PARAMS,
+        make_engine(num_decode_steps=num_decode_steps).config,
+        detokenize=lambda ts: "".join(f"<{t}>" for t in ts),
     )
     stop = f"<{ref[2]}><{ref[3]}>"
     out = text_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,)))[0]
@@ -210,3 +215,39 @@ def test_pallas_decode_path_in_interpret_mode_matches(backend):
         c = out.outputs[0]
         assert c.tokens == naive_greedy(PARAMS, p, 4)
         np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+
+
+def test_multi_step_decoding_equals_single_steps():
+    """Sampled groups, EOS inside a call, top logprobs and preemption: same outputs, every block freed."""
+    rng = np.random.default_rng(11)
+    ps = prompts(10, rng, 4, 30)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=29, seed=5, logprobs=2)
+    results = {}
+    for steps, num_blocks in [(1, 300), (8, 300), (8, 40)]:  # 40 blocks: calls fall back and preempt
+        engine = make_engine(num_decode_steps=steps, num_blocks=num_blocks, eos_token_ids=(2,))
+        results[steps, num_blocks] = engine.generate(ps, params)
+        assert engine.num_free_blocks == num_blocks
+        if num_blocks == 40:
+            assert engine.scheduler.num_preemptions > 0
+    single = results[1, 300]
+    reasons = {c.finish_reason for o in single for c in o.outputs}
+    assert reasons == {FinishReason.EOS, FinishReason.LENGTH}  # some samples stop inside a call
+    for key in [(8, 300), (8, 40)]:
+        for a, b in zip(single, results[key], strict=True):
+            for ca, cb in zip(a.outputs, b.outputs, strict=True):
+                assert ca.tokens == cb.tokens and ca.finish_reason is cb.finish_reason
+                # Another program (a loop of steps) rounds differently, within the engine's 1e-5.
+                np.testing.assert_allclose(ca.logprobs, cb.logprobs, atol=1e-5)
+                assert [[t for t, _ in top] for top in ca.top_logprobs] == [
+                    [t for t, _ in top] for top in cb.top_logprobs
+                ]
+
+
+def test_multi_step_programs_compile_once_after_warmup():
+    engine = make_engine(num_decode_steps=4, max_num_seqs=16)
+    engine.runner.warmup(16, num_steps=(1, 4))
+    rng = np.random.default_rng(12)
+    engine.generate(prompts(4, rng, 5, 20), SamplingParams(n=4, temperature=1.0, max_tokens=23, seed=1))
+    before = dict(engine.runner.num_compilations)
+    engine.generate(prompts(4, rng, 5, 20), SamplingParams(n=4, temperature=1.0, max_tokens=37, seed=2))
+    assert dict(engine.runner.num_compilations) == before

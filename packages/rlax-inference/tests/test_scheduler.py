@@ -8,10 +8,10 @@ from rlax_inference.scheduler import Scheduler, SchedulerConfig
 from rlax_inference.sequence import FinishReason, Request, SamplingParams
 
 
-def make(num_blocks=64, block_size=4, **cfg):
+def make(num_blocks=64, block_size=4, num_steps=1, **cfg):
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 48, **cfg})
     sched = Scheduler(config, KVCacheManager(num_blocks, block_size))
-    return sched, PagedFakeRunner(sched)
+    return sched, PagedFakeRunner(sched, num_steps)
 
 
 def req(i, prompt_len, n=1, max_tokens=8, rng=None):
@@ -72,9 +72,10 @@ def test_group_shares_prompt_blocks():
     assert sched.kv.num_free == 64
 
 
-def test_preemption_by_recomputation_gives_same_output():
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_preemption_by_recomputation_gives_same_output(num_steps):
     # 14 blocks of 4 tokens: far fewer than 6 sequences of up to 40 tokens need.
-    sched, runner = make(num_blocks=14, block_size=4, max_num_seqs=6)
+    sched, runner = make(num_blocks=14, block_size=4, max_num_seqs=6, num_steps=num_steps)
     reqs = [req(i, 6 + i, n=1 + (i % 2), max_tokens=20) for i in range(4)]
     for r in reqs:
         sched.add(r)
@@ -94,9 +95,12 @@ def test_bad_requests_rejected_before_queueing():
     assert not sched.has_unfinished
 
 
-def test_thousand_random_requests_with_aborts_free_every_block():
+@pytest.mark.parametrize("num_steps", [1, 5])
+def test_thousand_random_requests_with_aborts_free_every_block(num_steps):
     rng = random.Random(1234)
-    sched, runner = make(num_blocks=40, block_size=4, max_num_seqs=16, max_num_batched_tokens=96)
+    sched, runner = make(
+        num_blocks=40, block_size=4, max_num_seqs=16, max_num_batched_tokens=96, num_steps=num_steps
+    )
     live: list[Request] = []
     done: list[Request] = []
     for i in range(1000):
@@ -122,3 +126,33 @@ def test_thousand_random_requests_with_aborts_free_every_block():
         assert [s.output_tokens for s in r.sequences] == expected(r, 48)
         n_checked += 1
     assert n_checked > 500
+
+
+def test_multi_step_decode_reserves_each_sequence_its_own_token_count():
+    sched, runner = make(num_blocks=64, block_size=4, num_steps=4, max_model_len=16)
+    short = req(0, 5, max_tokens=3)  # 1 token from the prefill, then 2 more: capped below 4
+    near_end = req(1, 12, max_tokens=10)  # the 16-token context leaves 4 - 1 = 3 after the prefill token
+    shared = req(2, 6, n=2, max_tokens=9)  # two samples over one prompt block with a shared partial tail
+    for r in (short, near_end, shared):
+        sched.add(r)
+    runner.step()  # prefills
+    out = runner.step()
+    assert [len(s) for s in out.decode_slots] == [2, 3, 4, 4]
+    for slots in out.decode_slots:  # consecutive positions of one sequence: distinct slots
+        assert len(set(slots)) == len(slots)
+    assert len(out.copies) == 1  # the second sample copies the shared tail once, on its first append
+    run_to_completion(runner)
+    for r in (short, near_end, shared):
+        assert [s.output_tokens for s in r.sequences] == expected(r, 16)
+    assert sched.kv.num_free == 64
+
+
+def test_multi_step_falls_back_to_single_steps_when_blocks_are_short():
+    sched, runner = make(num_blocks=6, block_size=4, num_steps=8, max_num_seqs=2)
+    for i in range(2):
+        sched.add(req(i, 7, max_tokens=12))
+    runner.step()  # prefills: 2 blocks each, 2 free
+    out = runner.step()
+    assert [len(s) for s in out.decode_slots] == [1, 1]  # 8 more tokens each would need 4 blocks
+    run_to_completion(runner)
+    assert sched.num_preemptions > 0

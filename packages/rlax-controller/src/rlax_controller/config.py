@@ -162,6 +162,8 @@ class DataConfig(_Section):
 class WorkersConfig(_Section):
     """Inference workers: how many, reload staleness j, and back-pressure.
     `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
+    `decode_steps`: decode steps per model call (`EngineConfig.num_decode_steps`; same tokens,
+    fewer host round trips; requests join between calls).
     `implementation`: `builtin` runs `rlax_controller.worker_service` (one loop that checks
     the weights version before admitting new requests); `inference` runs `rlax_inference`'s
     `rlax-worker` (I/O, weights and compute on separate threads; its asynchronous reload
@@ -174,6 +176,7 @@ class WorkersConfig(_Section):
     max_batch_seqs: int = 64
     platform: str = "cpu"
     attention: str = "auto"
+    decode_steps: int = 1
     implementation: Literal["builtin", "inference"] = "builtin"
 
     def __post_init__(self) -> None:
@@ -181,6 +184,7 @@ class WorkersConfig(_Section):
         _check(self.j >= 1, "j", self.j, "must be >= 1")
         _check(self.max_inflight_groups >= 1, "max_inflight_groups", self.max_inflight_groups, "must be >= 1")
         _check(self.max_batch_seqs >= 1, "max_batch_seqs", self.max_batch_seqs, "must be >= 1")
+        _check(self.decode_steps >= 1, "decode_steps", self.decode_steps, "must be >= 1")
         _check(
             not self.addresses or len(self.addresses) == self.count,
             "addresses",

@@ -44,6 +44,7 @@ def engine_config_fields(config: RunConfig) -> dict[str, Any]:
         "max_model_len": max_len,
         "swap_policy": "drop",
         "attention": config.workers.attention,
+        "num_decode_steps": config.workers.decode_steps,
     }
 
 

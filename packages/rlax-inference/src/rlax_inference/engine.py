@@ -45,6 +45,11 @@ class EngineConfig:
     attention: decode attention backend of `rlax_kernels.paged_attention` ("auto" = Pallas on
       TPU/GPU, `rlax_kernels.paged_attention_xla` on CPU; or "xla", "pallas_tpu", "pallas_gpu").
     attention_interpret: run a named Pallas kernel in interpret mode (tests on CPU).
+    num_decode_steps: decode steps per model call when the pool has the blocks for them
+      (multi-step decoding: each sampled token is fed back on the device, and the host
+      schedules, transfers and checks stop conditions once per call). Outputs are the same
+      as with single steps; a sequence that stops inside a call wastes the rest of it, and
+      waiting requests join only between calls.
     """
 
     block_size: int = 16
@@ -57,9 +62,10 @@ class EngineConfig:
     swap_policy: SwapPolicy = SwapPolicy.DROP
     attention: AttentionBackend = "auto"
     attention_interpret: bool = False
+    num_decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_prefill_rows"):
+        for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
@@ -243,7 +249,7 @@ class LLMEngine:
         if self._pending_weights is not None and not self._started_sequences():
             self._apply_weights(*self._pending_weights)
         sched = self.scheduler
-        out = sched.schedule(admit_new=self._pending_weights is None)
+        out = sched.schedule(admit_new=self._pending_weights is None, num_steps=self.config.num_decode_steps)
         self.runner.copy_blocks(out.copies)
         num_top = max(
             [s.request.params.logprobs for s in out.decodes]
@@ -251,15 +257,25 @@ class LLMEngine:
             + [0]
         )
         if out.decodes:
+            # One program per configured step count: a call near the end runs a few idle steps.
+            multi = max(len(s) for s in out.decode_slots) > 1
             res = self.runner.decode(
                 [s.tokens[-1] for s in out.decodes],
                 out.decode_slots,
                 [s.table.blocks for s in out.decodes],  # type: ignore[union-attr]
                 [len(s.tokens) for s in out.decodes],
                 [_sampling_row(s) for s in out.decodes],
+                num_steps=self.config.num_decode_steps if multi else 1,
                 num_top=num_top,
             )
-            self._append(out.decodes, res)
+            tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+            for i, (seq, slots) in enumerate(zip(out.decodes, out.decode_slots, strict=True)):
+                for j in range(len(slots)):
+                    self._append_token(
+                        seq, tokens[j][i], logprobs[j][i], res.top_ids[j, i], res.top_logprobs[j, i]
+                    )
+                    if seq.status is SequenceStatus.FINISHED:
+                        break  # stopped inside a multi-step call: its later tokens are dropped
         # Similar lengths together waste less padding; a call holds at most max_prefill_rows prompts.
         jobs = sorted(out.prefills, key=lambda j: len(j.tokens))
         rows = self.config.max_prefill_rows
@@ -306,25 +322,28 @@ class LLMEngine:
         return [blocks[i // bs] * bs + i % bs for i in range(len(job.tokens))]
 
     def _append(self, seqs: list[Seq], res) -> None:  # type: ignore[no-untyped-def]
-        tokens = res.tokens.tolist()
-        logprobs = res.logprobs.tolist()
+        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
         for i, seq in enumerate(seqs):
-            if seq.weight_version is None:
-                seq.weight_version = self.weight_version
-            seq.tokens.append(tokens[i])
-            seq.logprobs.append(logprobs[i])
-            n_top = seq.request.params.logprobs
-            if n_top:
-                seq.top_logprobs.append(
-                    list(zip(res.top_ids[i, :n_top].tolist(), res.top_logprobs[i, :n_top].tolist()))
-                )
-            self.num_generated_tokens += 1
-            reason = self._stop_reason(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                if seq.request.finished and seq.request.request_id in self._requests:
-                    del self._requests[seq.request.request_id]
-                    self._finished.append(self._output(seq.request))
+            self._append_token(seq, tokens[i], logprobs[i], res.top_ids[i], res.top_logprobs[i])
+
+    def _append_token(
+        self, seq: Seq, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray
+    ) -> None:
+        """Record one sampled token (top_ids/top_lps: [num_top]) and finish the sample if it stops here."""
+        if seq.weight_version is None:
+            seq.weight_version = self.weight_version
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        n_top = seq.request.params.logprobs
+        if n_top:
+            seq.top_logprobs.append(list(zip(top_ids[:n_top].tolist(), top_lps[:n_top].tolist())))
+        self.num_generated_tokens += 1
+        reason = self._stop_reason(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if seq.request.finished and seq.request.request_id in self._requests:
+                del self._requests[seq.request.request_id]
+                self._finished.append(self._output(seq.request))
 
     def _stop_reason(self, seq: Seq) -> FinishReason | None:
         p = seq.request.params

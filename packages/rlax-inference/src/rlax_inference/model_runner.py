@@ -185,9 +185,7 @@ def _prefill_step(
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
 
-@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention", "interpret"), donate_argnums=(1,))
-@_counted("decode")
-def _decode_step(
+def _decode_one(
     params,
     cache,
     tokens,
@@ -202,6 +200,7 @@ def _decode_step(
     use_filters,
     num_top,
 ):  # type: ignore[no-untyped-def]
+    """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
     if attention == "xla":
         hidden, new = hidden_states(
@@ -228,6 +227,59 @@ def _decode_step(
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
 
+@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention", "interpret"), donate_argnums=(1,))
+@_counted("decode")
+def _decode_steps(
+    params,
+    cache,
+    tokens,
+    slots,
+    block_tables,
+    lengths,
+    sampling,
+    *,
+    config,
+    attention,
+    interpret,
+    use_filters,
+    num_top,
+):  # type: ignore[no-untyped-def]
+    """`num_steps = slots.shape[0]` decode steps in one program, each step's token fed to the next.
+
+    tokens, lengths: [rows] for the first step; slots: [num_steps, rows], -1 where a row has
+    no more tokens to make (it then repeats its last allowed position, writing nothing: its
+    outputs from there on are discarded by the caller). Sampling keys advance with the step,
+    so the tokens equal those of `num_steps` single steps. Returns outputs stacked [num_steps, rows, ...].
+    """
+    statics = dict(
+        config=config, attention=attention, interpret=interpret, use_filters=use_filters, num_top=num_top
+    )
+    num_steps = slots.shape[0]
+    if num_steps == 1:
+        out, cache = _decode_one(params, cache, tokens, slots[0], block_tables, lengths, sampling, **statics)
+        return jax.tree_util.tree_map(lambda x: x[None], out), cache
+    allowed = (slots >= 0).sum(axis=0)  # [rows] tokens each row makes in this call
+    last_allowed = jnp.maximum(allowed - 1, 0)
+
+    def one(i, carry):  # type: ignore[no-untyped-def]
+        cache, tok, outs = carry
+        offset = jnp.minimum(i, last_allowed)
+        step_sampling = sampling._replace(step=sampling.step + offset)
+        out, cache = _decode_one(
+            params, cache, tok, slots[i], block_tables, lengths + offset, step_sampling, **statics
+        )
+        tok = jnp.where(i < allowed, out.tokens, tok)
+        outs = jax.tree_util.tree_map(lambda acc, x: acc.at[i].set(x), outs, out)
+        return cache, tok, outs
+
+    shapes = jax.eval_shape(
+        lambda: _decode_one(params, cache, tokens, slots[0], block_tables, lengths, sampling, **statics)[0]
+    )
+    outs = jax.tree_util.tree_map(lambda s: jnp.zeros((num_steps, *s.shape), s.dtype), shapes)
+    cache, _, outs = jax.lax.fori_loop(0, num_steps, one, (cache, tokens, outs))
+    return outs, cache
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 @_counted("copy")
 def _copy_blocks(cache, src, dst):  # type: ignore[no-untyped-def]
@@ -235,12 +287,12 @@ def _copy_blocks(cache, src, dst):  # type: ignore[no-untyped-def]
 
 
 class StepResult(NamedTuple):
-    """Host copies of one sampled row per sequence (first `n` rows are real)."""
+    """Host copies of the sampled tokens, one row per sequence (prefill: [n, ...]; decode: [num_steps, n, ...])."""
 
-    tokens: np.ndarray  # [n] int32
-    logprobs: np.ndarray  # [n] float32
-    top_ids: np.ndarray  # [n, num_top] int32
-    top_logprobs: np.ndarray  # [n, num_top] float32
+    tokens: np.ndarray  # [n] / [num_steps, n] int32
+    logprobs: np.ndarray  # float32, like tokens
+    top_ids: np.ndarray  # [..., n, num_top] int32
+    top_logprobs: np.ndarray  # [..., n, num_top] float32
 
 
 class ModelRunner:
@@ -341,30 +393,38 @@ class ModelRunner:
     def decode(
         self,
         tokens: Sequence[int],
-        slots: Sequence[int],
+        slots: Sequence[Sequence[int]],
         block_tables: Sequence[Sequence[int]],
         lengths: Sequence[int],
         sampling: Sequence[tuple[float, float, int, int, int, int]],
         *,
+        num_steps: int = 1,
         num_top: int = 0,
     ) -> StepResult:
-        """One decode step: token `i` (at position `lengths[i] - 1`) writes its K/V into `slots[i]`."""
+        """Decode steps: row `i` feeds `tokens[i]` (at position `lengths[i] - 1`), then its own samples.
+
+        slots[i]: the slots of the K/V of the 1..num_steps tokens row i feeds (its first token's,
+        then each sampled token's but the last); a row makes `len(slots[i])` tokens.
+        block_tables[i] must already cover them. Returns StepResult arrays of shape
+        [num_steps, n, ...]; entries past a row's token count are meaningless.
+        """
         n = len(tokens)
         rows = bucket(n, min(8, self.max_num_seqs), self.max_num_seqs)
         width = self.width_bucket(max(len(t) for t in block_tables))
         tok = np.zeros(rows, np.int32)
-        slot_arr = np.full(rows, -1, np.int32)
+        slot_arr = np.full((num_steps, rows), -1, np.int32)
         lens = np.ones(rows, np.int32)  # a padded row attends to one token of the (zero) null page
         tables = np.zeros((rows, width), np.int32)
-        tok[:n], slot_arr[:n], lens[:n] = tokens, slots, lengths
-        for i, t in enumerate(block_tables):
+        tok[:n], lens[:n] = tokens, lengths
+        for i, (t, s) in enumerate(zip(block_tables, slots, strict=True)):
             tables[i, : len(t)] = t
+            slot_arr[: len(s), i] = s
         batch = self._sampling_batch(sampling, rows)
-        out, self.cache = _decode_step(
+        out, self.cache = _decode_steps(
             self.params, self.cache, tok, slot_arr, tables, lens, batch, config=self.config, attention=self.attention, interpret=self.interpret,
             use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top),
         )  # fmt: skip
-        return self._host(out, n, num_top)
+        return self._host(out, n, num_top, stacked=True)
 
     def width_bucket(self, pages: int) -> int:
         """Block-table width for `pages`: steps of `min_width_bucket` up to 8 steps, then powers of two.
@@ -384,8 +444,8 @@ class ModelRunner:
         """Every block-table width decode compiles for."""
         return sorted({self.width_bucket(p) for p in range(1, self.max_pages_per_seq + 1)})
 
-    def warmup(self, num_seqs: int) -> None:
-        """Compile decode for `num_seqs` rows at every width, and every block-copy bucket.
+    def warmup(self, num_seqs: int, num_steps: Sequence[int] = (1,)) -> None:
+        """Compile decode for `num_seqs` rows at every width and step count, and every block-copy bucket.
 
         Padding rows and page-0 self-copies only: the cache's contents do not change.
         """
@@ -395,14 +455,16 @@ class ModelRunner:
             if n >= max(8, self.max_num_seqs):
                 break
             n *= 2
-        for width in self.width_buckets():
-            self.decode(
-                [0] * num_seqs,
-                [-1] * num_seqs,
-                [[0] * width] * num_seqs,
-                [1] * num_seqs,
-                [(1.0, 1.0, 0, 0, 0, 0)] * num_seqs,
-            )
+        for steps in num_steps:
+            for width in self.width_buckets():
+                self.decode(
+                    [0] * num_seqs,
+                    [[-1] * steps] * num_seqs,
+                    [[0] * width] * num_seqs,
+                    [1] * num_seqs,
+                    [(1.0, 1.0, 0, 0, 0, 0)] * num_seqs,
+                    num_steps=steps,
+                )
 
     # -- helpers ----------------------------------------------------------------------
     @staticmethod
@@ -419,6 +481,8 @@ class ModelRunner:
         return SamplingBatch.from_rows(padded)
 
     @staticmethod
-    def _host(out: SamplerOutput, n: int, num_top: int) -> StepResult:
+    def _host(out: SamplerOutput, n: int, num_top: int, *, stacked: bool = False) -> StepResult:
         tokens, lps, ids, top = jax.device_get(tuple(out))
+        if stacked:  # [num_steps, rows, ...]
+            return StepResult(tokens[:, :n], lps[:, :n], ids[:, :n, :num_top], top[:, :n, :num_top])
         return StepResult(tokens[:n], lps[:n], ids[:n, :num_top], top[:n, :num_top])

@@ -59,12 +59,15 @@ class PrefillJob:
 class SchedulerOutput:
     prefills: list[PrefillJob] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)
+    # Per decoding sequence, the slots of the tokens it feeds this step: one, or up to
+    # `num_steps` for a multi-step decode (fewer when its max_tokens or the context ends first).
+    decode_slots: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src block, dst block), run first
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens of one model step: one per decoding sequence plus the prefilled prompts."""
         return len(self.decodes) + sum(len(j.tokens) for j in self.prefills)
 
     @property
@@ -130,13 +133,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step ----------------------------------------------------------------
-    def schedule(self, *, admit_new: bool = True) -> SchedulerOutput:
-        """Plan one step. `admit_new=False` resumes only preempted samples (no fresh request starts)."""
+    def schedule(self, *, admit_new: bool = True, num_steps: int = 1) -> SchedulerOutput:
+        """Plan one step. `admit_new=False` resumes only preempted samples (no fresh request starts).
+
+        `num_steps > 1` asks for a multi-step decode: each running sequence gets the slots of
+        up to `num_steps` tokens at once (capped by its max_tokens and the context), when the
+        pool holds the blocks for all of them; otherwise the step is a single decode step,
+        with preemption if needed.
+        """
         out = SchedulerOutput()
-        self._schedule_decodes(out)
+        if num_steps == 1 or not self._schedule_multi_step_decodes(out, num_steps):
+            self._schedule_decodes(out)
         if not out.preempted:
             self._schedule_prefills(out, admit_new=admit_new)
         return out
+
+    def _schedule_multi_step_decodes(self, out: SchedulerOutput, num_steps: int) -> bool:
+        """Reserve up to `num_steps` slots per running sequence; False (nothing reserved) if blocks are short."""
+        kv, max_len = self.kv, self.config.max_model_len
+        counts = [
+            min(num_steps, s.request.params.max_tokens - s.num_generated, max_len - len(s.tokens))
+            for s in self.running
+        ]
+        # A shared partial last block costs one more block (copy-on-write of the first append).
+        need = sum(
+            kv.blocks_for(s.table.num_tokens + n)  # type: ignore[union-attr]
+            - len(s.table.blocks)  # type: ignore[union-attr]
+            + int(kv.blocks_needed_to_append(s.table) == 1 and s.table.num_tokens % kv.block_size != 0)  # type: ignore[arg-type, union-attr]
+            for s, n in zip(self.running, counts, strict=True)
+        )
+        if need > kv.num_free:
+            return False
+        for seq, n in zip(self.running, counts, strict=True):
+            slots = []
+            for _ in range(n):
+                slot = kv.append_slot(seq.table)  # type: ignore[arg-type]
+                if slot.copy_from is not None:
+                    out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
+                slots.append(slot.slot)
+            out.decode_slots.append(slots)
+        out.decodes.extend(self.running)
+        return True
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         kv = self.kv
@@ -146,7 +183,7 @@ class Scheduler:
                 slot = kv.append_slot(seq.table)  # type: ignore[arg-type]
                 if slot.copy_from is not None:
                     out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
-                out.decode_slots.append(slot.slot)
+                out.decode_slots.append([slot.slot])
             out.decodes.extend(self.running)
             return
         queue = collections.deque(self.running)
@@ -167,7 +204,7 @@ class Scheduler:
             if slot.copy_from is not None:
                 out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
             out.decodes.append(seq)
-            out.decode_slots.append(slot.slot)
+            out.decode_slots.append([slot.slot])
             kept.append(seq)
         self.running = kept
         # Preempted samples go back to the head of the queue, oldest first.
