@@ -9,10 +9,13 @@ reported as a fraction of the device's peak on TPU/GPU; on the CPU the rows are 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 
+from rlax_kernels import paged_attention, paged_attention_reference
 from rlax_kernels.paged_attention import bench
 
 
@@ -63,3 +66,28 @@ def test_paged_decode_table(benchmark) -> None:
     print("\n" + bench.format_table(results, config))
     for r in results:
         benchmark.extra_info[r.name] = {"mode": r.mode, "ms": r.seconds * 1e3, "gbps": r.gbps}
+
+
+# The decode batch of the engine benchmark (64 prompts x 8 samples, SmolLM2-135M's heads,
+# contexts around 192 tokens, float32): the XLA decode path (what the CPU engine runs)
+# against the gather-everything reference, both compiled, on whatever platform this is.
+ENGINE_SHAPE = bench.DecodeBenchConfig(
+    batch=512, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, mean_length=192, dtype="float32"
+)
+
+
+def test_xla_decode_at_engine_shape(benchmark) -> None:
+    case = bench.make_case(ENGINE_SHAPE)
+    args = (case.q, case.k_pages, case.v_pages, case.lengths, case.block_tables)
+    ours = jax.jit(functools.partial(paged_attention, backend="xla"))
+    reference = jax.jit(paged_attention_reference)
+    np.testing.assert_allclose(np.asarray(ours(*args)), np.asarray(reference(*args)), atol=1e-5, rtol=1e-5)
+    benchmark.pedantic(lambda: jax.block_until_ready(ours(*args)), rounds=10, warmup_rounds=1)
+    seconds = benchmark.stats.stats.median
+    reference_seconds = bench.median_seconds(lambda: reference(*args), iters=10)
+    gbps = case.useful_bytes / seconds / 1e9
+    benchmark.extra_info.update(reference_over_this=reference_seconds / seconds, gbps=gbps)
+    print(
+        f"\nengine shape {ENGINE_SHAPE}: XLA decode path {seconds * 1e3:.2f} ms vs xla_reference "
+        f"{reference_seconds * 1e3:.2f} ms -> {reference_seconds / seconds:.2f}x; {gbps:.2f} GB/s useful"
+    )
