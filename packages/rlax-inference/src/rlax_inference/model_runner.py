@@ -9,8 +9,8 @@ CPU (see below). Page 0
 is never handed out by the block pool: padded decode rows point their block table at it.
 
 Shapes are rounded up to buckets so that new request lengths reuse compiled code: decode
-is compiled per (row bucket, block-table width bucket), prefill per (prompt-row bucket,
-length bucket, sample-row bucket). Each jitted function counts its traces in
+is compiled per (row bucket, block-table width bucket, steps per call: 1 or the engine's
+`num_decode_steps`), prefill per (prompt-row bucket, length bucket, sample-row bucket). Each jitted function counts its traces in
 `ModelRunner.num_compilations`.
 
 The cache never travels through the model's layer scan on the XLA path: each layer's
