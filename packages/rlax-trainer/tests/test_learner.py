@@ -58,6 +58,19 @@ def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_para
     assert m_a["logprob_delta_p50"] == pytest.approx(np.quantile(delta, 0.5), abs=1e-4)
     assert m_a["logprob_delta_p95"] == pytest.approx(np.quantile(delta, 0.95), abs=1e-4)
     assert m_b["logprob_delta_p50"] != pytest.approx(m_a["logprob_delta_p50"], abs=1e-3)
+    # A dict batch without versions counts as stale: no same-version tokens.
+    assert m_a["on_policy_tokens"] == 0 and m_a["logprob_mismatch_p95"] == 0.0
+    # Half the rollouts from the weights the update starts from (version 0), half older (-1):
+    # the mismatch metrics see only the first half.
+    b_rows = batch["tokens"].shape[0]
+    versions = np.where(np.arange(b_rows) < b_rows // 2, 0, -1).astype(np.int32)
+    c = Learner(model_config, rl_config(), model_params)
+    m_c = c.update(dict(shifted, versions=versions))
+    fresh = batch["mask"][: b_rows // 2] > 0
+    delta_fresh = np.abs(np.asarray(own) - shifted["worker_logprobs"])[: b_rows // 2][fresh]
+    assert m_c["on_policy_tokens"] == fresh.sum()
+    assert m_c["logprob_mismatch_max"] == pytest.approx(delta_fresh.max(), abs=1e-4)
+    assert m_c["logprob_mismatch_p95"] == pytest.approx(np.quantile(delta_fresh, 0.95), abs=1e-4)
     # On-policy single update: the trainer's pi_theta equals its pi_old.
     assert m_a["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m_a["clip_fraction"] == 0.0
     lengths = batch["mask"].sum(1)

@@ -192,6 +192,12 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                 a, b = first.get(key), last.get(key)
                 change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
                 rows.append((f"train {key}", _fmt(a), _fmt(b), change))
+        # Engine-vs-trainer numerics: only steps that trained on same-version rollouts carry it.
+        same = [r for r in train if r.get("on_policy_tokens")]
+        if same:
+            a, b = same[0]["logprob_mismatch_p95"], same[-1]["logprob_mismatch_p95"]
+            label = f"train logprob_mismatch_p95 ({len(same)} same-version steps)"
+            rows.append((label, f"{a:.1e}", f"{b:.1e}", f"{b - a:+.1e}"))
         rows.append(
             ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
         )
@@ -233,6 +239,12 @@ def plot_run(
         values = [r.get(key, math.nan) for r in train]
         if any(isinstance(v, int | float) and math.isfinite(v) for v in values):
             axes[2].plot(steps, values, marker=".", label=key.replace("logprob_delta_", "|Δ logprob| "))
+    # Rollouts of the weights the update started from only: engine-vs-trainer numerics.
+    mismatch = [
+        r.get("logprob_mismatch_p95", math.nan) if r.get("on_policy_tokens") else math.nan for r in train
+    ]
+    if any(math.isfinite(v) for v in mismatch):
+        axes[2].plot(steps, mismatch, marker="x", label="|Δ logprob| p95, same-version rollouts")
     axes[2].set_title("trainer vs worker |Δ logprob|")
     for axis in axes:
         axis.set_xlabel("step")

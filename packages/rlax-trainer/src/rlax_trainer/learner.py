@@ -49,6 +49,7 @@ def batch_arrays(batch: RolloutBatch) -> dict[str, np.ndarray]:
         "mask": batch.mask.astype(np.float32),
         "worker_logprobs": batch.worker_logprobs.astype(np.float32),
         "rewards": batch.rewards.astype(np.float32),
+        "versions": batch.versions.astype(np.int32),
     }
 
 
@@ -222,6 +223,14 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     q = _masked_quantiles(delta, mask, (0.5, 0.95))
     metrics["logprob_delta_p50"], metrics["logprob_delta_p95"] = q[0], q[1]
     metrics["logprob_delta_max"] = jnp.where(mask > 0, delta, 0.0).max()
+    # The same on rollouts made by the very weights this update starts from: pure
+    # engine-vs-trainer numerical mismatch, without staleness (0 when there are none).
+    on_policy = mask * (batch["versions"] == state.step)[:, None]
+    count = on_policy.sum()
+    q = jnp.where(count > 0, _masked_quantiles(delta, on_policy, (0.5, 0.95)), 0.0)
+    metrics["logprob_mismatch_p50"], metrics["logprob_mismatch_p95"] = q[0], q[1]
+    metrics["logprob_mismatch_max"] = jnp.where(on_policy > 0, delta, 0.0).max()
+    metrics["on_policy_tokens"] = count
     lengths = mask.sum(1)
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 
@@ -330,6 +339,7 @@ class Learner:
         """One update from a batch of exactly `global_batch` rollouts; returns host metrics."""
         arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
         b = arrays["tokens"].shape[0]
+        arrays.setdefault("versions", np.full((b,), -1, np.int32))  # unknown: counts as stale
         if b != self.config.global_batch:
             raise ValueError(f"batch has {b} rollouts, expected global_batch={self.config.global_batch}")
         s = arrays["tokens"].shape[1]
@@ -338,6 +348,7 @@ class Learner:
             ("mask", (b, s - 1)),
             ("worker_logprobs", (b, s - 1)),
             ("rewards", (b,)),
+            ("versions", (b,)),
         ):
             if arrays[name].shape != want:
                 raise ValueError(f"batch field {name} has shape {arrays[name].shape}, expected {want}")
