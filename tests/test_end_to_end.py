@@ -6,7 +6,8 @@ metrics.
   each SIGKILLed at least once both finish, consume the same prompts in the same order,
   end at the same step, and train every accepted rollout exactly once.
 - Staleness: with k = 1 no trained rollout is more than one version old; with
-  (j, k) = (4, 8) a worker reloads weights only every 4 or more versions.
+  (j, k) = (4, 8) a worker reloads weights only every 4 or more versions; with k = 0 every
+  trained rollout comes from the current weights.
 """
 
 from __future__ import annotations
@@ -198,6 +199,19 @@ def test_k1_no_trained_rollout_older_than_one_version(runs: dict[str, Any]) -> N
             step = record["step"] - 1  # the version the update started from
             assert all(step - v <= 1 for v in record["rollout_versions"]), record
             assert record["staleness_max"] <= 1
+
+
+def test_k0_trains_only_on_rollouts_of_the_current_weights(runs: dict[str, Any]) -> None:
+    """k = 0 is synchronous, on-policy GRPO: every rollout comes from the weights the update
+    starts from, so the trainer and the engine disagree only by float32 rounding."""
+    run = launch(runs["root"] / "k0", runs["cache"], "workers.j=1", "trainer.k=0")
+    assert run["train"]
+    for record in run["train"]:
+        step = record["step"] - 1
+        assert all(v == step for v in record["rollout_versions"]), record
+        assert record["staleness_max"] == 0 and record["on_policy_tokens"] > 0
+        assert record["logprob_mismatch_max"] < 1e-4, record
+    assert consumed(run) == consumed(runs["calm"])  # prompt order does not depend on k
 
 
 def test_j4_k8_workers_reload_at_most_every_4_versions(runs: dict[str, Any]) -> None:

@@ -196,7 +196,9 @@ class WorkersConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start."""
+    """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start.
+    `k`: a batch holds rollouts at most k versions older than the weights it trains;
+    0 is synchronous, on-policy training (generation waits for each update)."""
 
     preset: str = "grpo"
     objective: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -231,7 +233,7 @@ class TrainerConfig(_Section):
         _check(
             self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1 (optimizer steps per batch)"
         )
-        _check(self.k >= 1, "k", self.k, "must be >= 1")
+        _check(self.k >= 0, "k", self.k, "must be >= 0 (0: synchronous, on-policy)")
         _check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
         _check(self.sft_batch >= 1, "sft_batch", self.sft_batch, "must be >= 1")
         _check(self.checkpoint_keep >= 2, "checkpoint_keep", self.checkpoint_keep, "must be >= 2")
