@@ -19,13 +19,13 @@ def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.
     out = tmp_path / "out"
     config.write_text(f"run:\n  output_dir: {out}\nworkers:\n  count: 2\n")
     result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config), "trainer.k=0"],
+        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config), "trainer.k=-1"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 2
-    assert "trainer.k = 0" in result.stderr and "must be >= 1" in result.stderr
+    assert "trainer.k = -1" in result.stderr and "must be >= 0" in result.stderr
     assert not out.exists()  # nothing was started, nothing written
 
 
