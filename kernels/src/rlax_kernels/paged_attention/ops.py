@@ -7,8 +7,8 @@ KV-head-grouped rows and runs the chosen backend:
 
 - ``"pallas_tpu"``: the Mosaic kernel of ``tpu.py`` (async page DMAs, double buffering);
 - ``"pallas_gpu"``: the Triton kernel of ``gpu.py``;
-- ``"xla"``: ``xla.py`` for decode (online softmax over a few pages at a time, checked
-  against the reference) and the pure-jnp reference of ``reference.py`` for prefill:
+- ``"xla"``: ``xla.py`` for decode (a few pages at a time, two passes around one exact
+  softmax, checked against the reference) and the pure-jnp reference of ``reference.py`` for prefill:
   what the CPU runs;
 - ``"auto"``: by ``jax.default_backend()``: tpu -> pallas_tpu, gpu -> pallas_gpu,
   anything else -> xla.

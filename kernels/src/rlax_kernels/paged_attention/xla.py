@@ -87,14 +87,17 @@ def paged_attention_xla(
     tables = jnp.where(used, block_tables, 0)  # unused entries may be garbage: read page 0
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
 
-    def read(pages: jax.Array, cols: jax.Array) -> jax.Array:
-        """The pages of `cols` [batch, step_pages] as float32 [batch, num_kv_heads, step_tokens, head_dim]."""
+    def read(pages: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Loop step i's pages as float32 [batch, num_kv_heads, step_tokens, head_dim], and which
+        of their tokens are cached ([batch, step_tokens] bool)."""
+        cols = lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)  # [batch, step_pages]
+        valid = (i * step_tokens + jnp.arange(step_tokens))[None, :] < lengths[:, None]
         if layer is None:
             got = jnp.moveaxis(pages[:, cols], 0, 2)  # [batch, step_pages, kv_heads, page_size, head_dim]
         else:  # advanced indices around a slice put the gathered axes first
             got = pages[layer, :, cols]
         got = got.transpose(0, 2, 1, 3, 4)
-        return got.reshape(batch, num_kv_heads, step_tokens, head_dim).astype(jnp.float32)
+        return got.reshape(batch, num_kv_heads, step_tokens, head_dim).astype(jnp.float32), valid
 
     if new_k is None:
         new_scores = jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32)
@@ -105,9 +108,7 @@ def paged_attention_xla(
     # become thousands of [group, head_dim] x [head_dim, tokens] matmuls per step, whose
     # per-call overhead on CPU exceeds their arithmetic (measured ~25% slower).
     def score_step(i, scores):  # type: ignore[no-untyped-def]
-        cols = lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
-        k = read(k_pages, cols)  # [batch, kv_heads, step_tokens, head_dim]
-        valid = (i * step_tokens + jnp.arange(step_tokens))[None, :] < lengths[:, None]
+        k, valid = read(k_pages, i)
         s = (qg[:, :, :, None, :] * k[:, :, None]).sum(
             axis=-1
         ) * scale  # [batch, kv_heads, group, step_tokens]
@@ -115,9 +116,7 @@ def paged_attention_xla(
         return lax.dynamic_update_slice_in_dim(scores, s, i * step_tokens, axis=3)
 
     def value_step(i, acc):  # type: ignore[no-untyped-def]
-        cols = lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)
-        v = read(v_pages, cols)
-        valid = (i * step_tokens + jnp.arange(step_tokens))[None, :] < lengths[:, None]
+        v, valid = read(v_pages, i)
         v = jnp.where(valid[:, None, :, None], v, 0.0)  # a NaN in an unused slot must not meet p = 0
         p = lax.dynamic_slice_in_dim(probs, i * step_tokens, step_tokens, axis=3)
         return acc + (p[..., None] * v[:, :, None]).sum(axis=-2)
