@@ -54,3 +54,21 @@ def test_append_to_exclusive_full_block_allocates():
     assert s.copy_from is None and len(t.blocks) == 2 and s.slot == t.blocks[1] * 2
     with pytest.raises(NoFreeBlocksError):
         kv.allocate(7)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9])
+def test_blocks_needed_for_several_appends_match_what_appending_takes(num_tokens):
+    block_size = 4
+    for length in range(1, 13):
+        for shared in (False, True):
+            kv = KVCacheManager(num_blocks=64, block_size=block_size)
+            table = kv.allocate(length)
+            other = kv.fork(table) if shared else None
+            predicted = kv.blocks_needed_to_append(table, num_tokens)
+            before = kv.num_free
+            for _ in range(num_tokens):
+                kv.append_slot(table)
+            assert predicted == before - kv.num_free, (length, shared)
+            # The scheduler's quick bound: ceil((n - 1) / block_size) new blocks plus one copy.
+            assert predicted <= -(-(num_tokens - 1) // block_size) + 1
+            del other

@@ -119,11 +119,11 @@ class KVCacheManager:
             self.pool.incref(block)
         return BlockTable(list(table.blocks), table.num_tokens)
 
-    def blocks_needed_to_append(self, table: BlockTable) -> int:
-        """0 or 1: the blocks `append_slot` would allocate."""
-        if table.num_tokens % self.block_size == 0:
-            return 1
-        return 1 if self.pool.refcount(table.blocks[-1]) > 1 else 0
+    def blocks_needed_to_append(self, table: BlockTable, num_tokens: int = 1) -> int:
+        """The blocks `num_tokens` calls of `append_slot` would allocate: the new blocks past the
+        table's capacity, plus the copy of a shared, partly filled last block (0 or 1 for one token)."""
+        shared_tail = table.num_tokens % self.block_size != 0 and self.pool.refcount(table.blocks[-1]) > 1
+        return self.blocks_for(table.num_tokens + num_tokens) - len(table.blocks) + int(shared_tail)
 
     def append_slot(self, table: BlockTable) -> SlotAssignment:
         """Reserve the slot of token `table.num_tokens`, copying a shared tail block first."""

@@ -142,28 +142,30 @@ class Scheduler:
         with preemption if needed.
         """
         out = SchedulerOutput()
-        if num_steps == 1 or not self._schedule_multi_step_decodes(out, num_steps):
+        if not self._reserve_decode_slots(out, num_steps):
             self._schedule_decodes(out)
         if not out.preempted:
             self._schedule_prefills(out, admit_new=admit_new)
         return out
 
-    def _schedule_multi_step_decodes(self, out: SchedulerOutput, num_steps: int) -> bool:
-        """Reserve up to `num_steps` slots per running sequence; False (nothing reserved) if blocks are short."""
+    def _reserve_decode_slots(self, out: SchedulerOutput, num_steps: int) -> bool:
+        """Reserve up to `num_steps` slots per running sequence (capped by its max_tokens and the
+        context) when the pool holds all the blocks they need; False, with nothing reserved, if not."""
         kv, max_len = self.kv, self.config.max_model_len
         counts = [
             min(num_steps, s.request.params.max_tokens - s.num_generated, max_len - len(s.tokens))
             for s in self.running
         ]
-        # A shared partial last block costs one more block (copy-on-write of the first append).
-        need = sum(
-            kv.blocks_for(s.table.num_tokens + n)  # type: ignore[union-attr]
-            - len(s.table.blocks)  # type: ignore[union-attr]
-            + int(kv.blocks_needed_to_append(s.table) == 1 and s.table.num_tokens % kv.block_size != 0)  # type: ignore[arg-type, union-attr]
-            for s, n in zip(self.running, counts, strict=True)
-        )
-        if need > kv.num_free:
-            return False
+        # n appends take at most ceil((n - 1) / block_size) new blocks plus one copy-on-write:
+        # when even that fits for everyone (the usual case) the exact count is not needed.
+        most = -(-(num_steps - 1) // kv.block_size) + 1
+        if kv.num_free < most * len(self.running):
+            need = sum(
+                kv.blocks_needed_to_append(s.table, n)  # type: ignore[arg-type]
+                for s, n in zip(self.running, counts, strict=True)
+            )
+            if need > kv.num_free:
+                return False
         for seq, n in zip(self.running, counts, strict=True):
             slots = []
             for _ in range(n):
@@ -176,16 +178,8 @@ class Scheduler:
         return True
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """One decode step for the running sequences the pool can hold, preempting the newest."""
         kv = self.kv
-        if kv.num_free >= len(self.running):
-            # Each append takes at most one block, so nothing can run out: no victim search.
-            for seq in self.running:
-                slot = kv.append_slot(seq.table)  # type: ignore[arg-type]
-                if slot.copy_from is not None:
-                    out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
-                out.decode_slots.append([slot.slot])
-            out.decodes.extend(self.running)
-            return
         queue = collections.deque(self.running)
         kept: list[Sequence] = []
         while queue:
