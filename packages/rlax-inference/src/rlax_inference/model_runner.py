@@ -261,22 +261,17 @@ def _decode_steps(
     allowed = (slots >= 0).sum(axis=0)  # [rows] tokens each row makes in this call
     last_allowed = jnp.maximum(allowed - 1, 0)
 
-    def one(i, carry):  # type: ignore[no-untyped-def]
-        cache, tok, outs = carry
+    def one(carry, step):  # type: ignore[no-untyped-def]
+        cache, tok = carry
+        i, step_slots = step
         offset = jnp.minimum(i, last_allowed)
         step_sampling = sampling._replace(step=sampling.step + offset)
         out, cache = _decode_one(
-            params, cache, tok, slots[i], block_tables, lengths + offset, step_sampling, **statics
+            params, cache, tok, step_slots, block_tables, lengths + offset, step_sampling, **statics
         )
-        tok = jnp.where(i < allowed, out.tokens, tok)
-        outs = jax.tree_util.tree_map(lambda acc, x: acc.at[i].set(x), outs, out)
-        return cache, tok, outs
+        return (cache, jnp.where(i < allowed, out.tokens, tok)), out
 
-    shapes = jax.eval_shape(
-        lambda: _decode_one(params, cache, tokens, slots[0], block_tables, lengths, sampling, **statics)[0]
-    )
-    outs = jax.tree_util.tree_map(lambda s: jnp.zeros((num_steps, *s.shape), s.dtype), shapes)
-    cache, _, outs = jax.lax.fori_loop(0, num_steps, one, (cache, tokens, outs))
+    (cache, _), outs = jax.lax.scan(one, (cache, tokens), (jnp.arange(num_steps), slots))
     return outs, cache
 
 
