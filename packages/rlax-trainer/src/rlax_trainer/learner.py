@@ -57,6 +57,12 @@ def _masked_quantiles(x: jax.Array, mask: jax.Array, qs: tuple[float, ...]) -> j
     return jnp.nanquantile(jnp.where(mask > 0, x, jnp.nan), jnp.array(qs))
 
 
+def _spread(prefix: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """`{prefix}_p50`, `_p95` and `_max` of `x` where `mask` > 0 (all 0 when nothing is)."""
+    q = jnp.where(mask.sum() > 0, _masked_quantiles(x, mask, (0.5, 0.95)), 0.0)
+    return {f"{prefix}_p50": q[0], f"{prefix}_p95": q[1], f"{prefix}_max": jnp.where(mask > 0, x, 0.0).max()}
+
+
 def _stats(prefix: str, x: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     n = jnp.maximum(mask.sum(), 1.0)
     mean = (x * mask).sum() / n
@@ -220,17 +226,12 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     else:
         rows["weights"] = mask / jnp.maximum(mask.sum(), 1.0)
     delta = jnp.abs(old["old_logprobs"] - batch["worker_logprobs"])
-    q = _masked_quantiles(delta, mask, (0.5, 0.95))
-    metrics["logprob_delta_p50"], metrics["logprob_delta_p95"] = q[0], q[1]
-    metrics["logprob_delta_max"] = jnp.where(mask > 0, delta, 0.0).max()
+    metrics.update(_spread("logprob_delta", delta, mask))
     # The same on rollouts made by the very weights this update starts from: pure
     # engine-vs-trainer numerical mismatch, without staleness (0 when there are none).
     on_policy = mask * (batch["versions"] == state.step)[:, None]
-    count = on_policy.sum()
-    q = jnp.where(count > 0, _masked_quantiles(delta, on_policy, (0.5, 0.95)), 0.0)
-    metrics["logprob_mismatch_p50"], metrics["logprob_mismatch_p95"] = q[0], q[1]
-    metrics["logprob_mismatch_max"] = jnp.where(on_policy > 0, delta, 0.0).max()
-    metrics["on_policy_tokens"] = count
+    metrics.update(_spread("logprob_mismatch", delta, on_policy))
+    metrics["on_policy_tokens"] = on_policy.sum()
     lengths = mask.sum(1)
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 
