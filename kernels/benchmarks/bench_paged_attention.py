@@ -1,4 +1,4 @@
-"""Paged decode attention: our Pallas kernel vs the XLA reference vs the paged attention JAX ships.
+"""Paged decode attention: our kernels vs the XLA reference vs the paged attention JAX ships.
 
 Collected by ``nox -s bench``. Each implementation is timed by pytest-benchmark; the
 reference and JAX's kernel are timed again in the same test so every row prints its
@@ -68,26 +68,43 @@ def test_paged_decode_table(benchmark) -> None:
         benchmark.extra_info[r.name] = {"mode": r.mode, "ms": r.seconds * 1e3, "gbps": r.gbps}
 
 
-# The decode batch of the engine benchmark (64 prompts x 8 samples, SmolLM2-135M's heads,
-# contexts around 192 tokens, float32): the XLA decode path (what the CPU engine runs)
-# against the gather-everything reference, both compiled, on whatever platform this is.
-ENGINE_SHAPE = bench.DecodeBenchConfig(
-    batch=512, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, mean_length=192, dtype="float32"
-)
+# The decode batches of the engine benchmark (64 prompts x 8 samples, contexts around 192
+# tokens, float32) with SmolLM2-135M's heads and the tiny test model's: the native CPU kernel
+# (what the CPU engine runs) beside the XLA decode path and the gather-everything reference,
+# all compiled, same inputs, same run.
+ENGINE_SHAPES = {
+    "smollm2": bench.DecodeBenchConfig(
+        batch=512, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, mean_length=192, dtype="float32"
+    ),
+    "tiny": bench.DecodeBenchConfig(
+        batch=512, num_heads=4, num_kv_heads=2, head_dim=16, page_size=16, mean_length=192, dtype="float32"
+    ),
+}
 
 
-def test_xla_decode_at_engine_shape(benchmark) -> None:
-    case = bench.make_case(ENGINE_SHAPE)
+@pytest.mark.parametrize("shape", sorted(ENGINE_SHAPES))
+def test_cpu_decode_at_engine_shape(benchmark, shape: str) -> None:
+    config = ENGINE_SHAPES[shape]
+    case = bench.make_case(config)
     args = (case.q, case.k_pages, case.v_pages, case.lengths, case.block_tables)
-    ours = jax.jit(functools.partial(paged_attention, backend="xla"))
+    native = jax.default_backend() == "cpu"
+    ours = jax.jit(functools.partial(paged_attention, backend="cpu" if native else "xla"))
+    xla = jax.jit(functools.partial(paged_attention, backend="xla"))
     reference = jax.jit(paged_attention_reference)
-    np.testing.assert_allclose(np.asarray(ours(*args)), np.asarray(reference(*args)), atol=1e-5, rtol=1e-5)
+    expected = np.asarray(reference(*args))
+    np.testing.assert_allclose(np.asarray(ours(*args)), expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(xla(*args)), expected, atol=1e-5, rtol=1e-5)
     benchmark.pedantic(lambda: jax.block_until_ready(ours(*args)), rounds=10, warmup_rounds=1)
     seconds = benchmark.stats.stats.median
+    xla_seconds = bench.median_seconds(lambda: xla(*args), iters=10)
     reference_seconds = bench.median_seconds(lambda: reference(*args), iters=10)
     gbps = case.useful_bytes / seconds / 1e9
-    benchmark.extra_info.update(reference_over_this=reference_seconds / seconds, gbps=gbps)
+    benchmark.extra_info.update(
+        xla_over_this=xla_seconds / seconds, reference_over_this=reference_seconds / seconds, gbps=gbps
+    )
     print(
-        f"\nengine shape {ENGINE_SHAPE}: XLA decode path {seconds * 1e3:.2f} ms vs xla_reference "
-        f"{reference_seconds * 1e3:.2f} ms -> {reference_seconds / seconds:.2f}x; {gbps:.2f} GB/s useful"
+        f"\nengine shape {shape} {config}: {'native CPU kernel' if native else 'XLA path'} "
+        f"{seconds * 1e3:.2f} ms ({gbps:.2f} GB/s useful) vs XLA decode path {xla_seconds * 1e3:.2f} ms "
+        f"({xla_seconds / seconds:.2f}x) vs xla_reference {reference_seconds * 1e3:.2f} ms "
+        f"({reference_seconds / seconds:.2f}x)"
     )

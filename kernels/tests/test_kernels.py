@@ -5,9 +5,10 @@ padding query rows, and points unused block-table entries at NaN pages or far ou
 cache: any read or weight that should not happen turns the output into NaN or, in TPU
 interpret mode, an out-of-bounds error.
 
-The XLA decode path (what the CPU runs: an online softmax over a few pages at a time) gets
-the same grid and poison, plus the engine's extras (the newest token's K/V beside the cache,
-pages read through a layer axis).
+The CPU decode paths -- the XLA one (a few pages at a time, two passes around one exact
+softmax) and the native kernel (numba through XLA's FFI, what the CPU engine runs) -- get
+the same grid (float32 for the native kernel, which reads float32 caches) and poison, plus
+the engine's extras (the newest token's K/V beside the cache, pages read through a layer axis).
 
 The default grid covers every value of each axis (batch 1-8, 1/4/8 query heads per KV
 head, head_dim 64/128, page size 16/32, float32/bfloat16, lengths of 1, exact page
@@ -25,6 +26,7 @@ import pytest
 
 from rlax_kernels import (
     paged_attention,
+    paged_attention_cpu,
     paged_attention_reference,
     paged_attention_xla,
     paged_prefill_attention,
@@ -189,13 +191,21 @@ def test_prefill_of_one_token_equals_decode(backend: str) -> None:
     np.testing.assert_allclose(np.asarray(prefill[:, 0]), np.asarray(decode), rtol=1e-6, atol=1e-6)
 
 
-# -- the XLA decode path ----------------------------------------------------------------
+# -- the CPU decode paths (XLA and the native kernel) ------------------------------------
+CPU_GRID = [("xla", *c[:7]) for c in DECODE_GRID] + [
+    ("cpu", *c[:7]) for c in DECODE_GRID if c[5] == "float32"
+]
+CPU_PATHS = {"xla": paged_attention_xla, "cpu": paged_attention_cpu}
+
+
 @pytest.mark.parametrize(
-    "batch,group,num_kv_heads,head_dim,page_size,dtype,kind",
-    [c[:7] for c in DECODE_GRID],
-    ids=[f"b{c[0]}-g{c[1]}-kv{c[2]}-d{c[3]}-p{c[4]}-{c[5]}-{c[6]}" for c in DECODE_GRID],
+    "backend,batch,group,num_kv_heads,head_dim,page_size,dtype,kind",
+    CPU_GRID,
+    ids=[f"{c[0]}-b{c[1]}-g{c[2]}-kv{c[3]}-d{c[4]}-p{c[5]}-{c[6]}-{c[7]}" for c in CPU_GRID],
 )
-def test_xla_decode_matches_reference(batch, group, num_kv_heads, head_dim, page_size, dtype, kind):
+def test_cpu_decode_paths_match_reference(
+    backend, batch, group, num_kv_heads, head_dim, page_size, dtype, kind
+):
     case = make_paged_case(
         7,
         seq_lens=_lengths(kind, batch, page_size),
@@ -207,7 +217,7 @@ def test_xla_decode_matches_reference(batch, group, num_kv_heads, head_dim, page
         extra_table_columns=5,  # several loop steps past the longest sequence
     )
     args = (case.q, case.k_pages, case.v_pages, case.seq_lens, case.block_tables)
-    out = paged_attention(*args, backend="xla")
+    out = paged_attention(*args, backend=backend)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     out32 = np.asarray(out, np.float32)
     assert np.isfinite(out32).all(), "poison from an unused slot reached the output"
@@ -216,8 +226,9 @@ def test_xla_decode_matches_reference(batch, group, num_kv_heads, head_dim, page
     )
 
 
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
 @pytest.mark.parametrize("layer_axis", [False, True])
-def test_newest_token_beside_the_cache_equals_writing_it_first(layer_axis):
+def test_newest_token_beside_the_cache_equals_writing_it_first(path, layer_axis):
     """Attending to (cache + new K/V) equals writing the token with write_kv and attending to the cache."""
     page_size, lengths = 16, [1, 16, 33, 64, 5]
     case = make_paged_case(
@@ -239,17 +250,18 @@ def test_newest_token_beside_the_cache_equals_writing_it_first(layer_axis):
         k_pages = jnp.stack([jnp.full_like(case.k_pages, jnp.nan), case.k_pages])
         v_pages = jnp.stack([jnp.full_like(case.v_pages, jnp.nan), case.v_pages])
         layer = jnp.int32(1)
-    out = jax.jit(paged_attention_xla)(
+    out = jax.jit(CPU_PATHS[path])(
         case.q, k_pages, v_pages, cached, case.block_tables, new_k=new_k, new_v=new_v, layer=layer
     )
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
-def test_only_the_new_token_when_nothing_is_cached():
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def test_only_the_new_token_when_nothing_is_cached(path):
     q = jnp.ones((2, 4, 8))
     pages = jnp.full((2, 3, 4, 8), jnp.nan)
     new_v = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)
-    out = paged_attention_xla(
+    out = CPU_PATHS[path](
         q,
         pages,
         pages,
@@ -262,15 +274,62 @@ def test_only_the_new_token_when_nothing_is_cached():
     np.testing.assert_array_equal(np.asarray(out), np.repeat(np.asarray(new_v), 2, axis=1))
 
 
-def test_bad_arguments_name_the_problem():
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def test_bad_arguments_name_the_problem(path):
+    attend = CPU_PATHS[path]
     q, pages = jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8))
     lengths, tables = jnp.ones(1, jnp.int32), jnp.zeros((1, 2), jnp.int32)
     with pytest.raises(ValueError, match="layer"):
-        paged_attention_xla(q, pages, pages, lengths, tables, layer=0)
+        attend(q, pages, pages, lengths, tables, layer=0)
     with pytest.raises(ValueError, match="layer"):
-        paged_attention_xla(q, pages[None], pages[None], lengths, tables)
+        attend(q, pages[None], pages[None], lengths, tables)
     with pytest.raises(ValueError, match="together"):
-        paged_attention_xla(q, pages, pages, lengths, tables, new_k=jnp.ones((1, 1, 8)))
+        attend(q, pages, pages, lengths, tables, new_k=jnp.ones((1, 1, 8)))
+
+
+def test_cpu_kernel_reads_float32_pages_only():
+    q, pages = jnp.ones((1, 2, 8), jnp.bfloat16), jnp.ones((1, 2, 4, 8), jnp.bfloat16)
+    lengths, tables = jnp.ones(1, jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="float32"):
+        paged_attention_cpu(q, pages, pages, lengths, tables)
+    with pytest.raises(ValueError, match="float32 cache"):
+        paged_attention(q, pages, pages, lengths, tables, backend="cpu")
+    # "auto" on the CPU takes the XLA path for a bfloat16 cache instead.
+    out = paged_attention(q, pages, pages, lengths, tables)
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
+
+
+def test_cpu_kernel_never_reads_outside_the_cache():
+    """Table entries outside the cache read page 0 and lengths past the table are clipped to it."""
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 5, 4, 8)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)
+    tables = jnp.asarray([[1, 1 << 30], [-7, 2], [3, 4]], jnp.int32)
+    out = paged_attention_cpu(q, k, v, jnp.asarray([6, 8, 1000], jnp.int32), tables)
+    clamped = jnp.asarray([[1, 0], [0, 2], [3, 4]], jnp.int32)
+    expected = paged_attention_reference(q, k, v, jnp.asarray([6, 8, 8], jnp.int32), clamped)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_kernel_exp_is_accurate_over_the_softmax_range():
+    """The kernel's vectorisable exp (a polynomial, not libm) is within 2e-7 relative of float64 exp."""
+    import numba
+
+    from rlax_kernels.paged_attention.cpu import _exp
+
+    @numba.njit
+    def exp_all(x):  # type: ignore[no-untyped-def]
+        out = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = _exp(x[i])
+        return out
+
+    x = np.concatenate([np.linspace(-87.0, 0.0, 1_000_001), -np.geomspace(1e-30, 1.0, 1000), [0.0]])
+    x = x.astype(np.float32)
+    got, exact = exp_all(x).astype(np.float64), np.exp(x.astype(np.float64))
+    assert np.max(np.abs(got - exact) / exact) < 2e-7
+    assert exp_all(np.asarray([-1e30, -np.inf], np.float32)).max() < 1e-37  # clamped, still ~0
 
 
 @pytest.mark.parametrize(

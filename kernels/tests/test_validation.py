@@ -70,7 +70,7 @@ def test_shape_checks_also_run_under_an_outer_jit() -> None:
 
 
 def test_backend_choice_fails_loudly() -> None:
-    assert resolve_backend("auto", False) == "xla"  # the tests run with JAX_PLATFORMS=cpu
+    assert resolve_backend("auto", False) == "cpu"  # the tests run with JAX_PLATFORMS=cpu
     with pytest.raises(ValueError, match="backend must be one of"):
         _call(backend="triton")
     with pytest.raises(ValueError, match="compiles only on tpu.*interpret=True"):
@@ -81,6 +81,8 @@ def test_backend_choice_fails_loudly() -> None:
         _call(interpret=True)
     with pytest.raises(ValueError, match="Pallas kernels only"):
         _call(backend="xla", interpret=True)
+    with pytest.raises(ValueError, match="Pallas kernels only"):
+        _call(backend="cpu", interpret=True)
 
 
 @pytest.mark.parametrize(

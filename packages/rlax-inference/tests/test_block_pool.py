@@ -72,3 +72,31 @@ def test_blocks_needed_for_several_appends_match_what_appending_takes(num_tokens
             # The scheduler's quick bound: ceil((n - 1) / block_size) new blocks plus one copy.
             assert predicted <= -(-(num_tokens - 1) // block_size) + 1
             del other
+
+
+def test_append_slots_equals_appending_one_slot_at_a_time():
+    """Bulk reservation (multi-step decoding) hands out the same slots, copies and blocks as single appends."""
+    import random
+
+    rng = random.Random(5)
+    bulk, single = KVCacheManager(num_blocks=400, block_size=4), KVCacheManager(num_blocks=400, block_size=4)
+    for _ in range(40):
+        prompt_len = rng.randint(1, 11)
+        tables = [(bulk.allocate(prompt_len), single.allocate(prompt_len))]
+        tables += [(bulk.fork(tables[0][0]), single.fork(tables[0][1])) for _ in range(rng.randint(0, 3))]
+        for _ in range(3):
+            for tb, ts in tables:
+                n = rng.randint(1, 9)
+                slots, copies = bulk.append_slots(tb, n)
+                expected_slots, expected_copies = [], []
+                for _ in range(n):
+                    s = single.append_slot(ts)
+                    expected_slots.append(s.slot)
+                    if s.copy_from is not None:
+                        expected_copies.append((s.copy_from, s.copy_to))
+                assert (slots, copies) == (expected_slots, expected_copies)
+                assert (tb.blocks, tb.num_tokens) == (ts.blocks, ts.num_tokens)
+        for tb, ts in tables:
+            bulk.free(tb)
+            single.free(ts)
+        assert bulk.num_free == single.num_free == 400

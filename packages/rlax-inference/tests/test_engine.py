@@ -217,6 +217,20 @@ def test_pallas_decode_path_in_interpret_mode_matches(backend):
         np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
 
 
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_xla_decode_path_matches(num_steps):
+    """The engine's other CPU path (`attention="xla"`, plain XLA instead of the native kernel)."""
+    rng = np.random.default_rng(8)
+    ps = prompts(5, rng, 3, 40)
+    engine = make_engine(attention="xla", max_num_seqs=8, num_decode_steps=num_steps)
+    assert engine.runner.attention == "xla"
+    outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=6))
+    for p, out in zip(ps, outs):
+        c = out.outputs[0]
+        assert c.tokens == naive_greedy(PARAMS, p, 6)
+        np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+
+
 def test_multi_step_decoding_equals_single_steps():
     """Sampled groups, EOS inside a call, top logprobs and preemption: same outputs, every block freed."""
     rng = np.random.default_rng(11)

@@ -7,11 +7,13 @@ KV-head-grouped rows and runs the chosen backend:
 
 - ``"pallas_tpu"``: the Mosaic kernel of ``tpu.py`` (async page DMAs, double buffering);
 - ``"pallas_gpu"``: the Triton kernel of ``gpu.py``;
+- ``"cpu"``: decode as the native CPU kernel of ``cpu.py`` (numba, called through XLA's
+  FFI; float32 caches), prefill as ``"xla"``: what the CPU engine runs;
 - ``"xla"``: ``xla.py`` for decode (a few pages at a time, two passes around one exact
-  softmax, checked against the reference) and the pure-jnp reference of ``reference.py`` for prefill:
-  what the CPU runs;
+  softmax, checked against the reference) and the pure-jnp reference of ``reference.py`` for
+  prefill: any platform, any dtype;
 - ``"auto"``: by ``jax.default_backend()``: tpu -> pallas_tpu, gpu -> pallas_gpu,
-  anything else -> xla.
+  cpu -> cpu (xla for a cache that is not float32), anything else -> xla.
 
 A Pallas backend requested on a platform that cannot compile it needs ``interpret=True``
 (Pallas' interpreter on the CPU; the TPU kernel uses the TPU interpret mode that simulates
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_kernels.paged_attention.cpu import paged_attention_cpu
 from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
 from rlax_kernels.paged_attention.reference import (
     default_scale,
@@ -35,9 +38,9 @@ from rlax_kernels.paged_attention.reference import (
 from rlax_kernels.paged_attention.tpu import paged_attention_rows_tpu
 from rlax_kernels.paged_attention.xla import paged_attention_xla
 
-Backend = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
-_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
-_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+Backend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
+_BACKENDS = ("auto", "cpu", "xla", "pallas_tpu", "pallas_gpu")
+_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 
 # Tokens per compute block when the caller gives no `pages_per_compute_block`: large
 # enough to amortise a grid step on TPU, small enough to stay in registers with Triton.
@@ -61,11 +64,12 @@ def _platform() -> str:
 
 
 def resolve_backend(backend: str, interpret: bool) -> str:
-    """The concrete backend (``xla``, ``pallas_tpu`` or ``pallas_gpu``) a call will run.
+    """The concrete backend (``cpu``, ``xla``, ``pallas_tpu`` or ``pallas_gpu``) a call will run.
 
     Raises:
-      ValueError: unknown backend, ``interpret`` without a named kernel, or a Pallas kernel
-        requested on a platform that cannot run it natively without ``interpret=True``.
+      ValueError: unknown backend, ``interpret`` without a named Pallas kernel, the ``cpu``
+        kernel off the CPU, or a Pallas kernel requested on a platform that cannot run it
+        natively without ``interpret=True``.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -75,10 +79,12 @@ def resolve_backend(backend: str, interpret: bool) -> str:
             raise ValueError(
                 "interpret=True needs a named kernel: pass backend='pallas_tpu' or backend='pallas_gpu'"
             )
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "xla")
-    if backend == "xla":
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu"}.get(platform, "xla")
+    if backend in ("xla", "cpu"):
         if interpret:
-            raise ValueError("interpret=True applies to the Pallas kernels only, not backend='xla'")
+            raise ValueError(f"interpret=True applies to the Pallas kernels only, not backend={backend!r}")
+        if backend == "cpu" and platform != "cpu":
+            raise ValueError(f"backend='cpu' runs on the CPU only, but the default backend is {platform!r}")
         return backend
     if not interpret and platform != _PLATFORM_OF[backend]:
         raise ValueError(
@@ -272,6 +278,7 @@ def _settle(out: jax.Array, backend: str, interpret: bool) -> jax.Array:
 
 
 _paged_attention_xla = jax.jit(paged_attention_xla, static_argnames=("scale",))
+_paged_attention_cpu = jax.jit(paged_attention_cpu, static_argnames=("scale",))
 _paged_prefill_xla = jax.jit(paged_prefill_attention_reference, static_argnames=("scale",))
 
 
@@ -299,7 +306,7 @@ def paged_attention(
       block_tables: ``[batch, max_pages_per_seq] int32``; entries past a sequence's last page
         are never read.
       scale: softmax temperature; ``1 / sqrt(head_dim)`` when None.
-      backend: ``auto``, ``xla``, ``pallas_tpu`` or ``pallas_gpu`` (see module docs).
+      backend: ``auto``, ``cpu``, ``xla``, ``pallas_tpu`` or ``pallas_gpu`` (see module docs).
       pages_per_compute_block: pages per kernel step (TPU: per DMA block, clipped to
         ``max_pages_per_seq``; GPU: a power of two); a per-backend default when None.
       block_rows: query rows (query heads of one KV head) per program; default covers the group.
@@ -325,8 +332,13 @@ def paged_attention(
     _check_length_values(where, lengths, max_pages * page_size, None)
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
-    if chosen == "xla":
-        return _paged_attention_xla(q, k_pages, v_pages, lengths, block_tables, scale=scale)
+    if chosen == "cpu" and k_pages.dtype != jnp.float32:
+        if backend == "cpu":
+            raise ValueError(f"{where}: backend='cpu' reads a float32 cache only (got {report})")
+        chosen = "xla"
+    if chosen in ("xla", "cpu"):
+        run = _paged_attention_xla if chosen == "xla" else _paged_attention_cpu
+        return run(q, k_pages, v_pages, lengths, block_tables, scale=scale)
     group = num_heads // k_pages.shape[0]
     ppb, br = _knobs(
         where,
@@ -412,7 +424,7 @@ def paged_prefill_attention(
         raise ValueError(f"{where}: q_lens must not exceed chunk={chunk}, got {qls.tolist()}")
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
-    if chosen == "xla":
+    if chosen in ("xla", "cpu"):  # the CPU has no prefill kernel of its own
         return _paged_prefill_xla(q, k_pages, v_pages, seq_lens, q_lens, block_tables, scale=scale)
     rows = chunk * (num_heads // k_pages.shape[0])
     ppb, br = _knobs(

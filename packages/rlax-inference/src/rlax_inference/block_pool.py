@@ -145,6 +145,29 @@ class KVCacheManager:
         table.num_tokens += 1
         return SlotAssignment(table.blocks[-1] * self.block_size + offset, copy_from, copy_to)
 
+    def append_slots(self, table: BlockTable, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """`append_slot` `num_tokens` times: the slots, and the (src, dst) block copies to run first.
+
+        Runs of slots inside an exclusively owned block are taken at once (multi-step decoding
+        reserves several slots per sequence every step).
+        """
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        bs = self.block_size
+        while len(slots) < num_tokens:
+            offset = table.num_tokens % bs
+            if offset and self.pool._refcount[table.blocks[-1]] == 1:
+                take = min(num_tokens - len(slots), bs - offset)
+                start = table.blocks[-1] * bs + offset
+                slots.extend(range(start, start + take))
+                table.num_tokens += take
+                continue
+            slot = self.append_slot(table)
+            if slot.copy_from is not None:
+                copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
+            slots.append(slot.slot)
+        return slots, copies
+
     def free(self, table: BlockTable) -> None:
         for block in table.blocks:
             self.pool.decref(block)

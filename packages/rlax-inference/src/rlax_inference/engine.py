@@ -43,7 +43,8 @@ class EngineConfig:
     eos_token_ids: None means the model config's `eos_token_ids`.
     max_prefill_rows: prompts per prefill call (larger batches are split).
     attention: decode attention backend of `rlax_kernels.paged_attention` ("auto" = Pallas on
-      TPU/GPU, `rlax_kernels.paged_attention_xla` on CPU; or "xla", "pallas_tpu", "pallas_gpu").
+      TPU/GPU, the native `rlax_kernels.paged_attention_cpu` on CPU; or "cpu", "xla"
+      (`rlax_kernels.paged_attention_xla`), "pallas_tpu", "pallas_gpu").
     attention_interpret: run a named Pallas kernel in interpret mode (tests on CPU).
     num_decode_steps: decode steps per model call when the pool has the blocks for them
       (multi-step decoding: each sampled token is fed back on the device, and the host
@@ -69,9 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-        if self.attention not in ("auto", "xla", "pallas_tpu", "pallas_gpu"):
+        if self.attention not in ("auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(
-                f"EngineConfig.attention must be one of auto|xla|pallas_tpu|pallas_gpu, got {self.attention!r}"
+                f"EngineConfig.attention must be one of auto|cpu|xla|pallas_tpu|pallas_gpu, got {self.attention!r}"
             )
         object.__setattr__(self, "swap_policy", SwapPolicy(self.swap_policy))
         self.scheduler_config()  # validates the scheduler limits
@@ -268,14 +269,18 @@ class LLMEngine:
                 num_steps=self.config.num_decode_steps if multi else 1,
                 num_top=num_top,
             )
-            tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+            tokens, logprobs = res.tokens.T.tolist(), res.logprobs.T.tolist()  # [n][num_steps]
             for i, (seq, slots) in enumerate(zip(out.decodes, out.decode_slots, strict=True)):
-                for j in range(len(slots)):
-                    self._append_token(
-                        seq, tokens[j][i], logprobs[j][i], res.top_ids[j, i], res.top_logprobs[j, i]
-                    )
-                    if seq.status is SequenceStatus.FINISHED:
-                        break  # stopped inside a multi-step call: its later tokens are dropped
+                made = len(slots)
+                if seq.request.params.stop or seq.request.params.logprobs:
+                    for j in range(made):
+                        self._append_token(
+                            seq, tokens[i][j], logprobs[i][j], res.top_ids[j, i], res.top_logprobs[j, i]
+                        )
+                        if seq.status is SequenceStatus.FINISHED:
+                            break  # stopped inside a multi-step call: its later tokens are dropped
+                else:
+                    self._append_plain_tokens(seq, tokens[i][:made], logprobs[i][:made])
         # Similar lengths together waste less padding; a call holds at most max_prefill_rows prompts.
         jobs = sorted(out.prefills, key=lambda j: len(j.tokens))
         rows = self.config.max_prefill_rows
@@ -340,10 +345,34 @@ class LLMEngine:
         self.num_generated_tokens += 1
         reason = self._stop_reason(seq)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            if seq.request.finished and seq.request.request_id in self._requests:
-                del self._requests[seq.request.request_id]
-                self._finished.append(self._output(seq.request))
+            self._finish(seq, reason)
+
+    def _append_plain_tokens(self, seq: Seq, tokens: list[int], logprobs: list[float]) -> None:
+        """`_append_token` over the tokens one call made for a sample without stop strings or top
+        logprobs: the same stops (EOS and stop tokens first, then the length limits), in bulk."""
+        p = seq.request.params
+        if seq.weight_version is None:
+            seq.weight_version = self.weight_version
+        limit = min(p.max_tokens - seq.num_generated, self.config.max_model_len - len(seq.tokens))
+        count, reason = min(len(tokens), limit), None
+        for j in range(count):
+            token = tokens[j]
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                count, reason = j + 1, FinishReason.EOS
+                break
+        if reason is None and count == limit:
+            reason = FinishReason.LENGTH
+        seq.tokens.extend(tokens[:count])
+        seq.logprobs.extend(logprobs[:count])
+        self.num_generated_tokens += count
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Seq, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        if seq.request.finished and seq.request.request_id in self._requests:
+            del self._requests[seq.request.request_id]
+            self._finished.append(self._output(seq.request))
 
     def _stop_reason(self, seq: Seq) -> FinishReason | None:
         p = seq.request.params

@@ -4,8 +4,8 @@ The cache is `{"k": ..., "v": ...}`, each `[num_layers, num_kv_heads, num_pages,
 head_dim]`: per layer, the layout of `rlax_kernels`
 (`[num_kv_heads, total_pages, page_size, head_dim]`). K/V are written with
 `rlax_kernels.write_kv` (padding rows carry slot -1 and are skipped) and decode attention is
-`rlax_kernels.paged_attention` on TPU/GPU (Pallas) and `rlax_kernels.paged_attention_xla` on
-CPU (see below). Page 0
+`rlax_kernels.paged_attention` on TPU/GPU (Pallas) and the native `rlax_kernels.paged_attention_cpu`
+on CPU (`attention="xla"` runs `rlax_kernels.paged_attention_xla` instead; see below). Page 0
 is never handed out by the block pool: padded decode rows point their block table at it.
 
 Shapes are rounded up to buckets so that new request lengths reuse compiled code: decode
@@ -13,14 +13,13 @@ is compiled per (row bucket, block-table width bucket, steps per call: 1 or the 
 `num_decode_steps`), prefill per (prompt-row bucket, length bucket, sample-row bucket). Each jitted function counts its traces in
 `ModelRunner.num_compilations`.
 
-The cache never travels through the model's layer scan on the XLA path: each layer's
+The cache never travels through the model's layer scan on the CPU/XLA paths: each layer's
 attention hands its new K/V out of the scan and one scatter writes all layers into the
 donated cache afterwards (threading the cache through the scan copies all of it every step
 on CPU). Prefill starts every sequence from an empty cache (prefix sharing happens by forking
 block tables after the prefill), so it is dense causal attention over the padded prompt rows.
-Decode on the XLA path is `rlax_kernels.paged_attention_xla`: it reads the cached tokens in
-place through the block tables, a few pages at a time, and adds the current token to the
-softmax itself; with a Pallas backend the layer's pages go through the scan,
+Decode on these paths reads the cached tokens in place through the block tables and adds
+the current token to the softmax itself; with a Pallas backend the layer's pages go through the scan,
 `rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
 """
 
@@ -46,7 +45,9 @@ from rlax_model import (
     project_logits,
 )
 
-AttentionBackend = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
+AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
+# Backends whose decode attention reads the cache in place beside the newest token (fused path).
+_FUSED_DECODE = {"cpu": rlax_kernels.paged_attention_cpu, "xla": rlax_kernels.paged_attention_xla}
 KVCache = dict[str, jax.Array]
 
 
@@ -98,25 +99,30 @@ def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ign
     return dense_attention_reference(q, k, v, causal_valid_mask(ctx.valid)), {"k": k, "v": v}
 
 
-def _decode_attention_fused(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
-    """XLA decode attention: cached tokens (read in place through the block tables) plus the current token.
+def _make_fused_decode_attention(attend: Callable[..., jax.Array]) -> Callable[..., Any]:
+    """CPU/XLA decode attention: cached tokens (read in place through the block tables) plus the current token.
 
-    The current token's K/V join the softmax directly (`rlax_kernels.paged_attention_xla`)
-    and leave as this layer's output, to be written into the cache once after the layer
-    scan. Threading the cache through the scan instead would copy all of it every step on CPU.
-    q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar.
+    The current token's K/V join the softmax directly (`attend` is
+    `rlax_kernels.paged_attention_cpu` or `paged_attention_xla`) and leave as this layer's
+    output, to be written into the cache once after the layer scan. Threading the cache
+    through the scan instead would copy all of it every step on CPU.
     """
-    out = rlax_kernels.paged_attention_xla(
-        q[:, 0],
-        ctx.cache["k"],
-        ctx.cache["v"],
-        ctx.lengths - 1,
-        ctx.block_tables,
-        new_k=k[:, 0],
-        new_v=v[:, 0],
-        layer=layer,
-    )
-    return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
+
+    def attention(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
+        """q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar."""
+        out = attend(
+            q[:, 0],
+            ctx.cache["k"],
+            ctx.cache["v"],
+            ctx.lengths - 1,
+            ctx.block_tables,
+            new_k=k[:, 0],
+            new_v=v[:, 0],
+            layer=layer,
+        )
+        return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
+
+    return attention
 
 
 def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
@@ -202,13 +208,13 @@ def _decode_one(
 ):  # type: ignore[no-untyped-def]
     """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
-    if attention == "xla":
+    if attention in _FUSED_DECODE:
         hidden, new = hidden_states(
             params,
             tokens[:, None],
             positions,
             config=config,
-            attention=_decode_attention_fused,
+            attention=_make_fused_decode_attention(_FUSED_DECODE[attention]),
             attention_context=_FusedDecodeContext(cache, lengths, block_tables),
             kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
         )
@@ -328,13 +334,13 @@ class ModelRunner:
 
     @property
     def cache_dtype(self) -> jnp.dtype:
-        """The KV cache's dtype: the compute dtype, except float32 on the XLA path.
+        """The KV cache's dtype: the compute dtype, except float32 on the CPU/XLA paths.
 
-        XLA on CPU gathers 16-bit elements ~14x slower than 32-bit ones, and decode attention
-        there is mostly gathering pages; a float32 cache holds bfloat16 K/V exactly (the
-        attention math is float32 either way), at twice the memory.
+        The CPU kernel reads float32 pages, and XLA on CPU gathers 16-bit elements ~14x slower
+        than 32-bit ones; a float32 cache holds bfloat16 K/V exactly (the attention math is
+        float32 either way), at twice the memory.
         """
-        return jnp.dtype(jnp.float32 if self.attention == "xla" else self.config.compute_jnp_dtype)
+        return jnp.dtype(jnp.float32 if self.attention in _FUSED_DECODE else self.config.compute_jnp_dtype)
 
     @property
     def num_compilations(self) -> collections.Counter[str]:

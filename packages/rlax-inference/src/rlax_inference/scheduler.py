@@ -167,12 +167,8 @@ class Scheduler:
             if need > kv.num_free:
                 return False
         for seq, n in zip(self.running, counts, strict=True):
-            slots = []
-            for _ in range(n):
-                slot = kv.append_slot(seq.table)  # type: ignore[arg-type]
-                if slot.copy_from is not None:
-                    out.copies.append((slot.copy_from, slot.copy_to))  # type: ignore[arg-type]
-                slots.append(slot.slot)
+            slots, copies = kv.append_slots(seq.table, n)  # type: ignore[arg-type]
+            out.copies.extend(copies)
             out.decode_slots.append(slots)
         out.decodes.extend(self.running)
         return True
