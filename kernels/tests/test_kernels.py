@@ -337,3 +337,30 @@ def test_cpu_kernel_exp_is_accurate_over_the_softmax_range():
 )
 def test_pages_per_step_divides_the_table(width, page_size, expected):
     assert _pages_per_step(width, page_size) == expected
+
+
+def test_cpu_kernel_takes_launches_from_several_threads_at_once():
+    """Concurrent programs (here four Python threads) each get the right answer: the handler
+    serialises launches, which numba's workqueue threading layer cannot take two of at once."""
+    import threading
+
+    case = make_paged_case(
+        0, seq_lens=[5, 40, 17, 64] * 8, num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, poison=False
+    )
+    args = (case.q, case.k_pages, case.v_pages, case.seq_lens, case.block_tables)
+    attend = jax.jit(paged_attention_cpu)
+    expected = np.asarray(paged_attention_reference(*args))
+    wrong: list[float] = []
+
+    def run() -> None:
+        for _ in range(50):
+            error = float(np.abs(np.asarray(attend(*args)) - expected).max())
+            if error > 1e-5:
+                wrong.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

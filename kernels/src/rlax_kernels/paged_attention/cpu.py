@@ -14,6 +14,15 @@ Python runs inside a step. The call frame layout is XLA's stable C ABI
 (``xla/ffi/api/c_api.h``, shipped in ``jax.ffi.include_dir()``); the offsets used here are
 named below. The kernel compiles on first use (a few seconds; numba caches it on disk).
 
+Threads: sequences are spread over the cores by numba's ``workqueue`` layer, chosen here
+unless the process already picked one (``NUMBA_THREADING_LAYER``, or numba code that ran
+in parallel earlier). Numba's OpenMP layer would share ``libgomp`` with PyTorch, and since
+XLA calls the kernel from several of its own threads, each of which gets its own OpenMP
+team, libgomp then counts more threads than cores and stops spinning between PyTorch's
+parallel regions: transformers ran at half speed in the same process (measured). The
+workqueue layer cannot take two launches at once, so launches are serialised by a lock in
+the handler (each launch uses every core anyway).
+
 Arguments, extras (``new_k``/``new_v``, ``layer``) and results are those of
 ``paged_attention_xla``; the pages must be float32 (the CPU engine keeps a float32 cache).
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +60,10 @@ _METADATA_TYPE = 1  # XLA_FFI_Extension_Metadata
 _STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _API_VERSION_WORD = 4  # XLA_FFI_Api.api_version.{major, minor}: two int32 in word 4
 _NUM_ARGS = 9
+
+# One int32 in memory that outlives every call: 0 free, 1 held (see `_acquire`).
+_LAUNCH_LOCK = np.zeros(1, np.int32)
+_LAUNCH_LOCK_ADDRESS = _LAUNCH_LOCK.ctypes.data
 
 
 @intrinsic
@@ -82,6 +96,39 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
             builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0"
         )
         builder.call(fn, [builder.inttoptr(args[0], byte_ptr), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(types.intp), codegen
+
+
+@intrinsic
+def _acquire(typingctx, address):  # type: ignore[no-untyped-def]
+    """Take the spin lock at `address` (compare-and-swap 0 -> 1, yielding the CPU between tries)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i32 = ir.IntType(32)
+        lock = builder.inttoptr(args[0], i32.as_pointer())
+        sched_yield = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, []), "sched_yield")
+        retry, taken = builder.append_basic_block("lock_retry"), builder.append_basic_block("lock_taken")
+        builder.branch(retry)
+        builder.position_at_end(retry)
+        swapped = builder.extract_value(builder.cmpxchg(lock, i32(0), i32(1), "acquire", "monotonic"), 1)
+        with builder.if_then(builder.not_(swapped)):
+            builder.call(sched_yield, [])
+        builder.cbranch(swapped, taken, retry)
+        builder.position_at_end(taken)
+        return context.get_dummy_value()
+
+    return types.void(types.intp), codegen
+
+
+@intrinsic
+def _release(typingctx, address):  # type: ignore[no-untyped-def]
+    """Free the spin lock at `address`."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i32 = ir.IntType(32)
+        builder.store_atomic(i32(0), builder.inttoptr(args[0], i32.as_pointer()), "release", 4)
         return context.get_dummy_value()
 
     return types.void(types.intp), codegen
@@ -245,6 +292,7 @@ def _handler(frame_ptr):  # type: ignore[no-untyped-def]
     cache_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
     num_kv_heads = k_dims[1]
     ints = numba.carray(_pointer(ints_at), 2, np.int32)
+    _acquire(_LAUNCH_LOCK_ADDRESS)  # XLA may run two programs at once; workqueue takes one launch
     _attend(
         numba.carray(_pointer(q_at), (batch, num_heads, head_dim), np.float32),
         numba.carray(_pointer(k_at), cache_shape, np.float32),
@@ -258,12 +306,17 @@ def _handler(frame_ptr):  # type: ignore[no-untyped-def]
         numba.carray(_pointer(scale_at), 1, np.float32)[0],
         numba.carray(_pointer(out_at), (batch, num_heads, head_dim), np.float32),
     )
+    _release(_LAUNCH_LOCK_ADDRESS)
     return _pointer(0)
 
 
 @functools.cache
 def _register() -> None:
     """Compiles the handler (or loads it from numba's cache) and registers it with XLA, once per process."""
+    from numba.np.ufunc import parallel
+
+    if "NUMBA_THREADING_LAYER" not in os.environ and not parallel._is_initialized:
+        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
     handler = numba.cfunc(types.voidptr(types.voidptr))(_handler)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
