@@ -9,8 +9,9 @@ What runs depends on ``jax.default_backend()``:
   ``jax.experimental.pallas.ops.tpu.paged_attention``, all compiled for the chip;
 - gpu: our Pallas Triton kernel, the XLA reference, and
   ``jax.experimental.pallas.ops.gpu.paged_attention``;
-- cpu: the XLA reference and our XLA decode path (``xla.py``, what the CPU engine runs),
-  both compiled and labelled ``xla``, and all four Pallas kernels in
+- cpu: our native CPU kernel (``cpu.py``, what the CPU engine runs; labelled ``native``),
+  the XLA reference and our XLA decode path (``xla.py``), both compiled and labelled
+  ``xla``, and all four Pallas kernels in
   interpret mode (labelled ``interpret``; JAX's TPU kernel under
   ``pltpu.force_tpu_interpret_mode``). Interpret timings measure the interpreter, not a
   device: the ratios between them say how much work each kernel issues, nothing more.
@@ -175,6 +176,7 @@ PLAN: dict[str, tuple[tuple[str, str], ...]] = {
     "gpu": (("rlax_pallas_gpu", "native"), ("xla_reference", "xla"), ("jax_pallas_gpu", "native")),
     "cpu": (
         ("xla_reference", "xla"),
+        ("rlax_cpu", "native"),
         ("rlax_xla", "xla"),
         ("rlax_pallas_tpu", "interpret"),
         ("jax_pallas_tpu", "interpret"),
@@ -239,6 +241,7 @@ def implementations(case: BenchCase, config: DecodeBenchConfig) -> list[Implemen
     reference = jax.jit(paged_attention_reference)
     builders: dict[str, Callable[[bool], Callable[[], jax.Array]]] = {
         "xla_reference": lambda interpret: lambda: reference(*args),
+        "rlax_cpu": lambda interpret: ours("cpu", False),
         "rlax_xla": lambda interpret: ours("xla", False),
         "rlax_pallas_tpu": lambda interpret: ours("pallas_tpu", interpret),
         "rlax_pallas_gpu": lambda interpret: ours("pallas_gpu", interpret),
@@ -313,8 +316,8 @@ def format_table(results: list[BenchResult], config: DecodeBenchConfig) -> str:
     if _platform() == "cpu":
         lines.append(
             "cpu: 'interpret' rows time Pallas' interpreter (not a device) and are comparable only with "
-            "each other; 'rlax_xla' is the XLA decode path the CPU engine runs, 'xla_reference' the "
-            "gather-everything reference it is tested against."
+            "each other; 'rlax_cpu' is the native kernel the CPU engine runs, 'rlax_xla' the XLA decode "
+            "path, 'xla_reference' the gather-everything reference both are tested against."
         )
     return "\n".join(lines)
 
