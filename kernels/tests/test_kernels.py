@@ -287,6 +287,32 @@ def test_bad_arguments_name_the_problem(path):
         attend(q, pages, pages, lengths, tables, new_k=jnp.ones((1, 1, 8)))
 
 
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"q": jnp.ones((2, 4, 16))}, "q's head_dim"),
+        ({"q": jnp.ones((2, 3, 8))}, "multiple of num_kv_heads"),
+        ({"q": jnp.ones((2, 4))}, "q must be"),
+        ({"lengths": jnp.ones(3, jnp.int32)}, "lengths must be"),
+        ({"lengths": jnp.ones(2, jnp.float32)}, "lengths must be"),
+        ({"block_tables": jnp.zeros((3, 2), jnp.int32)}, "block_tables must be"),
+        ({"v_pages": jnp.ones((2, 5, 4, 8))}, "one shape"),
+        ({"new_k": jnp.ones((2, 1, 8)), "new_v": jnp.ones((2, 1, 8))}, "new_k and new_v must be"),
+    ],
+)
+def test_cpu_kernel_rejects_inconsistent_shapes(change, needle):
+    """The native kernel reads raw memory by these shapes, so each mismatch must fail before it runs."""
+    args = {
+        "q": jnp.ones((2, 4, 8)),
+        "k_pages": jnp.ones((2, 3, 4, 8)),
+        "v_pages": jnp.ones((2, 3, 4, 8)),
+        "lengths": jnp.ones(2, jnp.int32),
+        "block_tables": jnp.zeros((2, 2), jnp.int32),
+    }
+    with pytest.raises(ValueError, match=needle):
+        paged_attention_cpu(**{**args, **change})
+
+
 def test_cpu_kernel_reads_float32_pages_only():
     q, pages = jnp.ones((1, 2, 8), jnp.bfloat16), jnp.ones((1, 2, 4, 8), jnp.bfloat16)
     lengths, tables = jnp.ones(1, jnp.int32), jnp.zeros((1, 2), jnp.int32)

@@ -324,6 +324,39 @@ def _register() -> None:
     jax.ffi.register_ffi_target(_TARGET, new_capsule(handler.address, None, None), platform="cpu")
 
 
+def _check_shapes(q, k_pages, v_pages, lengths, block_tables, new_k, new_v) -> None:  # type: ignore[no-untyped-def]
+    """The kernel indexes raw memory by these shapes: any inconsistency is an error here, not a bad read."""
+    report = ", ".join(
+        f"{name} {tuple(a.shape)} {a.dtype}"
+        for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
+                        ("block_tables", block_tables), ("new_k", new_k), ("new_v", new_v))
+        if a is not None
+    )  # fmt: skip
+
+    def fail(why: str) -> None:
+        raise ValueError(f"paged_attention_cpu: {why} (got {report})")
+
+    if q.ndim != 3:
+        fail("q must be [batch, num_heads, head_dim]")
+    batch, num_heads, head_dim = q.shape
+    if k_pages.shape != v_pages.shape:
+        fail("k_pages and v_pages must have one shape")
+    num_kv_heads, _, _, kv_head_dim = k_pages.shape[-4:]
+    if kv_head_dim != head_dim or num_kv_heads < 1 or num_heads % num_kv_heads:
+        fail("the pages must be [..., num_kv_heads, pages, page_size, head_dim] with q's head_dim and "
+             "num_heads a multiple of num_kv_heads")  # fmt: skip
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        fail(f"lengths must be an integer array of shape [batch={batch}]")
+    if (
+        block_tables.ndim != 2
+        or block_tables.shape[0] != batch
+        or not jnp.issubdtype(block_tables.dtype, jnp.integer)
+    ):
+        fail(f"block_tables must be an integer array of shape [batch={batch}, max_pages_per_seq]")
+    if new_k is not None and (new_k.shape != (batch, num_kv_heads, head_dim) or new_v.shape != new_k.shape):
+        fail(f"new_k and new_v must be [batch={batch}, num_kv_heads={num_kv_heads}, head_dim={head_dim}]")
+
+
 def paged_attention_cpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -366,8 +399,7 @@ def paged_attention_cpu(
             f"paged_attention_cpu: the pages must be float32, got k_pages {k_pages.dtype}, "
             f"v_pages {v_pages.dtype} (the CPU kernel reads a float32 cache)"
         )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"paged_attention_cpu: k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    _check_shapes(q, k_pages, v_pages, lengths, block_tables, new_k, new_v)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[-4]
     if k_pages.ndim == 4:
