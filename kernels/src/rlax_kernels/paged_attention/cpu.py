@@ -37,12 +37,16 @@ import jax
 import jax.numpy as jnp
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from rlax_kernels.paged_attention.reference import default_scale
+from rlax_kernels.paged_attention.cpu_intrinsics import (
+    float_bits,
+    pointer,
+    prefetch,
+    spin_acquire,
+    spin_release,
+)
+from rlax_kernels.paged_attention.reference import check_decode_extras, default_scale
 
 _TARGET = "rlax_paged_attention_cpu"
 
@@ -61,77 +65,9 @@ _STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _API_VERSION_WORD = 4  # XLA_FFI_Api.api_version.{major, minor}: two int32 in word 4
 _NUM_ARGS = 9
 
-# One int32 in memory that outlives every call: 0 free, 1 held (see `_acquire`).
+# One int32 in memory that outlives every call: 0 free, 1 held (see `spin_acquire`).
 _LAUNCH_LOCK = np.zeros(1, np.int32)
 _LAUNCH_LOCK_ADDRESS = _LAUNCH_LOCK.ctypes.data
-
-
-@intrinsic
-def _pointer(typingctx, address):  # type: ignore[no-untyped-def]
-    """The int64 `address` as a void pointer."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(types.int64), codegen
-
-
-@intrinsic
-def _float_bits(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float32 whose bit pattern is the int32 `bits`."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
-    """Hint the CPU to load the cache line at `address` (llvm.prefetch: read, keep in all levels)."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        byte_ptr, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        builder.call(fn, [builder.inttoptr(args[0], byte_ptr), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.void(types.intp), codegen
-
-
-@intrinsic
-def _acquire(typingctx, address):  # type: ignore[no-untyped-def]
-    """Take the spin lock at `address` (compare-and-swap 0 -> 1, yielding the CPU between tries)."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        i32 = ir.IntType(32)
-        lock = builder.inttoptr(args[0], i32.as_pointer())
-        sched_yield = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, []), "sched_yield")
-        retry, taken = builder.append_basic_block("lock_retry"), builder.append_basic_block("lock_taken")
-        builder.branch(retry)
-        builder.position_at_end(retry)
-        swapped = builder.extract_value(builder.cmpxchg(lock, i32(0), i32(1), "acquire", "monotonic"), 1)
-        with builder.if_then(builder.not_(swapped)):
-            builder.call(sched_yield, [])
-        builder.cbranch(swapped, taken, retry)
-        builder.position_at_end(taken)
-        return context.get_dummy_value()
-
-    return types.void(types.intp), codegen
-
-
-@intrinsic
-def _release(typingctx, address):  # type: ignore[no-untyped-def]
-    """Free the spin lock at `address`."""
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        i32 = ir.IntType(32)
-        builder.store_atomic(i32(0), builder.inttoptr(args[0], i32.as_pointer()), "release", 4)
-        return context.get_dummy_value()
-
-    return types.void(types.intp), codegen
 
 
 @numba.njit(inline="always")
@@ -146,7 +82,7 @@ def _prefetch_page(pages, layer, h, tables, b, p, num_table_pages):  # type: ign
         page = page if 0 <= page < pages.shape[2] else 0
         start = pages[layer, h, page].ctypes.data
         for line in range(0, pages.shape[3] * pages.shape[4] * 4, 64):
-            _prefetch(start + line)
+            prefetch(start + line)
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)
@@ -167,19 +103,19 @@ def _exp(x):  # type: ignore[no-untyped-def]
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    return p * _float_bits(np.int32(n + np.float32(127.0)) << 23)
+    return p * float_bits(np.int32(n + np.float32(127.0)) << 23)
 
 
 @numba.njit(inline="always")
 def _words(address, n):  # type: ignore[no-untyped-def]
-    return numba.carray(_pointer(address), n, np.int64)
+    return numba.carray(pointer(address), n, np.int64)
 
 
 @numba.njit(inline="always")
 def _buffer(args, i):  # type: ignore[no-untyped-def]
     """(data address, dims) of the i-th buffer in a void** array of XLA_FFI_Buffer*."""
     buf = _words(args[i], 6)
-    return buf[_BUFFER_DATA], numba.carray(_pointer(buf[_BUFFER_DIMS]), buf[_BUFFER_RANK], np.int64)
+    return buf[_BUFFER_DATA], numba.carray(pointer(buf[_BUFFER_DIMS]), buf[_BUFFER_RANK], np.int64)
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
@@ -273,9 +209,9 @@ def _handler(frame_ptr):  # type: ignore[no-untyped-def]
             metadata[4] = 0  # traits: none
             if metadata[0] >= 48:
                 metadata[5] = 0  # state type id: stateless
-            return _pointer(0)
+            return pointer(0)
     if frame[_FRAME_STAGE] & 0xFFFFFFFF != _STAGE_EXECUTE:
-        return _pointer(0)
+        return pointer(0)
     args = _words(frame[_FRAME_ARGS], _NUM_ARGS)
     rets = _words(frame[_FRAME_RETS], 1)
     q_at, q_dims = _buffer(args, 0)
@@ -291,23 +227,23 @@ def _handler(frame_ptr):  # type: ignore[no-untyped-def]
     batch, num_heads, head_dim = q_dims[0], q_dims[1], q_dims[2]
     cache_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
     num_kv_heads = k_dims[1]
-    ints = numba.carray(_pointer(ints_at), 2, np.int32)
-    _acquire(_LAUNCH_LOCK_ADDRESS)  # XLA may run two programs at once; workqueue takes one launch
+    ints = numba.carray(pointer(ints_at), 2, np.int32)
+    spin_acquire(_LAUNCH_LOCK_ADDRESS)  # XLA may run two programs at once; workqueue takes one launch
     _attend(
-        numba.carray(_pointer(q_at), (batch, num_heads, head_dim), np.float32),
-        numba.carray(_pointer(k_at), cache_shape, np.float32),
-        numba.carray(_pointer(v_at), cache_shape, np.float32),
-        numba.carray(_pointer(lengths_at), batch, np.int32),
-        numba.carray(_pointer(tables_at), (batch, tables_dims[1]), np.int32),
-        numba.carray(_pointer(new_k_at), (batch, num_kv_heads, head_dim), np.float32),
-        numba.carray(_pointer(new_v_at), (batch, num_kv_heads, head_dim), np.float32),
+        numba.carray(pointer(q_at), (batch, num_heads, head_dim), np.float32),
+        numba.carray(pointer(k_at), cache_shape, np.float32),
+        numba.carray(pointer(v_at), cache_shape, np.float32),
+        numba.carray(pointer(lengths_at), batch, np.int32),
+        numba.carray(pointer(tables_at), (batch, tables_dims[1]), np.int32),
+        numba.carray(pointer(new_k_at), (batch, num_kv_heads, head_dim), np.float32),
+        numba.carray(pointer(new_v_at), (batch, num_kv_heads, head_dim), np.float32),
         ints[0],
         ints[1] != 0,
-        numba.carray(_pointer(scale_at), 1, np.float32)[0],
-        numba.carray(_pointer(out_at), (batch, num_heads, head_dim), np.float32),
+        numba.carray(pointer(scale_at), 1, np.float32)[0],
+        numba.carray(pointer(out_at), (batch, num_heads, head_dim), np.float32),
     )
-    _release(_LAUNCH_LOCK_ADDRESS)
-    return _pointer(0)
+    spin_release(_LAUNCH_LOCK_ADDRESS)
+    return pointer(0)
 
 
 @functools.cache
@@ -387,13 +323,7 @@ def paged_attention_cpu(
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32.
     """
-    if (layer is None) != (k_pages.ndim == 4):
-        raise ValueError(
-            f"paged_attention_cpu: pages of rank {k_pages.ndim} need layer="
-            f"{'an index' if k_pages.ndim == 5 else 'None'} (k_pages {k_pages.shape})"
-        )
-    if (new_k is None) != (new_v is None):
-        raise ValueError("paged_attention_cpu: pass new_k and new_v together")
+    check_decode_extras("paged_attention_cpu", k_pages, layer, new_k, new_v)
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(
             f"paged_attention_cpu: the pages must be float32, got k_pages {k_pages.dtype}, "

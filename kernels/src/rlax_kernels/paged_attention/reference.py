@@ -25,6 +25,24 @@ from jax import lax
 _HIGHEST = lax.Precision.HIGHEST
 
 
+def check_decode_extras(
+    where: str,
+    k_pages: jax.Array,
+    layer: jax.Array | int | None,
+    new_k: jax.Array | None,
+    new_v: jax.Array | None,
+) -> None:
+    """The engine-facing decode paths' extras: a layer index exactly when the pages carry a
+    layer axis (rank 5), and the newest token's K and V together or not at all."""
+    if (layer is None) != (k_pages.ndim == 4):
+        raise ValueError(
+            f"{where}: pages of rank {k_pages.ndim} need layer="
+            f"{'an index' if k_pages.ndim == 5 else 'None'} (k_pages {k_pages.shape})"
+        )
+    if (new_k is None) != (new_v is None):
+        raise ValueError(f"{where}: pass new_k and new_v together")
+
+
 def default_scale(head_dim: int) -> float:
     """The usual ``1 / sqrt(head_dim)`` softmax temperature."""
     return float(head_dim) ** -0.5

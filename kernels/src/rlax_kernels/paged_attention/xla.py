@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rlax_kernels.paged_attention.reference import default_scale
+from rlax_kernels.paged_attention.reference import check_decode_extras, default_scale
 
 # Tokens gathered per loop step: enough to amortise a step, few enough to stay in cache.
 STEP_TOKENS = 32
@@ -68,13 +68,7 @@ def paged_attention_xla(
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32 (pages of a
       bfloat16 cache are widened after the gather: small bfloat16 dots are ~6x slower on CPU).
     """
-    if (layer is None) != (k_pages.ndim == 4):
-        raise ValueError(
-            f"paged_attention_xla: pages of rank {k_pages.ndim} need layer="
-            f"{'an index' if k_pages.ndim == 5 else 'None'} (k_pages {k_pages.shape})"
-        )
-    if (new_k is None) != (new_v is None):
-        raise ValueError("paged_attention_xla: pass new_k and new_v together")
+    check_decode_extras("paged_attention_xla", k_pages, layer, new_k, new_v)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
     group = num_heads // num_kv_heads
