@@ -11,9 +11,9 @@ Cache layout (shared by every function of this package and by the inference engi
 - Query heads are grouped: query head ``n`` reads KV head ``n // (num_heads // num_kv_heads)``.
 
 The references gather every page of every sequence and run a plain masked softmax in
-float32, which is simple enough to check by hand. The XLA decode path the CPU runs is
-``xla.py`` (same results, a few pages at a time); prefill on the ``xla`` backend is the
-reference itself.
+float32, which is simple enough to check by hand. The CPU's decode paths are the native
+kernel of ``cpu.py`` and the plain-XLA ``xla.py`` (same results, a few pages at a time);
+prefill on the ``cpu`` and ``xla`` backends is the reference itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Decode attention over the paged cache in plain XLA, for CPUs (and any backend without a kernel).
+"""Decode attention over the paged cache in plain XLA, for any platform and dtype.
+
+The CPU engine runs the native kernel of ``cpu.py`` (3-9x faster at its decode shapes);
+this path is the portable one (``attention="xla"``, bfloat16 caches) and its cross-check.
 
 The reference (``reference.py``) gathers every page of every sequence into one contiguous
 copy and runs a masked softmax over it: simple, but on a CPU that copy is written to and
