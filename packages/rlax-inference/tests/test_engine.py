@@ -231,11 +231,17 @@ def test_xla_decode_path_matches(num_steps):
         np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
 
 
-def test_multi_step_decoding_equals_single_steps():
-    """Sampled groups, EOS inside a call, top logprobs and preemption: same outputs, every block freed."""
+# With top logprobs the engine records a call's tokens one by one; without them (and without
+# stop strings), in bulk: both must stop where single steps stop.
+@pytest.mark.parametrize("num_top", [2, 0])
+def test_multi_step_decoding_equals_single_steps(num_top):
+    """Sampled groups, EOS and stop tokens inside a call, top logprobs and preemption: same
+    outputs, every block freed."""
     rng = np.random.default_rng(11)
     ps = prompts(10, rng, 4, 30)
-    params = SamplingParams(n=3, temperature=1.0, max_tokens=29, seed=5, logprobs=2)
+    params = SamplingParams(
+        n=3, temperature=1.0, max_tokens=29, seed=5, logprobs=num_top, stop_token_ids=(7,)
+    )
     results = {}
     for steps, num_blocks in [(1, 300), (8, 300), (8, 40)]:  # 40 blocks: calls fall back and preempt
         engine = make_engine(num_decode_steps=steps, num_blocks=num_blocks, eos_token_ids=(2,))
@@ -246,6 +252,14 @@ def test_multi_step_decoding_equals_single_steps():
     single = results[1, 300]
     reasons = {c.finish_reason for o in single for c in o.outputs}
     assert reasons == {FinishReason.EOS, FinishReason.LENGTH}  # some samples stop inside a call
+    stops = {2, 7}  # EOS and the stop token
+    for c in (c for out in results.values() for o in out for c in o.outputs):
+        assert not stops & set(c.tokens[:-1]), "generation went on past a stop"
+        if c.finish_reason is FinishReason.EOS:
+            assert c.tokens[-1] in stops
+        else:
+            assert len(c.tokens) == 29
+    assert any(c.tokens[-1] == 7 for o in single for c in o.outputs), "the stop token never came up"
     for key in [(8, 300), (8, 40)]:
         for a, b in zip(single, results[key], strict=True):
             for ca, cb in zip(a.outputs, b.outputs, strict=True):
