@@ -356,8 +356,7 @@ class LLMEngine:
         limit = min(p.max_tokens - seq.num_generated, self.config.max_model_len - len(seq.tokens))
         count, reason = min(len(tokens), limit), None
         for j in range(count):
-            token = tokens[j]
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if self._is_stop_token(p, tokens[j]):
                 count, reason = j + 1, FinishReason.EOS
                 break
         if reason is None and count == limit:
@@ -374,10 +373,14 @@ class LLMEngine:
             del self._requests[seq.request.request_id]
             self._finished.append(self._output(seq.request))
 
+    def _is_stop_token(self, p: SamplingParams, token: int) -> bool:
+        """EOS (unless the request ignores it) or one of the request's stop tokens."""
+        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+
     def _stop_reason(self, seq: Seq) -> FinishReason | None:
         p = seq.request.params
         token = seq.tokens[-1]
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if self._is_stop_token(p, token):
             return FinishReason.EOS
         if p.stop:
             text = self.detokenize(seq.output_tokens)  # type: ignore[misc]
