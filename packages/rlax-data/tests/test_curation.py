@@ -174,3 +174,136 @@ def test_rich_summary():
     with open(os.devnull, "w") as sink:
         text = render_summary({"dedup": d}, console=Console(file=sink, width=100))
     assert "dedup" in text and "33" in text and "30" in text
+
+
+# Pairs that look alike but ask different things: every one must survive both passes.
+DIFFERENT_PROBLEMS = [
+    ("808-414=", "808+414="),
+    ("12*3=", "12/3="),
+    ("3.5*2=", "35*2="),
+    ("2*(3+4)=", "2*3+4="),
+    ("Is 7 < 9?", "Is 7 > 9?"),
+    ("Simplify x^2 * x^3.", "Simplify x^2 * x^4."),
+    ("Solve for x: 3x+5=11", "Solve for x: 3x+5=17"),
+    ("Solve for x: 2x+3=7", "Solve for y: 2y+3=7"),
+    ("9,8,2>15:", "9,8,2>17:"),
+    (
+        "Using the numbers 3, 5 and 7 once each with + - * and /, write an expression equal to 15.",
+        "Using the numbers 3, 5 and 7 once each with + - * and /, write an expression equal to 16.",
+    ),
+    (
+        "A farmer has 12 cows in the field and then buys 5 more at the market. How many cows does the "
+        "farmer have now in total?",
+        "A farmer has 12 cows in the field and then buys 7 more at the market. How many cows does the "
+        "farmer have now in total?",
+    ),
+]
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_dedup_keeps_problems_that_differ_in_what_decides_the_answer(near):
+    recs = [
+        Record(id=f"{i}{side}", prompt=text, answer="?")
+        for i, pair in enumerate(DIFFERENT_PROBLEMS)
+        for side, text in zip("ab", pair)
+    ]
+    kept, rep = deduplicate(recs, DedupConfig(threshold=0.5, near=near))
+    assert rep.removed == [] and len(kept) == len(recs), rep
+
+
+def test_countdown_prompts_with_another_target_are_not_duplicates():
+    base = CountdownTask().generate(60, seed=3)
+    retargeted = [
+        Record(
+            id=r.id + "-t",
+            prompt=r.prompt.replace(f">{r.metadata['target']}:", f">{r.metadata['target'] + 1}:"),
+            answer="x",
+        )
+        for r in base
+    ]
+    assert all(a.prompt != b.prompt for a, b in zip(base, retargeted))
+    ids = [r.id for r in base + retargeted]
+    assert len(set(ids)) == len(ids)
+    unique_prompts = {r.prompt for r in base + retargeted}
+    kept, rep = deduplicate(base + retargeted, DedupConfig(threshold=0.5))
+    # Only repeats of one exact prompt (the generator may draw a task twice) may go.
+    assert len(kept) == len(unique_prompts) and rep.near_pairs == []
+
+
+def test_dedup_still_merges_the_same_problem_written_differently():
+    recs = [
+        Record(id="a", prompt="What is 808-414?", answer="394"),
+        Record(id="b", prompt="what is 808 - 414", answer="394"),  # case, spacing, punctuation
+        Record(
+            id="c", prompt="Solve for x: 3x+5=11. Give the value of x as a whole number please.", answer="2"
+        ),
+        Record(
+            id="d",
+            prompt="Solve for x; 3x + 5 = 11! Give the value of x as a whole number, thanks.",
+            answer="2",
+        ),
+    ]
+    kept, rep = deduplicate(recs, DedupConfig(threshold=0.5))
+    assert [r.id for r in kept] == ["a", "c"]
+    assert rep.exact_groups == [["a", "b"]]
+    assert [(a, b) for a, b, _ in rep.near_pairs] == [("c", "d")]
+
+
+LONG_EVAL = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+
+
+def test_contamination_finds_an_eval_problem_inside_a_long_training_text():
+    rng = random.Random(5)
+    eval_set = [Record(id="gsm", prompt=LONG_EVAL, answer="72")] + [
+        Record(id=f"ev{i}", prompt=_sentence(rng, 30), answer="x") for i in range(5)
+    ]
+    embedded = Record(
+        id="embedded",
+        prompt=_sentence(rng, 150) + " " + LONG_EVAL.upper() + " " + _sentence(rng, 150),
+        answer="x",
+    )
+    # Shares one 13-gram with the problem, far from all of it: not a leak.
+    one_gram = Record(
+        id="one_gram", prompt=" ".join(LONG_EVAL.split()[:13]) + " " + _sentence(rng, 40), answer="x"
+    )
+    clean = [Record(id=f"t{i}", prompt=_sentence(rng, 200), answer="x") for i in range(10)]
+    kept, rep = find_contamination(clean + [embedded, one_gram], eval_set)
+    assert set(rep.flagged) == {"embedded"}
+    assert rep.flagged["embedded"] == {"overlap": 1.0, "eval_ids": ["gsm"]}
+    assert [r.id for r in kept] == [r.id for r in clean] + ["one_gram"]
+
+
+def test_contamination_of_questions_shorter_than_n_words():
+    eval_set = [
+        Record(id="sub", prompt="What is 808-414?", answer="394"),
+        Record(id="cd", prompt="9,8,2>15:", answer="9+8-2"),
+        Record(
+            id="twelve", prompt="How many positive divisors does the number 36 have in total?", answer="9"
+        ),
+    ]
+    train = [
+        Record(id="has_sub", prompt="Warm-up. WHAT IS 808 - 414 ? Then explain your steps.", answer="x"),
+        Record(id="has_cd", prompt="Solve this countdown: 9,8,2>15: using each number once", answer="x"),
+        Record(
+            id="has_twelve",
+            prompt="Q: how many positive divisors does the number 36 have in total",
+            answer="x",
+        ),
+        Record(id="other_op", prompt="What is 808+414?", answer="x"),
+        Record(id="other_number", prompt="What is 1808-414?", answer="x"),
+        Record(id="other_target", prompt="9,8,2>17:", answer="x"),
+        Record(id="other_numbers", prompt="9,8,3>15:", answer="x"),
+        Record(
+            id="part_only", prompt="How many positive divisors does the number 48 have in total?", answer="x"
+        ),
+    ]
+    kept, rep = find_contamination(train, eval_set)
+    assert {k: v["eval_ids"] for k, v in rep.flagged.items()} == {
+        "has_sub": ["sub"],
+        "has_cd": ["cd"],
+        "has_twelve": ["twelve"],
+    }
+    assert [r.id for r in kept] == ["other_op", "other_number", "other_target", "other_numbers", "part_only"]

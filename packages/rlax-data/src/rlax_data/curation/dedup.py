@@ -1,4 +1,11 @@
-"""Exact duplicates (hash of the normalised text) and near-duplicates (MinHash LSH)."""
+"""Exact duplicates (hash of the normalised text) and near-duplicates (MinHash LSH).
+
+Near-duplicate means: the same problem, worded a little differently. Two records are
+compared only when their answer keys (numbers, operators, symbols and variables, in
+order; see `answer_key`) are identical; among those, MinHash LSH over word shingles of
+the wording decides. So "3x+5=11" and "3x+5=17", or two Countdown prompts that differ
+only in the target, are never merged however alike their text is.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +15,21 @@ from collections.abc import Sequence
 import msgspec
 from datasketch import MinHash, MinHashLSH
 
-from rlax_data.curation.text import normalize_text, record_text, shingles
+from rlax_data.curation.text import answer_key, normalize_text, prose_words, record_text
 from rlax_data.datasets import Record
 
 __all__ = ["DedupConfig", "DedupReport", "deduplicate"]
 
 
 class DedupConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """threshold: Jaccard similarity (of `shingle`-character shingles) above which two
-    records are near-duplicates; num_perm: MinHash permutations; seed: MinHash seed.
-    near: also remove near-duplicates (else only exact ones)."""
+    """threshold: Jaccard similarity (of `shingle`-word shingles of the wording) above
+    which two records with the same answer key are near-duplicates; num_perm: MinHash
+    permutations; seed: MinHash seed. near: also remove near-duplicates (else only
+    exact ones)."""
 
     threshold: float = 0.8
     num_perm: int = 128
-    shingle: int = 5
+    shingle: int = 3
     seed: int = 1
     near: bool = True
 
@@ -45,10 +53,51 @@ class DedupReport(msgspec.Struct, kw_only=True):
     removed: list[str]
 
 
-def _minhash(text: str, cfg: DedupConfig) -> MinHash:
+def _digest(parts: Sequence[str]) -> bytes:
+    # Tokens joined by a separator no token contains, so ("1 2",) and ("1", "2") differ.
+    return hashlib.blake2b("\x00".join(parts).encode("utf-8"), digest_size=16).digest()
+
+
+def _wording_minhash(text: str, cfg: DedupConfig) -> MinHash | None:
+    """MinHash of the wording's word shingles; None when the text has no wording."""
+    words = prose_words(text)
+    if not words:
+        return None
+    n = min(cfg.shingle, len(words))
+    grams = sorted({" ".join(words[i : i + n]) for i in range(len(words) - n + 1)})
     m = MinHash(num_perm=cfg.num_perm, seed=cfg.seed)
-    m.update_batch([sh.encode("utf-8") for sh in sorted(shingles(text, cfg.shingle))])
+    m.update_batch([g.encode("utf-8") for g in grams])
     return m
+
+
+def _near_duplicates(
+    records: Sequence[Record], unique: list[int], cfg: DedupConfig
+) -> tuple[list[int], list[tuple[str, str, float]]]:
+    """(kept indices, near pairs) among `unique`, comparing only records with one answer key."""
+    by_key: dict[bytes, list[int]] = {}
+    for i in unique:
+        by_key.setdefault(_digest(answer_key(record_text(records[i]))), []).append(i)
+    dropped: set[int] = set()
+    pairs: list[tuple[int, tuple[str, str, float]]] = []
+    for members in by_key.values():
+        if len(members) < 2:
+            continue  # a problem of its own: nothing to compare with
+        lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+        hashes: dict[str, MinHash] = {}
+        for i in members:
+            m = _wording_minhash(record_text(records[i]), cfg)
+            if m is None:
+                continue  # no wording: only an exact duplicate could match, handled before
+            # LSH candidates are only likely matches: confirm with the estimated Jaccard.
+            best = max(((hashes[h].jaccard(m), h) for h in lsh.query(m)), default=(0.0, ""))
+            if best[0] >= cfg.threshold:
+                pairs.append((i, (records[int(best[1])].id, records[i].id, round(best[0], 4))))
+                dropped.add(i)
+                continue
+            lsh.insert(str(i), m)
+            hashes[str(i)] = m
+    # Report in input order, as if the groups had been scanned together.
+    return [i for i in unique if i not in dropped], [pair for _, pair in sorted(pairs)]
 
 
 def deduplicate(
@@ -60,7 +109,7 @@ def deduplicate(
     groups: dict[int, list[str]] = {}
     unique: list[int] = []
     for i, r in enumerate(records):
-        h = hashlib.blake2b(normalize_text(record_text(r)).encode("utf-8"), digest_size=16).digest()
+        h = _digest([normalize_text(record_text(r))])
         if h in first_of:
             groups.setdefault(first_of[h], [records[first_of[h]].id]).append(r.id)
         else:
@@ -70,24 +119,8 @@ def deduplicate(
     near_pairs: list[tuple[str, str, float]] = []
     kept_idx = unique
     if cfg.near:
-        lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
-        kept_idx = []
-        hashes: dict[str, MinHash] = {}
-        for i in unique:
-            r = records[i]
-            m = _minhash(record_text(r), cfg)
-            hits = lsh.query(m)
-            # LSH candidates are only likely matches: confirm with the estimated Jaccard.
-            best = max(((hashes[h].jaccard(m), h) for h in hits), default=(0.0, ""))
-            if best[0] >= cfg.threshold:
-                near_pairs.append((best[1], r.id, round(best[0], 4)))
-                removed.append(r.id)
-                continue
-            key = str(i)
-            lsh.insert(key, m)
-            hashes[key] = m
-            kept_idx.append(i)
-        near_pairs = [(records[int(a)].id, b, s) for a, b, s in near_pairs]
+        kept_idx, near_pairs = _near_duplicates(records, unique, cfg)
+        removed.extend(b for _, b, _ in near_pairs)
     kept = [records[i] for i in kept_idx]
     report = DedupReport(
         total=len(records),

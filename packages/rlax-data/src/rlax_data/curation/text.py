@@ -1,4 +1,11 @@
-"""Text views of records shared by the curation passes."""
+"""Text views of records shared by the curation passes.
+
+A text is read as a sequence of tokens: numbers (`3.5`, `1,000`, `9,8,2`), words, and
+single symbols (`+ - * / = ^ ( ) < > \\ { }` ...). Only prose punctuation that never
+changes a problem's answer (`, ; : ! ? " '` and a full stop outside a number) is
+dropped; every digit, operator and variable stays, so "808-414=" and "808+414=" remain
+different texts.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,13 @@ import unicodedata
 
 from rlax_data.datasets import Record
 
-__all__ = ["normalize_text", "record_text", "shingles", "word_ngrams"]
+__all__ = ["answer_key", "normalize_text", "prose_words", "record_text", "text_tokens"]
 
-_PUNCT = re.compile(r"[^\w\s]", re.UNICODE)
+# A number keeps its inner separators ("3.5" is not "35", "9,8,2" is not "982"); a word is
+# a run of letters; anything else that is not a space is one symbol token.
+_TOKEN = re.compile(r"\d+(?:[.,:]\d+)*|[^\W\d_]+|\S", re.UNICODE)
+# Punctuation of prose: dropping it never changes what a problem asks.
+_PROSE_PUNCT = frozenset(",;:!?.\"'`“”‘’«»…¿¡")
 
 
 def record_text(record: Record) -> str:
@@ -19,26 +30,32 @@ def record_text(record: Record) -> str:
     return "\n".join(m.content for m in record.messages or [])
 
 
-def normalize_text(text: str) -> str:
-    """NFKC, lowercased, punctuation removed, whitespace collapsed: what "the same text" means."""
+def text_tokens(text: str) -> list[str]:
+    """NFKC, lowercased tokens of `text` with prose punctuation removed (numbers, words,
+    operators and other symbols kept, in order)."""
     s = unicodedata.normalize("NFKC", text).lower()
-    s = _PUNCT.sub(" ", s)
-    return " ".join(s.split())
+    return [t for t in _TOKEN.findall(s) if t not in _PROSE_PUNCT]
 
 
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    """Word n-grams of the normalised text; a text shorter than n words is one gram."""
-    words = normalize_text(text).split()
-    if not words:
-        return set()
-    if len(words) < n:
-        return {tuple(words)}
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+def normalize_text(text: str) -> str:
+    """What "the same text" means: the tokens joined by single spaces. Case, spacing and
+    prose punctuation do not count; digits, operators and variables do."""
+    return " ".join(text_tokens(text))
 
 
-def shingles(text: str, n: int) -> set[str]:
-    """Character n-gram shingles of the normalised text (robust for short prompts)."""
-    s = normalize_text(text)
-    if len(s) <= n:
-        return {s} if s else set()
-    return {s[i : i + n] for i in range(len(s) - n + 1)}
+def _is_prose_word(token: str) -> bool:
+    # Words of two or more letters carry the wording; a single letter is read as a
+    # variable ("x", "n"), so it decides the answer like a number does.
+    return len(token) > 1 and token.isalpha()
+
+
+def answer_key(text: str) -> tuple[str, ...]:
+    """The tokens that decide a problem's answer, in order: numbers, symbols (operators,
+    brackets, relations) and single-letter variables. Two texts whose keys differ pose
+    different problems however similar their wording is."""
+    return tuple(t for t in text_tokens(text) if not _is_prose_word(t))
+
+
+def prose_words(text: str) -> list[str]:
+    """The remaining tokens (words of two or more letters), in order: the wording."""
+    return [t for t in text_tokens(text) if _is_prose_word(t)]
