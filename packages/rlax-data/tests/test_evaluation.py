@@ -3,11 +3,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 
 import pytest
 
 from rlax_data import Record, avg_at_k, evaluate, maj_at_k, pass_at_k
 from rlax_data.tasks import ArithmeticTask
+from rlax_data.verify.base import VerifyResult
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 10, 50, 200])
@@ -89,3 +91,81 @@ def test_evaluate_rejects_bad_sampler_output():
     chat = [Record(id="c", messages=[{"role": "user", "content": "x"}], answer="1")]  # type: ignore[list-item]
     with pytest.raises(ValueError, match="render"):
         evaluate(chat, lambda p, n: [["1"] * n for _ in p], ArithmeticTask().verifier(), n=1)
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_avg_at_k_is_the_mean_over_every_choice_of_k_samples(n):
+    rng = random.Random(n)
+    for _ in range(5):
+        correct = [rng.random() < 0.4 for _ in range(n)]
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(sum(correct[i] for i in s) / k for s in subsets) / len(subsets)
+            assert avg_at_k(correct, k) == pytest.approx(brute, abs=1e-12)
+    # The first k samples alone would say 1.0 here; all six say 4/6.
+    assert avg_at_k([True, True, False, False, True, True], 2) == pytest.approx(4 / 6)
+
+
+class FencedCodeVerifier:
+    """A code-style verifier: passes or fails a program, extracts no answer."""
+
+    def verify(self, items):
+        return [
+            VerifyResult(
+                reward=float("return x * x" in c), correct="return x * x" in c, details={"passed": 1}
+            )
+            for c, _ in items
+        ]
+
+
+def test_maj_at_k_is_not_reported_for_a_task_without_extracted_answers(tmp_path):
+    code = [Record(id=f"c{i}", prompt=f"square {i}", answer="-", task="code") for i in range(3)]
+    arith = ArithmeticTask().generate(3, seed=1)
+
+    def sampler(prompts, n):
+        # Every code sample starts with the same fence line; one in four is right.
+        right = "```python\ndef sq(x):\n    return x * x\n```"
+        wrong = "```python\ndef sq(x):\n    return x\n```"
+        return [[right if j == 0 else wrong for j in range(n)] for _ in prompts]
+
+    rep = evaluate(code, sampler, FencedCodeVerifier(), n=4, ks=[1, 4], out_dir=tmp_path)
+    assert set(rep.metrics["code"]) == {"pass@1", "pass@4", "avg@1", "avg@4"}
+    assert rep.metrics["code"]["avg@1"] == pytest.approx(0.25) and rep.metrics["code"]["pass@4"] == 1.0
+    assert all(not any(key.startswith("maj@") for key in row) for row in rep.per_prompt)
+    assert "maj@" not in (tmp_path / "eval.md").read_text()
+
+    # A mixed run: the arithmetic group votes, the code group and "all" (which holds code) do not.
+    task = ArithmeticTask()
+    answers = {r.prompt: r.answer for r in arith}
+
+    def mixed(prompts, n):
+        return [
+            [answers[p]] * n if p in answers else ["```python\ndef sq(x):\n    return x\n```"] * n
+            for p in prompts
+        ]
+
+    class Routes:
+        def verify(self, items):
+            arith_items = [(c, r) for c, r in items if r.task == "arithmetic"]
+            scored = iter(task.verifier().verify(arith_items))
+            code_scored = iter(FencedCodeVerifier().verify([(c, r) for c, r in items if r.task == "code"]))
+            return [next(scored) if r.task == "arithmetic" else next(code_scored) for _, r in items]
+
+    rep = evaluate(arith + code, mixed, Routes(), n=2, ks=[1, 2])
+    assert rep.metrics["arithmetic"]["maj@2"] == 1.0 and rep.metrics["arithmetic"]["avg@2"] == 1.0
+    assert "maj@2" not in rep.metrics["code"] and "maj@2" not in rep.metrics["all"]
+    md = rep.markdown()
+    assert "| maj@1 | maj@2 |" in md and "| code | 3 | 0.0000 | 0.0000 | 0.0000 | 0.0000 | - | - |" in md
+
+
+def test_maj_at_k_counts_a_prompt_without_any_answer_as_wrong():
+    recs = ArithmeticTask().generate(2, seed=5)
+    first = recs[0].prompt
+
+    def sampler(prompts, n):
+        # The first prompt gets only blank completions: no answer to extract, nothing to vote on.
+        return [["  \n"] * n if p == first else [recs[1].answer] * n for p in prompts]
+
+    rep = evaluate(recs, sampler, ArithmeticTask().verifier(), n=3, ks=[3])
+    assert [row["maj@3"] for row in rep.per_prompt] == [0.0, 1.0]
+    assert rep.metrics["all"]["maj@3"] == 0.5
