@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from rlax_controller.config import load_config
+from rlax_controller import launcher
+from rlax_controller.cli import main as rlax_main
+from rlax_controller.config import EXIT_CONFIG_ERROR, ConfigError, load_config
 from rlax_controller.launcher import build_specs, resolve_addresses
 from rlax_controller.links import ControlClient
 from rlax_controller.messages import BatchRequest, decode_control, encode_control
@@ -24,9 +26,70 @@ def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.
         text=True,
         timeout=60,
     )
-    assert result.returncode == 2
+    assert result.returncode == EXIT_CONFIG_ERROR
     assert "trainer.k = -1" in result.stderr and "must be >= 0" in result.stderr
     assert not out.exists()  # nothing was started, nothing written
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        # Each passes the run config's own checks; the component named rejects it.
+        ("trainer.micro_batch=5", ["the trainer", "micro_batch=5 must divide the 32 rollouts"]),
+        ("trainer.minibatches=3", ["the trainer", "minibatches=3 must split global_batch=32"]),
+        ("trainer.objective={no_such_term: 1}", ["the trainer", "no_such_term"]),
+        ("workers.attention=fast", ["workers.*", "EngineConfig.attention", "'fast'"]),
+        ("data.task=no_such_task", ["the task (data.*)", "no_such_task"]),
+    ],
+)
+def test_config_a_component_rejects_stops_the_launch_before_any_process_starts(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, override: str, needles: list[str]
+) -> None:
+    out = tmp_path / "out"
+
+    def no_supervisor(*args: object, **kwargs: object) -> None:
+        raise AssertionError("rlax launch started processes with a config a component rejects")
+
+    monkeypatch.setattr(launcher, "Supervisor", no_supervisor)
+    with pytest.raises(ConfigError) as info:
+        launcher.launch(None, [f"run.output_dir={out}", override])
+    for needle in needles:
+        assert needle in str(info.value)
+    assert not out.exists()  # nothing was started, nothing written
+
+
+def test_launch_of_a_valid_config_passes_every_component_check(tmp_path: pathlib.Path) -> None:
+    from rlax_controller.preflight import validate_components
+
+    validate_components(resolve_addresses(load_config(None, [f"run.output_dir={tmp_path}"])))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["trainer", "trainer.micro_batch=5"], "micro_batch=5 must divide"),
+        (["worker", "--index", "0", "workers.attention=fast"], "EngineConfig.attention"),
+        (["worker", "--index", "7"], "--index 7"),
+        (
+            ["paramserver", "paramserver.address=tcp://127.0.0.1:9", "paramserver.state_dir={file}"],
+            "is a file",
+        ),
+    ],
+)
+def test_a_component_whose_config_is_rejected_exits_with_the_config_error_code(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"run:\n  output_dir: {tmp_path / 'out'}\nworkers:\n  count: 1\n  addresses: [tcp://127.0.0.1:9]\n"
+    )
+    command, *rest = (arg.format(file=a_file) for arg in argv)
+    assert rlax_main([command, "--config", str(config), *rest]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"rlax {command}: invalid config" in err and needle in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_key_in_yaml_is_named(tmp_path: pathlib.Path) -> None:
@@ -38,7 +101,10 @@ def test_unknown_key_in_yaml_is_named(tmp_path: pathlib.Path) -> None:
         text=True,
         timeout=60,
     )
-    assert result.returncode == 2 and "unknown config field `trainer.learning_rate`" in result.stderr
+    assert (
+        result.returncode == EXIT_CONFIG_ERROR
+        and "unknown config field `trainer.learning_rate`" in result.stderr
+    )
 
 
 def test_resolve_addresses_and_process_specs(tmp_path: pathlib.Path) -> None:

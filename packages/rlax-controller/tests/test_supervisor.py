@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from rlax_controller.config import ChaosConfig, SupervisorConfig
+from rlax_controller.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 
 FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
@@ -88,6 +88,36 @@ def test_too_many_restarts_stops_the_run_with_a_report(tmp_path: pathlib.Path) -
     assert "boom: bad thing happened" in report.reason  # the tail of its log
     assert report.restarts["trainer"] == 3
     assert "trainer: 3 restart(s)" in report.render()
+
+
+def test_a_component_that_rejects_its_config_is_not_restarted_and_stops_the_run(
+    tmp_path: pathlib.Path,
+) -> None:
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    rejecting = py(
+        f"""
+        import os, pathlib, sys
+        pathlib.Path({str(starts)!r}, str(os.getpid())).touch()
+        print("rlax trainer: invalid config: micro_batch=5 must divide the 32 rollouts", file=sys.stderr)
+        sys.exit({EXIT_CONFIG_ERROR})
+        """
+    )
+    sup = Supervisor(
+        [
+            ProcessSpec("trainer", "trainer", rejecting),
+            ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
+        ],
+        tmp_path / "logs",
+        SupervisorConfig(max_restarts=20, backoff_initial_s=0.05, backoff_max_s=0.05, shutdown_grace_s=2.0),
+    )
+    report = sup.run(install_signal_handlers=False)
+    assert not report.success and report.config_error
+    assert len(list(starts.iterdir())) == 1 and report.restarts["trainer"] == 0
+    assert report.exit_codes["trainer"] == [EXIT_CONFIG_ERROR]
+    assert "trainer rejected its configuration" in report.reason
+    assert "micro_batch=5 must divide the 32 rollouts" in report.reason  # the component's own message
+    assert not any(e["event"] == "restart_scheduled" for e in events(tmp_path / "logs"))
 
 
 def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path) -> None:

@@ -7,7 +7,9 @@
 
 Component commands are what `rlax launch` runs; on a cluster each node runs its own with
 addresses from the config. A bad config is rejected before anything starts, naming the
-field and the value.
+field and the value, with exit code 78 (`EXIT_CONFIG_ERROR`, sysexits' EX_CONFIG): `rlax
+launch` checks every component's config before it starts a process, and a component
+whose config is rejected exits with that code, which the supervisor never restarts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import logging
 import sys
 
-from rlax_controller.config import ConfigError, RunConfig, load_config
+from rlax_controller.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, load_config
 
 __all__ = ["main"]
 
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlax_controller.launcher import launch
 
             report = launch(args.config, list(args.overrides), overwrite=args.overwrite)
+            if report.config_error:
+                return EXIT_CONFIG_ERROR
             return 0 if report.success else 1
         config = _load(args)
         from rlax_controller import components
@@ -108,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "eval":
             return components.run_eval(config, checkpoint=args.checkpoint, out=args.out)
     except ConfigError as error:
-        print(f"rlax: invalid config: {error}", file=sys.stderr)
-        return 2
+        print(f"rlax {args.command}: invalid config: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except TimeoutError as error:
         print(f"rlax {args.command}: {error}", file=sys.stderr)
         return 3

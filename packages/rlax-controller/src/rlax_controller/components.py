@@ -1,5 +1,7 @@
 """Entry points of `rlax <component>`: each builds one process from the run config by
-calling into the package that owns it."""
+calling into the package that owns it. Each first builds its component's typed configs
+(`preflight`), so a config the component rejects raises `ConfigError` (exit code
+`EXIT_CONFIG_ERROR`, never restarted) before anything is loaded or bound."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import signal
 import sys
 from typing import Any
 
-from rlax_controller.config import RunConfig
+from rlax_controller import preflight
+from rlax_controller.config import ConfigError, RunConfig
 
 __all__ = [
     "run_controller",
@@ -48,20 +51,9 @@ def _exit_on_sigterm() -> None:
 def run_paramserver(config: RunConfig) -> int:
     from rlax_paramserver.cli import main
 
-    state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
-    return int(
-        main(
-            [
-                "--bind",
-                config.paramserver.address,
-                "--keep",
-                str(config.paramserver.keep),
-                "--state-dir",
-                state_dir,
-            ]
-        )
-        or 0
-    )
+    server = preflight.paramserver_config(config)
+    argv = ["--bind", server.bind, "--keep", str(server.keep), "--state-dir", str(server.state_dir)]
+    return int(main(argv) or 0)
 
 
 def run_verifier(config: RunConfig) -> int:
@@ -80,11 +72,10 @@ def _scorer(config: RunConfig, task: Any) -> Any:
 
 def run_controller(config: RunConfig) -> int:
     from rlax_controller.controller import Controller
-    from rlax_controller.tasks import build_task
 
     _select_platform("cpu")  # the controller computes nothing on an accelerator
     _exit_on_sigterm()
-    task = build_task(config)
+    task = preflight.run_task(config)
     controller = Controller(
         config,
         source=task.prompt_source(),
@@ -102,7 +93,9 @@ def run_controller(config: RunConfig) -> int:
 def run_trainer(config: RunConfig) -> int:
     from rlax_controller.trainer_service import run
 
-    _select_platform(config.trainer.platform)
+    _select_platform(config.trainer.platform)  # before anything imports JAX
+    preflight.learner_configs(config)
+    preflight.task_and_model(config)
     _compile_cache(config)
     _exit_on_sigterm()
     return run(config)
@@ -110,10 +103,12 @@ def run_trainer(config: RunConfig) -> int:
 
 def run_worker(config: RunConfig, index: int) -> int:
     if not 0 <= index < len(config.workers.addresses):
-        raise SystemExit(
+        raise ConfigError(
             f"rlax worker --index {index}: the config has {len(config.workers.addresses)} worker addresses"
         )
-    _select_platform(config.workers.platform)
+    _select_platform(config.workers.platform)  # before anything imports JAX
+    preflight.engine_config(config)
+    preflight.task_and_model(config)
     _compile_cache(config)
     if config.workers.implementation == "builtin":
         from rlax_controller.worker_service import run

@@ -20,6 +20,7 @@ __all__ = [
     "AddressesConfig",
     "ChaosConfig",
     "ConfigError",
+    "EXIT_CONFIG_ERROR",
     "ControllerConfig",
     "DataConfig",
     "EvalConfig",
@@ -40,6 +41,12 @@ __all__ = [
 PRESETS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gspo", "cispo", "ppo")
 AUTO = "auto"
 _ADDRESS = re.compile(r"^(auto|(tcp://[^\s:]+:\d{1,5})|(ipc://\S+)|(inproc://\S+))$")
+
+
+# sysexits.h EX_CONFIG: what every `rlax <component>` returns when its config is rejected.
+# The supervisor never restarts a process that exits with it: the same config would be
+# rejected again, so the run stops with the component's message instead.
+EXIT_CONFIG_ERROR = 78
 
 
 class ConfigError(ValueError):

@@ -1,5 +1,6 @@
-"""`rlax launch`: validate the config, resolve addresses, start and supervise every
-component as a local process, show progress, and summarise the run at the end."""
+"""`rlax launch`: validate the config (the run config, then every component's own typed
+config: `preflight`), resolve addresses, start and supervise every component as a local
+process, show progress, and summarise the run at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.console import Console
 
 from rlax_controller.config import AUTO, RunConfig, dump_config, load_config
 from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
+from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
 
 __all__ = ["build_specs", "launch", "resolve_addresses"]
@@ -102,14 +104,15 @@ def launch(
     overwrite: bool = False,
     console: Console | None = None,
 ) -> SupervisorReport:
-    """Run a whole RL job locally. Raises `ConfigError` before anything starts on a bad config."""
+    """Run a whole RL job locally. Raises `ConfigError` before anything starts (or is
+    written) on a config that the run config or any component rejects."""
     console = console or Console()
-    config = load_config(config_path, overrides)  # validated before any process starts
+    config = resolve_addresses(load_config(config_path, overrides))
+    validate_components(config)
     output = config.output_dir
     if overwrite and output.exists():
         shutil.rmtree(output)
     resumed = (output / "snapshots").is_dir()
-    config = resolve_addresses(config)
     output.mkdir(parents=True, exist_ok=True)
     resolved = dump_config(config, output / "config.yaml")
     console.print(

@@ -2,7 +2,9 @@
 
 Starts every component as a subprocess in its own process group (so a component's
 children die with it), restarts a process that exits or crashes with exponential
-back-off, stops the run with a report when one process needs too many restarts, and
+back-off, stops the run with a report when one process needs too many restarts or
+exits with `EXIT_CONFIG_ERROR` (its config was rejected: a restart would fail the same
+way, so the run stops with the component's message), and
 shuts everything down on SIGINT/SIGTERM (SIGTERM to each group, SIGKILL after a grace
 period). Chaos mode SIGKILLs a random component at seeded random moments; each round
 of kills visits every targeted role once, in a shuffled order, so a short run still
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlax_controller.config import ChaosConfig, SupervisorConfig
+from rlax_controller.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 from rlax_controller.fsutil import append_line_durable
 
 __all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport"]
@@ -59,12 +61,16 @@ class ManagedProcess:
 
 @dataclasses.dataclass
 class SupervisorReport:
+    """How a run ended. `config_error`: a component rejected its config (exit code
+    `EXIT_CONFIG_ERROR`); `reason` then carries that component's message."""
+
     success: bool
     reason: str
     restarts: dict[str, int]
     chaos_kills: list[tuple[str, str]]
     exit_codes: dict[str, list[int]]
     log_dir: pathlib.Path
+    config_error: bool = False
 
     def render(self) -> str:
         lines = [f"run {'finished' if self.success else 'stopped'}: {self.reason}"]
@@ -217,6 +223,14 @@ class Supervisor:
         if proc.spec.completes_run and code == 0:
             self._stop_reason = f"{proc.spec.name} completed the run"
             return self._finish(True, self._stop_reason)
+        log_path = self.log_dir / f"{proc.spec.name}.log"
+        if code == EXIT_CONFIG_ERROR and not by_chaos:
+            reason = (
+                f"{proc.spec.name} rejected its configuration (exit code {code}); not restarted, "
+                f"since the same config would be rejected again. Last lines of {log_path}:\n{_tail(log_path)}"
+            )
+            self._stop_reason = reason
+            return self._finish(False, reason, config_error=True)
         if by_chaos:
             proc.consecutive_failures = 0
         else:
@@ -227,7 +241,7 @@ class Supervisor:
                 reason = (
                     f"{proc.spec.name} exited with code {code} and was restarted {proc.restarts} time(s), "
                     f"over the limit supervisor.max_restarts={self.policy.max_restarts}. "
-                    f"Last lines of {self.log_dir / (proc.spec.name + '.log')}:\n{_tail(self.log_dir / (proc.spec.name + '.log'))}"
+                    f"Last lines of {log_path}:\n{_tail(log_path)}"
                 )
                 self._stop_reason = reason
                 return self._finish(False, reason)
@@ -239,7 +253,7 @@ class Supervisor:
     def _chaos_restarts(self, proc: ManagedProcess) -> int:
         return sum(1 for name, _ in self.chaos_kills if name == proc.spec.name)
 
-    def _finish(self, success: bool, reason: str) -> SupervisorReport:
+    def _finish(self, success: bool, reason: str, *, config_error: bool = False) -> SupervisorReport:
         self._shutdown()
         return SupervisorReport(
             success=success,
@@ -248,6 +262,7 @@ class Supervisor:
             chaos_kills=list(self.chaos_kills),
             exit_codes={p.spec.name: list(p.exit_codes) for p in self.procs},
             log_dir=self.log_dir,
+            config_error=config_error,
         )
 
     def run(
