@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import jax
 import numpy as np
 import pytest
 
 import rlax_model
+
+# --import-mode=importlib does not put test folders on sys.path; the float64 objective
+# reference (trainer_objective_reference.py) lives here.
+_HERE = str(pathlib.Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def tiny_model() -> rlax_model.ModelConfig:

@@ -1,9 +1,9 @@
-"""Every preset's loss and gradient against an independent float64 numpy implementation.
+"""Every preset's loss and gradient against an independent float64 numpy reference.
 
-The numpy code below re-derives the formula from the papers' definitions and does not
-call the library: advantages with explicit loops, per-token aggregation weights, the
-PPO clip mask, TIS, the KL estimators' analytic derivatives, and the value loss's
-gradient by central finite differences.
+The reference (`trainer_objective_reference.py`) writes each objective from its paper's
+definition and differentiates it by central finite differences; it never calls the
+library. The inputs are off-policy (ratios != 1, as in every minibatch after the first)
+with tokens clipped on both sides, the KL penalty and the entropy bonus switched on.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
+from trainer_objective_reference import Reference
 
 from rlax_trainer.objective import (
     PRESET_NAMES,
@@ -28,6 +29,10 @@ from rlax_trainer.objective import (
 
 G, NG, T = 4, 3, 10
 B = G * NG
+# Every clip boundary of the presets' token ratios: finite differences need data away from
+# them (the clipped surrogate's gradient jumps there).
+TOKEN_BOUNDARIES = (0.8, 1.2, 1.28)
+MARGIN = 1e-3
 
 
 def make_inputs(seed: int) -> dict[str, np.ndarray]:
@@ -38,9 +43,12 @@ def make_inputs(seed: int) -> dict[str, np.ndarray]:
         length = rng.integers(1, T - start + 1)
         mask[i, start : start + length] = 1.0
     lp = -rng.uniform(0.05, 3.0, size=(B, T))
-    old = lp + rng.normal(0, 0.15, size=(B, T))
+    old = lp + rng.normal(0, 0.2, size=(B, T))
     # A few sequences nearly on-policy so sequence-level (GSPO) ratios land inside the tiny clip range.
     old[::3] = lp[::3] + rng.normal(0, 1e-4, size=(len(range(0, B, 3)), T))
+    for b in TOKEN_BOUNDARIES:  # move token ratios off the clip boundaries
+        near = np.abs((lp - old) - np.log(b)) < MARGIN
+        old = np.where(near, old + 5 * MARGIN, old)
     rewards = np.where(rng.random(B) < 0.5, rng.integers(0, 2, size=B).astype(float), rng.normal(size=B))
     values = rng.normal(size=(B, T))
     return {
@@ -56,144 +64,8 @@ def make_inputs(seed: int) -> dict[str, np.ndarray]:
     }
 
 
-# ----------------------------------------------------------------------------- numpy reference
-def np_shape_rewards(cfg: dict, rewards, mask):
-    ov = cfg.get("overlong")
-    if not ov:
-        return rewards.copy()
-    out = rewards.copy()
-    for i in range(B):
-        n = mask[i].sum()
-        start = ov["max_length"] - ov["cache_length"]
-        if n <= start:
-            pen = 0.0
-        elif n <= ov["max_length"]:
-            pen = (start - n) / ov["cache_length"] * ov["penalty"]
-        else:
-            pen = -ov["penalty"]
-        out[i] += pen
-    return out
-
-
-def np_advantages(adv: dict, rewards, mask, old_values):
-    kind = adv["kind"]
-    seq = np.zeros(B)
-    if kind in ("group_norm", "group_centered", "leave_one_out"):
-        for g0 in range(0, B, G):
-            grp = rewards[g0 : g0 + G]
-            for j in range(G):
-                if kind == "group_norm":
-                    seq[g0 + j] = (grp[j] - grp.mean()) / (np.std(grp, ddof=adv["ddof"]) + adv["eps"])
-                elif kind == "group_centered":
-                    seq[g0 + j] = grp[j] - grp.mean()
-                else:
-                    seq[g0 + j] = grp[j] - (grp.sum() - grp[j]) / (G - 1)
-        return seq[:, None] * mask, None
-    if kind == "batch_norm":
-        r = rewards.copy()
-        if adv["subtract_group_mean"]:
-            r = r - np.repeat(r.reshape(-1, G).mean(axis=1), G)
-        return ((r - r.mean()) / (r.std() + adv["eps"]))[:, None] * mask, None
-    assert kind == "gae"
-    gamma, lam = adv["gamma"], adv["lam"]
-    a = np.zeros((B, T))
-    for i in range(B):
-        idx = np.nonzero(mask[i])[0]
-        nxt = 0.0
-        for t in reversed(idx):
-            last = t == idx[-1]
-            v_next = 0.0 if last else old_values[i, t + 1]
-            delta = (rewards[i] if last else 0.0) + gamma * v_next - old_values[i, t]
-            a[i, t] = delta + (0.0 if last else gamma * lam * nxt)
-            nxt = a[i, t]
-    returns = a + old_values * mask
-    if adv["normalize"]:
-        vals = a[mask > 0]
-        a = (a - vals.mean()) / (vals.std() + adv["eps"]) * mask
-    return a, returns
-
-
-def np_weights(cfg: dict, mask):
-    lengths = mask.sum(axis=1)
-    w = np.zeros((B, T))
-    for i in range(B):
-        grp = i // G
-        if cfg["aggregation"] == "sequence":
-            w[i] = mask[i] / (NG * G * lengths[i])
-        elif cfg["aggregation"] == "token_mean":
-            w[i] = mask[i] / (NG * lengths[grp * G : grp * G + G].sum())
-        else:
-            w[i] = mask[i] / (NG * G * (cfg["max_length"] or T))
-    return w
-
-
-def np_kl_and_grad(est: str, lp, ref):
-    d = ref - lp
-    if est == "k1":
-        return -d, np.ones_like(d)
-    if est == "k2":
-        return 0.5 * d * d, -d
-    return np.exp(d) - 1 - d, 1 - np.exp(d)
-
-
-def np_value_loss(vcfg: dict, w, v, old_v, ret):
-    err = (v - ret) ** 2
-    if vcfg["clip"] is not None:
-        err = np.maximum(err, (old_v + np.clip(v - old_v, -vcfg["clip"], vcfg["clip"]) - ret) ** 2)
-    return vcfg["coef"] * (w * 0.5 * err).sum()
-
-
-def np_objective(cfg: dict, x: dict):
-    """Returns loss and the gradients w.r.t. logprobs, entropy and values, all float64."""
-    mask = x["mask"]
-    lp, old = x["logprobs"], x["old_logprobs"]
-    rewards = np_shape_rewards(cfg, x["rewards"], mask)
-    adv, returns = np_advantages(cfg["advantage"], rewards, mask, x["old_values"])
-    w = np_weights(cfg, mask)
-    imp = cfg["importance"]
-    if imp["level"] == "token":
-        ratio = np.exp(lp - old)
-    else:
-        ratio = np.zeros((B, T))
-        for i in range(B):
-            n = mask[i].sum()
-            ratio[i, :] = np.exp(((lp[i] - old[i]) * mask[i]).sum() / n)
-    lo, hi = 1 - imp["eps_low"], 1 + imp["eps_high"]
-    if imp["clip"] == "mask":
-        keep = ~(((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo)))
-        is_w = ratio * keep
-    elif imp["clip"] == "truncate":
-        is_w = np.clip(ratio, lo, hi)
-    else:
-        is_w = ratio
-    if imp["tis_cap"] is not None:
-        is_w = is_w * np.minimum(np.exp(old - x["infer_logprobs"]), imp["tis_cap"])
-    c = w * is_w * mask
-    term2 = np.zeros((B, T))
-    dterm2 = np.zeros((B, T))
-    if cfg["kl"]["coef"] > 0:
-        k, dk = np_kl_and_grad(cfg["kl"]["estimator"], lp, x["ref_logprobs"])
-        term2 += cfg["kl"]["coef"] * k
-        dterm2 += cfg["kl"]["coef"] * dk
-    term2 -= cfg["entropy_coef"] * x["entropy"]
-    loss = (c * (adv * -1.0 + term2)).sum()
-    g_lp = c * (-adv + dterm2)
-    g_ent = -cfg["entropy_coef"] * c
-    g_v = np.zeros((B, T))
-    if cfg["value"] is not None:
-        vl = lambda v: np_value_loss(cfg["value"], w, v, x["old_values"], returns)  # noqa: E731
-        loss += vl(x["values"])
-        h = 1e-6
-        for i in range(B):
-            for t in range(T):
-                e = np.zeros((B, T))
-                e[i, t] = h
-                g_v[i, t] = (vl(x["values"] + e) - vl(x["values"] - e)) / (2 * h)
-    return loss, g_lp, g_ent, g_v
-
-
-# ----------------------------------------------------------------------------- library side
 def lib_objective(cfg, x: dict):
+    """The library's loss and its autodiff gradients w.r.t. logprobs, entropy and values."""
     j = {k: jnp.asarray(v, jnp.float32) for k, v in x.items()}
     prep = prepare_batch(cfg, j["rewards"], j["mask"], G, old_values=j["old_values"] if cfg.value else None)
 
@@ -218,31 +90,97 @@ def lib_objective(cfg, x: dict):
     return float(loss), *(np.asarray(g, np.float64) for g in grads)
 
 
-VARIANTS = [(name, {}) for name in PRESET_NAMES] + [
-    ("grpo", {"entropy_coef": 0.01, "importance": {"tis_cap": 2.0}}),
-    ("grpo", {"kl": {"estimator": "k1"}, "advantage": {"ddof": 1}}),
-    ("reinforce_pp", {"kl": {"estimator": "k3", "coef": 0.1}, "advantage": {"subtract_group_mean": True}}),
-    ("dapo", {"overlong": {"max_length": 8, "cache_length": 4, "penalty": 0.5}}),
-    ("dr_grpo", {"max_length": 16}),
-    ("gspo", {"importance": {"tis_cap": 1.5}}),
-    ("ppo", {"advantage": {"normalize": False, "lam": 0.9, "gamma": 0.97}, "value": {"clip": None}}),
-]
+def assert_clipped_on_both_sides(ref: Reference, cfg: dict) -> None:
+    """Some tokens (sequences, for GSPO) are clipped above with A > 0 and below with A < 0,
+    none sits within reach of finite differences of a clip boundary, and ratios are not 1."""
+    imp, x = cfg["importance"], ref.x
+    on = x["mask"] > 0
+    r = ref.token_ratio(x["logprobs"])
+    assert np.abs(np.log(r[on])).max() > 0.1, "off-policy data: ratios must differ from 1"
+    if imp["clip"] == "none":
+        return
+    a = ref.adv
+    if imp["level"] == "sequence":
+        r, a, on = ref.sequence_ratio(x["logprobs"]), a.sum(axis=1), np.ones(B, bool)
+        inside = (r > ref.lo) & (r < ref.hi)
+        assert inside.any(), "some sequences must be inside GSPO's clip range"
+    distance = np.minimum(np.abs(np.log(r / ref.hi)), np.abs(np.log(r / max(ref.lo, 1e-30))))
+    assert distance[on].min() > 1e-5, "a ratio sits on a clip boundary"
+    assert ((a > 0) & (r > ref.hi) & on).any(), "no ratio clipped above"
+    if ref.lo > 0:
+        assert ((a < 0) & (r < ref.lo) & on).any(), "no ratio clipped below"
+
+
+# KL (k3 unless the preset picks its own estimator) and entropy on for every preset.
+REGULARISED = {"entropy_coef": 0.01}
+VARIANTS = (
+    [(name, {}) for name in PRESET_NAMES]
+    + [(name, {"kl": {"coef": 0.05}, **REGULARISED}) for name in PRESET_NAMES]
+    + [
+        ("grpo", {"entropy_coef": 0.01, "importance": {"tis_cap": 2.0}}),
+        ("grpo", {"kl": {"estimator": "k1"}, "advantage": {"ddof": 1}}),
+        (
+            "reinforce_pp",
+            {"kl": {"estimator": "k3", "coef": 0.1}, "advantage": {"subtract_group_mean": True}},
+        ),
+        ("dapo", {"overlong": {"max_length": 8, "cache_length": 4, "penalty": 0.5}}),
+        ("dr_grpo", {"max_length": 16, "kl": {"coef": 0.05, "estimator": "k2"}}),
+        ("gspo", {"importance": {"tis_cap": 1.5}, "kl": {"coef": 0.05}}),
+        ("cispo", {"importance": {"tis_cap": 1.5}, "kl": {"coef": 0.05}}),
+        ("ppo", {"advantage": {"normalize": False, "lam": 0.9, "gamma": 0.97}, "value": {"clip": None}}),
+    ]
+)
 
 
 @pytest.mark.parametrize(
     ("name", "overrides"), VARIANTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(VARIANTS)]
 )
-def test_loss_and_gradient_match_numpy(name, overrides):
+def test_loss_and_gradient_match_float64_reference(name, overrides):
     cfg = preset(name, **overrides)
     cfg_dict = objective_to_dict(cfg)
     for seed in range(2):
         x = make_inputs(seed)
-        want = np_objective(cfg_dict, x)
+        ref = Reference(cfg_dict, x, G)
+        assert_clipped_on_both_sides(ref, cfg_dict)
+        want_lp, want_ent, want_v = ref.gradients()
         got = lib_objective(cfg, x)
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5, err_msg=f"{name} loss")
-        for label, g, w in zip(("logprobs", "entropy", "values"), got[1:], want[1:], strict=True):
+        np.testing.assert_allclose(got[0], ref.logged_loss(), rtol=1e-5, atol=1e-5, err_msg=f"{name} loss")
+        for label, g, w in zip(
+            ("logprobs", "entropy", "values"), got[1:], (want_lp, want_ent, want_v), strict=True
+        ):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} d/d{label}")
-        assert np.abs(want[1]).sum() > 0, "the reference gradient must not be trivially zero"
+        assert np.abs(want_lp).sum() > 0, "the reference gradient must not be trivially zero"
+
+
+def test_clipped_token_keeps_kl_gradient_and_logs_clipped_value():
+    """Hand-worked: one group of two one-token samples, GRPO (eps 0.2, k3 KL, beta 0.04).
+
+    Rewards (1, 0) give A = (+1, -1) (std 0.5, eps 1e-6 ignored at this tolerance); both
+    ratios exp(+-0.5) = (1.6487, 0.6065) are clipped, so the surrogate has no gradient
+    and is worth -(1/2) * (1.2 * 1 + 0.8 * -1) = -0.2. With ref - logp = 0.3 on both
+    tokens: KL = e^0.3 - 1.3 = 0.049859 each, gradient per token (1/2) * 0.04 * (1 - e^0.3)
+    = -0.0069972.
+    """
+    cfg = preset("grpo")
+    lp = jnp.array([[-1.0], [-1.0]])
+    prep = prepare_batch(cfg, jnp.array([1.0, 0.0]), jnp.ones((2, 1)), 2)
+
+    def f(logprobs):
+        return objective_loss(
+            cfg,
+            logprobs=logprobs,
+            old_logprobs=jnp.array([[-1.5], [-0.5]]),
+            advantages=prep.advantages,
+            weights=prep.weights,
+            mask=jnp.ones((2, 1)),
+            ref_logprobs=lp + 0.3,
+        )
+
+    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(lp)
+    assert float(metrics["clip_fraction"]) == 1.0
+    np.testing.assert_allclose(float(metrics["pg_loss"]), -0.2, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), -0.2 + 0.04 * 0.049859, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad)[:, 0], [-0.0069972, -0.0069972], rtol=1e-4)
 
 
 def test_clipping_is_exercised():

@@ -29,7 +29,7 @@ from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, re
 __all__ = ["Learner", "TrainState", "batch_arrays"]
 
 sg = jax.lax.stop_gradient
-_SUMMED = ("loss", "pg_loss", "value_loss", "nll")
+_SUMMED = ("loss", "pg_loss", "regularizer_loss", "value_loss", "nll")
 
 
 class TrainState(NamedTuple):

@@ -23,7 +23,7 @@ from rlax_trainer.objective.config import (
     preset,
     shape_rewards,
 )
-from rlax_trainer.objective.importance import ImportanceConfig, importance_weights
+from rlax_trainer.objective.importance import ImportanceConfig, ImportanceWeights, importance_weights
 from rlax_trainer.objective.loss import PreparedBatch, objective_loss, prepare_batch
 from rlax_trainer.objective.regularizers import KLConfig, kl_estimate, token_entropy
 
@@ -37,6 +37,7 @@ __all__ = [
     "GroupCentered",
     "GroupNormalized",
     "ImportanceConfig",
+    "ImportanceWeights",
     "KLConfig",
     "LeaveOneOut",
     "ObjectiveConfig",

@@ -64,7 +64,8 @@ class OverlongConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ObjectiveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`loss = sum sg[Agg * IS] * (sg[Adv] * GradTerm1 + GradTerm2)` (+ value loss).
+    """`loss = sum Agg * (-Adv * clipped_surrogate(IS) + kl.coef * KL - entropy_coef * H)`
+    (+ value loss); the regularisers sit outside the clipped surrogate (see `loss.py`).
 
     `max_length` is L_max for `aggregation: max_length` (None: the batch's padded length).
     """

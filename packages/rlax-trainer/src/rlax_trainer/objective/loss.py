@@ -1,10 +1,17 @@
-"""The RL objective: `loss = sum sg[Agg * IS] * (sg[Adv] * GradTerm1 + GradTerm2)`.
+"""The RL objective: a clipped policy surrogate plus regularisers outside it.
 
-`GradTerm1 = -exp(logp - sg[logp])` has value -1 and gradient `-grad logp`, so the
-policy term's value is the usual surrogate `-sum Agg * IS * Adv` while its gradient is
-the policy gradient. `GradTerm2` holds the regularisers: `kl.coef * k(logp, ref)` and
-`-entropy_coef * H`. PPO's value loss is added outside the IS weighting (a regression
-on sampled returns, not an off-policy estimate).
+Per response token, with `Agg` the aggregation weight, `A` the advantage and `r` the
+importance ratio (token- or sequence-level):
+
+    loss = sum Agg * ( -A * surrogate(r)  +  kl.coef * k(logp, ref)  -  entropy_coef * H )
+
+The policy term `-A * surrogate` has the clipped surrogate's value (PPO's
+`min(r A, clip(r) A)`, CISPO's truncated ratio, TIS-weighted) and the surrogate's
+gradient, which is zero on tokens where the clip binds. The regularisers are functions
+of pi_theta at the sampled tokens, weighted by `Agg` only: as in DeepSeekMath's GRPO
+(the KL penalty sits outside the clipped surrogate) and PPO's entropy bonus, no ratio,
+clip or TIS weight touches them, so their gradient reaches every response token.
+PPO's value loss is added the same way (a regression on sampled returns).
 """
 
 from __future__ import annotations
@@ -98,27 +105,32 @@ def objective_loss(
         if arr is not None and arr.shape != mask.shape:
             raise ValueError(f"{name} has shape {arr.shape}, expected mask's shape {mask.shape}")
 
-    is_w, stats = importance_weights(cfg.importance, logprobs, old_logprobs, advantages, mask, infer_logprobs)
-    coef = sg(weights * is_w)
-    grad_term1 = -jnp.exp(logprobs - sg(logprobs))
-    term2 = jnp.zeros_like(logprobs)
+    iw = importance_weights(cfg.importance, logprobs, old_logprobs, advantages, mask, infer_logprobs)
+    weights, advantages = sg(weights), sg(advantages)
+    # Value `iw.surrogate`, gradient `iw.gradient * grad logp`: exp(logp - sg[logp]) - 1 is 0
+    # with gradient grad logp, so clipped tokens log the clipped value but pass no gradient.
+    surrogate = iw.surrogate + iw.gradient * (jnp.exp(logprobs - sg(logprobs)) - 1.0)
+    pg_loss = -(weights * advantages * surrogate).sum()
+    regularizer = jnp.zeros_like(logprobs)
     n = jnp.maximum(mask.sum(), 1.0)
-    metrics = dict(stats)
+    metrics = dict(iw.stats)
     if cfg.kl.coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs ref_logprobs from the reference policy")
-        term2 = term2 + cfg.kl.coef * kl_estimate(cfg.kl.estimator, logprobs, ref_logprobs)
+        regularizer = regularizer + cfg.kl.coef * kl_estimate(cfg.kl.estimator, logprobs, ref_logprobs)
     if ref_logprobs is not None:
         metrics["kl"] = (sg(kl_estimate("k3", logprobs, ref_logprobs)) * mask).sum() / n
     if cfg.entropy_coef > 0:
         if entropy is None:
             raise ValueError(f"entropy_coef={cfg.entropy_coef} needs the per-token entropy")
-        term2 = term2 - cfg.entropy_coef * entropy
+        regularizer = regularizer - cfg.entropy_coef * entropy
     if entropy is not None:
         metrics["entropy"] = (sg(entropy) * mask).sum() / n
-    pg_loss = (coef * sg(advantages) * grad_term1).sum()
-    loss = pg_loss + (coef * term2).sum()
+    # Outside the surrogate: weighted by Agg alone (zero off-mask), never by a ratio or clip.
+    regularizer_loss = (weights * regularizer).sum()
+    loss = pg_loss + regularizer_loss
     metrics["pg_loss"] = pg_loss
+    metrics["regularizer_loss"] = regularizer_loss
     if cfg.value is not None:
         if values is None or old_values is None or returns is None:
             raise ValueError("the value loss needs values, old_values and returns")

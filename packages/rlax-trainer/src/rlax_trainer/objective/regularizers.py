@@ -1,4 +1,4 @@
-"""Regularisers, the `GradTerm2` of the objective: KL to a frozen reference and entropy."""
+"""Regularisers added outside the clipped surrogate: KL to a frozen reference and entropy."""
 
 from __future__ import annotations
 
