@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 import msgspec
 import pytest
@@ -19,6 +20,9 @@ from rlax_data import CallCase, CodeTests, Record
 from rlax_data.service import RemoteVerifier, VerifierService, default_routes
 from rlax_data.tasks import ArithmeticTask, CountdownTask
 from rlax_data.verify import build_verifier
+from rlax_data.verify.base import VerifyResult
+from rlax_data.verify.countdown import CountdownVerifier
+from rlax_data.verify.registry import RoutingVerifier
 from rlax_protocol.transport import pack_request_id
 
 
@@ -185,3 +189,94 @@ def test_in_process_service_batches_pipelined_requests():
         thread.join(timeout=10)
         svc.close()
     assert not thread.is_alive()
+
+
+class ProgramRunner:
+    """Stands in for the code verifier and counts how often each program runs.
+
+    Like `CodeVerifier`, it checks every record of a batch (a record without tests is
+    refused) before it runs anything.
+    """
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()
+        self.batches: list[int] = []
+
+    def verify(self, items):
+        for _, record in items:
+            if record.tests is None:
+                raise ValueError(f"record {record.id!r}: field `tests` is required by the code verifier")
+        self.batches.append(len(items))
+        self.runs.update(record.id for _, record in items)
+        return [VerifyResult(reward=1.0, correct=True, details={"ran": record.id}) for _, record in items]
+
+
+def _score_one_batch(routes: dict, requests: list[rp.VerifyRequest]) -> dict[str, rp.Message]:
+    """Send `requests` pipelined to an in-process service that takes them as one batch;
+    returns each request's reply by its `request_id`."""
+    svc = VerifierService(
+        RoutingVerifier(routes),
+        address="tcp://127.0.0.1:*",
+        max_batch=len(requests),
+        batch_window_s=0.0,
+        poll_s=0.05,
+    )
+    thread = threading.Thread(target=svc.serve)
+    thread.start()
+    client = rp.RpcClient(svc.bound_address, timeout_s=10)
+    try:
+        client.connect()  # the Hello, answered at once
+        # The window is read after a batch's first message arrives, so the requests
+        # below are collected together (the batch is full once all have arrived).
+        svc.batch_window_s = 10.0
+        sent = {client.send_request(req): req.request_id for req in requests}
+        replies = {}
+        pending = set(sent)
+        while pending:
+            rid, reply = client.recv_reply(pending, timeout_s=10, operation="VerifyRequest")
+            pending.discard(rid)
+            replies[sent[rid]] = reply.message
+    finally:
+        client.close()
+        svc.stop()
+        thread.join(timeout=10)
+        svc.close()
+    assert svc.stats["batches"] == 1  # the test is about one batch
+    return replies
+
+
+def _code_request(rid: str, *, with_tests: bool = True) -> rp.VerifyRequest:
+    tests = CodeTests(entry_point="f", calls=[CallCase(args=[1], expected=1)]) if with_tests else None
+    record = Record(id=rid, prompt="p", answer=None if with_tests else "1", tests=tests)
+    return rp.VerifyRequest(
+        request_id=rid,
+        verifier="code",
+        completion="def f(x): return x",
+        extra={"record": msgspec.json.encode(record).decode()},
+    )
+
+
+def test_a_bad_record_of_another_route_does_not_make_programs_run_again():
+    runner = ProgramRunner()
+    good = [_code_request(f"c{i}") for i in range(8)]
+    # A Countdown record without its numbers and target: its verifier refuses it.
+    bad = rp.VerifyRequest(request_id="cd", verifier="countdown", completion="1+2", reference="3")
+    replies = _score_one_batch({"code": runner, "countdown": CountdownVerifier()}, good + [bad])
+    assert isinstance(replies["cd"], rp.ErrorReply) and replies["cd"].code == "bad_request"
+    assert "numbers" in replies["cd"].message
+    assert all(
+        isinstance(replies[r.request_id], rp.VerifyResult) and replies[r.request_id].correct for r in good
+    )
+    assert runner.runs == {r.request_id: 1 for r in good}  # every program ran once
+
+
+def test_a_bad_record_fails_alone_and_the_rest_stay_batched():
+    runner = ProgramRunner()
+    requests = [_code_request(f"c{i}", with_tests=i != 5) for i in range(16)]
+    replies = _score_one_batch({"code": runner}, requests)
+    assert isinstance(replies["c5"], rp.ErrorReply) and "'c5'" in replies["c5"].message
+    good = [r.request_id for r in requests if r.request_id != "c5"]
+    assert all(isinstance(replies[rid], rp.VerifyResult) for rid in good)
+    assert runner.runs == {rid: 1 for rid in good}
+    # Halving around the bad record leaves at most log2(16) + 1 batches, not 15 of one.
+    assert len(runner.batches) <= 5 and max(runner.batches) >= 8, runner.batches

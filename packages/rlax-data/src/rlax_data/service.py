@@ -2,11 +2,14 @@
 
 Wire format: the `rlax_protocol` request/reply framing (DEALER client -> ROUTER server).
 A client says `Hello`, then sends `VerifyRequest`s, pipelined; the server drains what
-has arrived (up to `max_batch`) and scores it as one batch, so the code sandbox runs
-the batch's programs in parallel. Each request gets its own `VerifyResult`, or an
-`ErrorReply` when it is malformed or names no verifier; the server keeps serving.
-Every receive has a timeout (the loop wakes at least every `poll_s` to check for
-shutdown).
+has arrived (up to `max_batch`) and scores it as one batch per verifier route, so the
+code sandbox runs the batch's programs in parallel. Each request gets its own
+`VerifyResult`, or an `ErrorReply` when it is malformed, names no verifier, or holds a
+record its verifier refuses; such a request fails alone (see `VerifierService`). No
+message, however hostile, stops the loop: an exception while handling one message is
+answered with an ErrorReply (code "internal") where the sender is known, and the
+server keeps serving. Every receive has a timeout (the loop wakes at least every
+`poll_s` to check for shutdown).
 
 How a `VerifyRequest` maps onto a record: `verifier` picks the route (it becomes the
 record's `task`); `extra["record"]`, when present, is a JSON-encoded `Record` (tests
@@ -23,7 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import yaml
@@ -32,10 +35,11 @@ import zmq
 import rlax_protocol as rp
 from rlax_data.datasets import Record
 from rlax_data.verify.answers import ExactMatchConfig, MathConfig
-from rlax_data.verify.base import VerifyItem, VerifyResult
+from rlax_data.verify.base import Verifier, VerifyItem, VerifyResult
 from rlax_data.verify.code import CodeConfig
 from rlax_data.verify.countdown import CountdownConfig
 from rlax_data.verify.registry import RoutingConfig, RoutingVerifier, build_verifier, load_verifier_config
+from rlax_protocol.transport import unpack_request_id
 
 __all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
 
@@ -64,6 +68,11 @@ class _BadRequest(ValueError):
         self.code = code
 
 
+def _describe(error: BaseException) -> str:
+    # Bounded: an error message may quote the offending input, which may be huge.
+    return f"{type(error).__name__}: {error}"[:500]
+
+
 def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
     """(completion, record) for one request; raises `_BadRequest` naming the bad field."""
     if req.verifier not in routes:
@@ -73,8 +82,9 @@ def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
     if "record" in req.extra:
         try:
             record = msgspec.json.decode(req.extra["record"], type=Record)
-        except msgspec.DecodeError as e:  # ValidationError is a subclass
-            raise _BadRequest("malformed", f"VerifyRequest.extra['record']: {e}") from None
+        except (msgspec.DecodeError, RecursionError) as e:  # ValidationError is a DecodeError
+            # msgspec recurses into nested JSON: deep nesting exhausts the stack.
+            raise _BadRequest("malformed", f"VerifyRequest.extra['record']: {_describe(e)}") from None
         record = msgspec.structs.replace(record, task=req.verifier)
         if record.tests is not None and (
             record.tests.timeout_s is None or record.tests.timeout_s > req.timeout_s
@@ -88,8 +98,8 @@ def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
         if "metadata" in req.extra:
             try:
                 metadata = msgspec.json.decode(req.extra["metadata"], type=dict[str, Any])
-            except msgspec.DecodeError as e:
-                raise _BadRequest("malformed", f"VerifyRequest.extra['metadata']: {e}") from None
+            except (msgspec.DecodeError, RecursionError) as e:
+                raise _BadRequest("malformed", f"VerifyRequest.extra['metadata']: {_describe(e)}") from None
         try:
             record = Record(
                 id=req.request_id or "-",
@@ -104,7 +114,16 @@ def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
 
 
 class VerifierService:
-    """The ROUTER loop. `serve()` runs until `stop()` (or SIGTERM/SIGINT via `main`)."""
+    """The ROUTER loop. `serve()` runs until `stop()` (or SIGTERM/SIGINT via `main`).
+
+    A batch is scored one verifier route at a time, so a record one route refuses
+    cannot make another route's programs run again. Within a route, a batch that
+    raises is split in halves until each refused record stands alone: the refused
+    record gets an ErrorReply, and the rest are scored in the largest batches that
+    succeed. Verifiers check every record of a batch before they run anything (the
+    code verifier builds all its jobs before it starts the sandbox), so a refused
+    batch has run no program and no program runs twice.
+    """
 
     def __init__(
         self,
@@ -132,7 +151,7 @@ class VerifierService:
         self._sock.bind(address)
         self.bound_address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = True
-        self.stats = {"requests": 0, "batches": 0, "errors": 0}
+        self.stats = {"requests": 0, "batches": 0, "errors": 0, "internal_errors": 0}
 
     def stop(self) -> None:
         self._running = False
@@ -151,6 +170,8 @@ class VerifierService:
             )
         except rp.ProtocolTimeoutError:
             log.warning("dropped a reply to a client that stopped reading")
+        except zmq.ZMQError as e:  # e.g. the peer is gone; the next client must still be served
+            log.warning("dropped a reply: %s", e)
 
     def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
         self.stats["errors"] += 1
@@ -176,72 +197,142 @@ class VerifierService:
                 break
         return batch
 
+    def _internal(self, identity: bytes, request_id: int, error: BaseException) -> None:
+        """Answer a message whose handling raised unexpectedly; the loop goes on."""
+        self.stats["internal_errors"] += 1
+        log.error("request failed unexpectedly: %s", _describe(error), exc_info=error)
+        if identity:
+            self._error(identity, request_id, "internal", _describe(error))
+
+    def _admit(self, parts: list[zmq.Frame]) -> _Pending | None:
+        """Parse one message and answer it at once unless it is a VerifyRequest to score."""
+        req = rp.parse_request(parts)
+        if req.error is not None or req.message is None:
+            self._error(
+                req.identity, req.request_id, "malformed", _describe(req.error or ValueError("empty"))
+            )
+            return None
+        msg = req.message
+        if isinstance(msg, rp.Hello):
+            welcome = rp.welcome_for(msg, server_id=self.server_id)
+            if welcome.accepted:
+                self.peers.admit(req.identity)
+            self._send(req.identity, req.request_id, welcome)
+        elif not self.peers.touch(req.identity):
+            self._error(req.identity, req.request_id, "handshake_required", "say Hello first")
+        elif isinstance(msg, rp.VerifyRequest):
+            try:
+                item = request_to_item(msg, list(self.verifier.routes))
+            except _BadRequest as e:
+                self._error(req.identity, req.request_id, e.code, str(e))
+                return None
+            return _Pending(req.identity, req.request_id, msg, item)
+        else:
+            self._error(
+                req.identity, req.request_id, "unknown_message", f"{type(msg).__name__} is not served here"
+            )
+        return None
+
     def serve_once(self) -> int:
         """Receive (with a timeout) and answer one batch; returns how many requests it held."""
         raw = self._collect()
-        todo: list[tuple[bytes, int, rp.VerifyRequest, VerifyItem]] = []
+        todo: list[_Pending] = []
         for parts in raw:
-            req = rp.parse_request(parts)
             self.stats["requests"] += 1
-            if req.error is not None or req.message is None:
-                self._error(req.identity, req.request_id, "malformed", str(req.error))
+            try:
+                pending = self._admit(parts)
+            except Exception as e:  # one message must never stop the loop
+                self._internal(_identity_of(parts), _request_id_of(parts), e)
                 continue
-            msg = req.message
-            if isinstance(msg, rp.Hello):
-                welcome = rp.welcome_for(msg, server_id=self.server_id)
-                if welcome.accepted:
-                    self.peers.admit(req.identity)
-                self._send(req.identity, req.request_id, welcome)
-            elif not self.peers.touch(req.identity):
-                self._error(req.identity, req.request_id, "handshake_required", "say Hello first")
-            elif isinstance(msg, rp.VerifyRequest):
-                try:
-                    todo.append(
-                        (req.identity, req.request_id, msg, request_to_item(msg, list(self.verifier.routes)))
-                    )
-                except _BadRequest as e:
-                    self._error(req.identity, req.request_id, e.code, str(e))
-            else:
-                self._error(
-                    req.identity,
-                    req.request_id,
-                    "unknown_message",
-                    f"{type(msg).__name__} is not served here",
-                )
+            if pending is not None:
+                todo.append(pending)
         if todo:
             self.stats["batches"] += 1
-            for (identity, rid, msg, _), res in zip(todo, self._verify([t[3] for t in todo]), strict=True):
-                if isinstance(res, Exception):
-                    self._error(identity, rid, "bad_request", f"{type(res).__name__}: {res}")
-                else:
-                    detail = msgspec.json.encode(res.details).decode()
-                    self._send(
-                        identity,
-                        rid,
-                        rp.VerifyResult(
-                            request_id=msg.request_id, reward=res.reward, correct=res.correct, detail=detail
-                        ),
-                    )
+            for p, res in zip(todo, self._verify([p.item for p in todo]), strict=True):
+                try:
+                    self._answer(p, res)
+                except Exception as e:
+                    self._internal(p.identity, p.request_id, e)
         return len(raw)
 
+    def _answer(self, p: _Pending, res: VerifyResult | Exception) -> None:
+        if isinstance(res, Exception):
+            self._error(p.identity, p.request_id, "bad_request", _describe(res))
+            return
+        detail = msgspec.json.encode(res.details).decode()
+        reply = rp.VerifyResult(
+            request_id=p.message.request_id, reward=res.reward, correct=res.correct, detail=detail
+        )
+        self._send(p.identity, p.request_id, reply)
+
     def _verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
+        """One result or the exception that refused it, per item, route by route."""
+        out: list[VerifyResult | Exception | None] = [None] * len(items)
+        by_route: dict[str, list[int]] = {}
+        for i, (_, record) in enumerate(items):
+            by_route.setdefault(record.task or "", []).append(i)  # `request_to_item` set a served route
+        for route, indices in by_route.items():
+            self._verify_route(self.verifier.routes[route], items, indices, out)
+        return out  # type: ignore[return-value]
+
+    def _verify_route(
+        self,
+        verifier: Verifier,
+        items: list[VerifyItem],
+        indices: list[int],
+        out: list[VerifyResult | Exception | None],
+    ) -> None:
         try:
-            return list(self.verifier.verify(items))
-        except Exception:
-            # One bad item (say a record its verifier cannot read) must not fail the
-            # others: score one by one and answer the failing ones with an error.
-            out: list[VerifyResult | Exception] = []
-            for item in items:
-                try:
-                    out.append(self.verifier.verify([item])[0])
-                except Exception as e:
-                    log.warning("verification failed: %s", e)
-                    out.append(e)
-            return out
+            results = verifier.verify([items[i] for i in indices])
+            if len(results) != len(indices):
+                raise RuntimeError(f"verifier returned {len(results)} results for {len(indices)} items")
+        except Exception as e:
+            if len(indices) == 1:
+                log.warning("verification failed: %s", _describe(e))
+                out[indices[0]] = e
+                return
+            # Halve until the refused records stand alone; the others keep being scored
+            # together (in parallel, for code) in the largest batches that succeed.
+            mid = len(indices) // 2
+            self._verify_route(verifier, items, indices[:mid], out)
+            self._verify_route(verifier, items, indices[mid:], out)
+            return
+        for i, res in zip(indices, results):
+            out[i] = res
 
     def serve(self) -> None:
         while self._running:
-            self.serve_once()
+            try:
+                self.serve_once()
+            except zmq.ContextTerminated:
+                return
+            except Exception as e:  # outside any one message (the socket itself): log, go on
+                self.stats["internal_errors"] += 1
+                log.error("serve loop: %s", _describe(e), exc_info=e)
+                time.sleep(min(self.poll_s, 0.1))  # no hot loop if the error persists
+
+
+class _Pending(NamedTuple):
+    """A VerifyRequest that passed every check and waits for its batch to be scored."""
+
+    identity: bytes
+    request_id: int
+    message: rp.VerifyRequest
+    item: VerifyItem
+
+
+def _identity_of(parts: Sequence[zmq.Frame]) -> bytes:
+    try:
+        return bytes(parts[0].bytes) if parts else b""
+    except Exception:
+        return b""
+
+
+def _request_id_of(parts: Sequence[zmq.Frame]) -> int:
+    try:
+        return unpack_request_id(parts[1]) if len(parts) > 1 else 0
+    except Exception:
+        return 0
 
 
 class RemoteVerifier:
