@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rlax_inference.sampler import SamplingBatch, inverse_cdf_draw, sample_jit
+from rlax_inference.sampler import SamplingBatch, cdf_block_size, fine_uniform, inverse_cdf_draw, sample_jit
 
 V = 12
 LOGITS = np.random.default_rng(0).normal(size=V).astype(np.float32) * 1.5
@@ -130,3 +130,91 @@ def test_large_vocabulary_chi_square():
     expected = np.append(n * p[top], n * (1 - p[top].sum()))
     assert stats.chisquare(observed, expected).pvalue > 1e-3
     np.testing.assert_allclose(np.asarray(out.logprobs), np.log(p[np.asarray(out.tokens)]), atol=2e-5)
+
+
+def float32_neighbours(values, reach=4):
+    """Every float32 within `reach` ulps of each value: [n] -> [n * (2 * reach + 1)] float32."""
+    out = [np.asarray(values, np.float32)]
+    for direction in (np.inf, -np.inf):
+        step = out[0]
+        for _ in range(reach):
+            step = np.nextafter(step, np.float32(direction))
+            out.append(step)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("vocab", [4000, 49152])
+def test_no_filtered_entry_at_any_block_or_entry_boundary(vocab):
+    """Targets on and around every block boundary (each way a float32 prefix sum can be
+    rounded) and every entry boundary: the draw is always an entry of positive weight.
+
+    Weights span ~30 orders of magnitude, the first and last entries of every block are 0
+    (a top-k/top-p filtered token) and whole blocks are 0, so that a block's start placed
+    by rounding above the previous block's end would land on a zero entry.
+    """
+    rng = np.random.default_rng(vocab + 1)
+    block = cdf_block_size(vocab)
+    weights = np.exp(rng.normal(size=vocab) * 8 - 20).astype(np.float32)
+    padded = np.pad(weights, (0, -vocab % block)).reshape(-1, block)
+    padded[:, 0] = padded[:, -1] = 0.0
+    padded[rng.random(len(padded)) < 0.2] = 0.0
+    weights = padded.reshape(-1)[:vocab].copy()
+    padded = np.pad(weights, (0, -vocab % block)).reshape(-1, block)
+    sums32 = padded.sum(axis=-1, dtype=np.float32)
+    boundaries = [
+        np.cumsum(sums32, dtype=np.float32),  # sequential float32
+        np.asarray(jnp.cumsum(jnp.asarray(padded).sum(axis=-1))),  # XLA's own sums and scan
+        np.cumsum(padded.astype(np.float64).sum(axis=-1)),  # exact-ish
+        np.cumsum(sums32, dtype=np.float32) - sums32,  # block start placed from its end
+    ]
+    entry_cdf = np.cumsum(weights.astype(np.float64))
+    stride = max(1, vocab // 2000)  # every other entry boundary at 4000, a spread of them at 49152
+    targets = float32_neighbours(np.concatenate([*boundaries, entry_cdf[::stride]]))
+    total = float(entry_cdf[-1])
+    targets = np.clip(targets, 0, np.float32(total * 1.001))
+    drawn = np.asarray(jax.jit(jax.vmap(inverse_cdf_draw, in_axes=(None, 0)))(jnp.asarray(weights), targets))
+    bad = np.flatnonzero(weights[drawn] == 0)
+    assert bad.size == 0, (
+        f"{bad.size} of {targets.size} targets drew a zero-weight entry, e.g. {targets[bad[:3]]}"
+    )
+    # Away from rounding distance of a boundary the draw is the float64 searchsorted one.
+    expected = np.minimum(
+        np.searchsorted(entry_cdf, targets.astype(np.float64), side="right"), np.flatnonzero(weights)[-1]
+    )
+    near = np.abs(entry_cdf[np.minimum(expected, vocab - 1)] - targets) < 1e-5 * total
+    near |= np.abs(entry_cdf[np.maximum(expected - 1, 0)] - targets) < 1e-5 * total
+    assert (drawn == expected)[~near].all()
+
+
+def test_fine_uniform_resolves_probabilities_below_float32_uniform_grid():
+    """P(u < x) = x for x far below 2^-23, counted exactly over every low word with a zero high
+    word (any other high word gives u >= 2^-23): a 23-bit uniform gives P(u < x) = 2^-23 there."""
+    low = np.arange(1 << 23, dtype=np.uint32) << 9
+    bits = np.stack([np.zeros_like(low), low], axis=-1)
+    u = np.asarray(jax.jit(fine_uniform)(jnp.asarray(bits)))
+    for x in (1e-9, 3e-12, 2.0**-40):
+        probability = np.count_nonzero(u < x) / 2.0**46
+        assert abs(probability - x) <= 2.0**-46, (x, probability)
+    top = np.asarray(fine_uniform(jnp.full((1, 2), 0xFFFFFFFF, jnp.uint32)))
+    assert (top < 1).all()
+
+
+def test_tiny_probability_first_token_is_not_drawn_when_the_coarse_uniform_is_zero():
+    """Seed 5752247 (sample 0, step 0) made a 23-bit uniform exactly 0, which drew token 0
+    although its probability is e^-70 ~ 4e-31 (logprob -76.9): found by scanning seeds with
+    the former one-uniform sampler. The draw must resolve such a probability instead."""
+    logits = np.zeros((1, 1000), np.float32)
+    logits[0, 0] = -70.0
+    out = sample_jit(
+        jnp.asarray(logits), SamplingBatch.from_rows([(1.0, 1.0, 0, 5752247, 0, 0)]), use_filters=False
+    )
+    assert int(out.tokens[0]) != 0
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.log(1 / (999 + np.exp(-70.0))), rtol=1e-6)
+
+
+def test_top_p_draws_at_large_vocabulary_are_always_in_the_nucleus():
+    rows, vocab = 64, 4096
+    logits = jax.random.normal(jax.random.key(7), (rows, vocab)) * 4
+    batch = SamplingBatch.from_rows([(1.0, 0.9, 0, i, 1, 2) for i in range(rows)])
+    out = sample_jit(logits, batch, use_filters=True)
+    assert np.isfinite(np.asarray(out.logprobs)).all()

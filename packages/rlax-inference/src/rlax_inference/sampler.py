@@ -82,41 +82,74 @@ def cdf_block_size(vocab: int) -> int:
     return next((b for b in range(256, 63, -1) if vocab % b == 0), 256)
 
 
+def fine_uniform(bits: jax.Array) -> jax.Array:
+    """Uniform float32 in [0, 1) from 46 random bits: `bits` [..., 2] uint32 -> [...].
+
+    `jax.random.uniform` keeps 23 bits, so its 0 alone has probability 2^-23: an inverse-CDF
+    draw with it gives the first token of the vocabulary at least that chance, and any
+    interval of the CDF narrower than 2^-23 of the mass a probability of 0 or 2^-23. The
+    second word refines the first below its last bit; the sum is rounded to float32 (24 bits
+    near 1, finer near 0), the precision the float32 CDF it is compared with has anyway.
+    """
+    coarse = (bits[..., 0] >> 9).astype(jnp.float32) * np.float32(2.0**-23)
+    fine = (bits[..., 1] >> 9).astype(jnp.float32) * np.float32(2.0**-46)
+    return jnp.minimum(coarse + fine, np.float32(1.0 - 2.0**-24))  # rounding may reach 1.0
+
+
+def _first_above(weights: jax.Array, cdf: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the first entry of positive weight whose inclusive CDF exceeds `target`, else
+    the last entry of positive weight (a target at or past the end of the mass).
+
+    weights, cdf: [rows, n] (cdf is weights' inclusive cumsum); target: [rows]. Returns [rows]
+    int32. Never an entry of weight 0, whatever the rounding of `cdf`: the condition asks for
+    a positive weight rather than trusting that a zero-width entry has cdf equal to its
+    predecessor's (XLA's scan need not add in order). 0 when no weight is positive.
+    """
+    n = weights.shape[-1]
+    index = jnp.arange(n, dtype=jnp.int32)
+    positive = weights > 0
+    first = jnp.min(jnp.where(positive & (cdf > target[:, None]), index, n), axis=-1)
+    last = jnp.max(jnp.where(positive, index, 0), axis=-1)
+    return jnp.minimum(first, last)
+
+
+def _pick_block(
+    block_sums: jax.Array, block_cdf: jax.Array, target: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per row, the block holding `target` and the residual of `target` inside it.
+
+    block_sums: [rows, num_blocks] >= 0; block_cdf: their inclusive cumsum; target: [rows]
+    in [0, block_cdf[:, -1]). Returns ([rows] int32, a block of positive sum; [rows] float32
+    >= 0, `target` minus the CDF of the block before it -- the very value the block was
+    chosen against, so the residual is where the target lies in the block's own CDF).
+    """
+    chosen = _first_above(block_sums, block_cdf, target)
+    before = jnp.take_along_axis(block_cdf, jnp.maximum(chosen - 1, 0)[:, None], axis=-1)[:, 0]
+    before = jnp.where(chosen > 0, before, 0.0)
+    return chosen, jnp.maximum(target - before, 0.0)
+
+
+def _pick_in_block(weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the entry of `weights` [rows, block] whose range of the block's own CDF holds `target` [rows]."""
+    return _first_above(weights, jnp.cumsum(weights, axis=-1), target)
+
+
 def inverse_cdf_draw(weights: jax.Array, target: jax.Array) -> jax.Array:
-    """First index whose cumulative weight exceeds `target` (entries of weight 0 are never chosen).
+    """First entry of positive weight whose cumulative weight exceeds `target`, else the last
+    entry of positive weight; entries of weight 0 are never chosen.
 
     weights: [vocab] float32 >= 0, not all zero; target: float32 scalar in [0, sum(weights)).
-    The reference form of the draw `sample` makes (there fused with the softmax): a
-    full-vocabulary cumsum costs more than the LM head on CPU (XLA lowers it to a log-depth
-    scan), so the draw picks a block from the block sums, then the entry inside that block.
-    Returns int32.
+    The single-target form of the draw `sample` makes (there fused with the softmax, and the
+    entry drawn with a second uniform): a full-vocabulary cumsum costs more than the LM head
+    on CPU (XLA lowers it to a log-depth scan), so the draw picks a block from the block
+    sums, then the entry inside that block from the residual. Returns int32.
     """
     vocab = weights.shape[0]
     block = cdf_block_size(vocab)
     blocks = jnp.pad(weights, (0, -vocab % block)).reshape(-1, block)  # [num_blocks, block]
-    block_sums = blocks.sum(axis=-1)
-    chosen, before = _pick_block(block_sums[None], target[None])
-    return _pick_in_block(blocks[chosen[0]][None], before, target[None])[0] + chosen[0] * block
-
-
-def _pick_block(block_sums: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row, the block holding `target` and the weight before it.
-
-    block_sums: [rows, num_blocks] >= 0; target: [rows]. Returns ([rows] int32, [rows] float32).
-    """
-    block_cdf = jnp.cumsum(block_sums, axis=-1)
-    last = block_sums.shape[-1] - 1 - jnp.argmax((block_sums > 0)[:, ::-1], axis=-1)
-    chosen = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), last)  # rounding may pass the end
-    chosen_sum = jnp.take_along_axis(block_sums, chosen[:, None], axis=-1)[:, 0]
-    before = jnp.take_along_axis(block_cdf, chosen[:, None], axis=-1)[:, 0] - chosen_sum
-    return chosen.astype(jnp.int32), before
-
-
-def _pick_in_block(weights: jax.Array, before: jax.Array, target: jax.Array) -> jax.Array:
-    """Per row, the entry of `weights` [rows, block] whose cumulative range (from `before`) holds `target`."""
-    cdf = before[:, None] + jnp.cumsum(weights, axis=-1)
-    last = weights.shape[-1] - 1 - jnp.argmax((weights > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(jnp.sum(cdf <= target[:, None], axis=-1), last).astype(jnp.int32)
+    block_sums = blocks.sum(axis=-1)[None]
+    chosen, residual = _pick_block(block_sums, jnp.cumsum(block_sums, axis=-1), target[None])
+    return _pick_in_block(blocks[chosen[0]][None], residual)[0] + chosen[0] * block
 
 
 def sample(
@@ -127,9 +160,10 @@ def sample(
     logits: [batch, vocab] float32. `use_filters=False` skips the per-row sort (exact only
     when no row uses top-k or top-p). `num_top`: how many top logprobs to return per row.
 
-    The draw is an inverse CDF with one uniform per row (a Gumbel per vocabulary entry, as
-    `jax.random.categorical` draws, costs more than the model's matmuls at large batch),
-    taken in two levels over blocks of the vocabulary. The logits are viewed as
+    The draw is an inverse CDF (a Gumbel per vocabulary entry, as `jax.random.categorical`
+    draws, costs more than the model's matmuls at large batch) in two stages over blocks of
+    the vocabulary, each with its own 46-bit uniform (`fine_uniform`): the block from the
+    block sums, then the entry from the chosen block's own CDF. The logits are viewed as
     `[rows, blocks, block]` from the start and the temperature is applied inside each pass:
     XLA on CPU then fuses every pass into one vectorised loop (a flat softmax, or a
     temperature broadcast over `[rows, vocab]`, ran 5-7x slower), and no scaled or
@@ -158,16 +192,22 @@ def sample(
     block_max = x.max(axis=-1) / scale[:, None]  # [rows, num_blocks]; a positive divisor commutes with max
     peak = block_max.max(axis=-1)  # [rows]
     block_sums = jnp.exp(x / scale[:, None, None] - peak[:, None, None]).sum(axis=-1)
-    total = block_sums.sum(axis=-1)
+    block_cdf = jnp.cumsum(block_sums, axis=-1)
+    total = block_cdf[:, -1]  # the end of the CDF the draw searches
     log_norm = peak + jnp.log(total)  # [rows]
 
     keys = jax.vmap(row_key)(
         jnp.asarray(batch.seed), jnp.asarray(batch.sample_index), jnp.asarray(batch.step)
     )
-    target = jax.vmap(lambda key: jax.random.uniform(key, dtype=jnp.float32))(keys) * total
-    chosen, before = _pick_block(block_sums, target)
+    bits = jax.vmap(lambda key: jax.random.bits(key, (2, 2), jnp.uint32))(keys)  # [rows, 2, 2]
+    # Two stages, each an exact inverse CDF: the block from the block sums, then the entry from
+    # the chosen block's own CDF with a second uniform, so that inside a block the resolution
+    # is relative to the block's mass, not the whole vocabulary's.
+    chosen, _ = _pick_block(block_sums, block_cdf, fine_uniform(bits[:, 0]) * total)
     chosen_x = jnp.take_along_axis(x, chosen[:, None, None], axis=1)[:, 0]  # [rows, block]
-    in_block = _pick_in_block(jnp.exp(chosen_x / scale[:, None] - peak[:, None]), before, target)
+    weights = jnp.exp(chosen_x / scale[:, None] - peak[:, None])
+    own_cdf = jnp.cumsum(weights, axis=-1)
+    in_block = _first_above(weights, own_cdf, fine_uniform(bits[:, 1]) * own_cdf[:, -1])
     drawn = chosen * block + in_block
     # Greedy: the first maximum, found through the block maxima (a flat argmax is slow on CPU).
     best_block = jnp.argmax(block_max, axis=-1)
