@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol import Committed
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, preset
 from rlax_trainer.publish import PublishConfig, Publisher, host_weights
 
@@ -69,3 +72,64 @@ def test_float32_transfer_and_errors(tmp_path, model_params):
         PublishConfig(address="tcp://127.0.0.1:1", every=0)
     with pytest.raises(ValueError, match="transfer dtype must be one of"):
         host_weights(model_params, "int8")
+
+
+class GatedClient:
+    """A stand-in ParamClient whose pushes wait for `release` and fail for `fail_versions`."""
+
+    def __init__(self, fail_versions: tuple[int, ...] = ()) -> None:
+        self.fail_versions = fail_versions
+        self.entered = threading.Event()  # a push has started
+        self.release = threading.Event()
+        self.pushed: list[int] = []
+
+    def push(self, tree, version, metadata=None) -> Committed:
+        self.pushed.append(version)
+        self.entered.set()
+        assert self.release.wait(timeout=30), "test gate never released"
+        if version in self.fail_versions:
+            raise ConnectionError(f"push of version {version} lost")
+        return Committed(version=version, persisted=False)
+
+    def close(self) -> None:
+        pass
+
+
+SMALL_TREE = {"w": np.arange(4, dtype=np.float32)}
+
+
+def test_failed_push_does_not_drop_the_next_version():
+    client = GatedClient(fail_versions=(2,))
+    pub = Publisher(PublishConfig(address="tcp://127.0.0.1:1"), client=client)
+    try:
+        pub.publish(SMALL_TREE, 2)
+        assert client.entered.wait(timeout=30)  # version 2 is on the wire
+        pub.publish(SMALL_TREE, 4)  # waits behind it
+        client.release.set()  # version 2 fails
+        with pytest.raises(RuntimeError, match="push of version 2 lost"):
+            pub.wait()
+        assert client.pushed == [2, 4]
+        assert [c.version for c in pub.committed] == [4]
+    finally:
+        client.release.set()
+        pub.close()
+
+
+def test_publish_never_waits_for_a_push_in_flight():
+    client = GatedClient()
+    pub = Publisher(PublishConfig(address="tcp://127.0.0.1:1"), client=client)
+    try:
+        pub.publish(SMALL_TREE, 1)
+        assert client.entered.wait(timeout=30)  # version 1's push hangs on the socket
+        # Two more versions while it hangs: the training loop must not block on either.
+        loop = threading.Thread(target=lambda: [pub.publish(SMALL_TREE, v) for v in (2, 3)], daemon=True)
+        loop.start()
+        loop.join(timeout=30)
+        assert not loop.is_alive(), "publish blocked behind a push in flight"
+    finally:
+        client.release.set()
+    pub.wait()
+    pub.close()
+    # Version 2 never reached the wire: the newer 3 replaced it, and says so.
+    assert client.pushed == [1, 3] and pub.superseded == [2]
+    assert [c.version for c in pub.committed] == [1, 3]

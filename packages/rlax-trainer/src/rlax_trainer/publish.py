@@ -2,16 +2,18 @@
 
 The learner's loop only copies the weights to host memory (that must finish before the
 next update reuses the device buffers); an I/O thread encodes and pushes them, so the
-compute loop never waits on a socket. A failed push is raised at the next `publish`
-or `wait`, never swallowed.
+compute loop never waits on a socket. At most one push is in flight and one waits: a
+newer version published while one still waits replaces it (the server serves the
+latest, and host copies of the weights stay bounded), which is logged and recorded in
+`Publisher.superseded`. A failed push never stops the pushes after it; its error is
+raised at the next `publish`, `wait` or `close`, never swallowed.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import ml_dtypes
@@ -58,6 +60,12 @@ def host_weights(params: Any, dtype: TransferDtype = "bfloat16") -> dict[str, An
     return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x).astype(target)), host)
 
 
+class _Push(NamedTuple):
+    tree: dict[str, Any]
+    version: int
+    metadata: dict[str, Any]
+
+
 class Publisher:
     """Pushes weights after updates. Only process 0 talks to the server; every process must
     call `publish` (the weights may be spread over processes)."""
@@ -68,32 +76,57 @@ class Publisher:
         self._client = client
         if self._is_writer and self._client is None:
             self._client = ParamClient(config.address, timeout_s=config.timeout_s, client_id="trainer")
-        self._queue: queue.Queue[tuple[dict[str, Any], int, dict[str, Any]] | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._waiting: _Push | None = None  # queued, its push not started
+        self._in_flight: int | None = None  # the version being pushed
+        self._closing = False
+        self._failures: list[tuple[int, BaseException]] = []
         self.committed: list[Committed] = []
+        self.superseded: list[int] = []  # versions replaced by a newer one before their push began
         self._thread = threading.Thread(target=self._run, name="rlax-publisher", daemon=True)
         if self._is_writer:
             self._thread.start()
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            try:
-                if item is None:
+            with self._cond:
+                self._cond.wait_for(lambda: self._waiting is not None or self._closing)
+                if self._waiting is None:
                     return
-                tree, version, metadata = item
-                if self._error is None:
-                    self.committed.append(self._client.push(tree, version, metadata))
-                    log.info("published weights version %d", version)
-            except BaseException as e:
-                self._error = e
+                item, self._waiting = self._waiting, None
+                self._in_flight = item.version
+            try:
+                committed = self._client.push(item.tree, item.version, item.metadata)
+            except BaseException as e:  # recorded and raised in the caller's thread
+                log.warning("publishing weights version %d failed: %s", item.version, e)
+                with self._cond:
+                    self._failures.append((item.version, e))
+            else:
+                log.info("published weights version %d", item.version)
+                with self._cond:
+                    self.committed.append(committed)
             finally:
-                self._queue.task_done()
+                with self._cond:
+                    self._in_flight = None
+                    self._cond.notify_all()
 
     def _raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"publishing weights to {self.config.address} failed: {err}") from err
+        with self._cond:
+            failures, self._failures = self._failures, []
+        if failures:
+            versions = ", ".join(str(v) for v, _ in failures)
+            first = failures[0][1]
+            raise RuntimeError(
+                f"publishing weights to {self.config.address} failed for version(s) {versions}: {first}"
+            ) from first
+
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._waiting is not None or self._in_flight is not None:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the publisher thread has stopped with pushes outstanding")
+                # The push itself is bounded by the client's timeout; re-check the thread now and then.
+                self._cond.wait(timeout=1.0)
 
     def due(self, step: int) -> bool:
         return step % self.config.every == 0
@@ -101,29 +134,47 @@ class Publisher:
     def publish(
         self, params: Any, step: int, metadata: dict[str, Any] | None = None, *, force: bool = False
     ) -> bool:
-        """Publish `params` as version `step` if due (or `force`); returns whether it was queued."""
+        """Publish `params` as version `step` if due (or `force`); returns whether it was queued.
+
+        Never waits for a push: a version still waiting is replaced by this one. Raises
+        (before queuing) the error of any push that failed since the last call."""
         self._raise_pending()
         if not (force or self.due(step)):
             return False
         tree = host_weights(params, self.config.dtype)
         if self._is_writer:
             meta = {"step": int(step), "dtype": self.config.dtype, **(metadata or {})}
-            self._queue.put((tree, int(step), meta))
+            with self._cond:
+                if self._closing:
+                    raise RuntimeError("publish after close")
+                if self._waiting is not None:
+                    log.info(
+                        "weights version %d superseded by %d before its push began",
+                        self._waiting.version,
+                        step,
+                    )
+                    self.superseded.append(self._waiting.version)
+                self._waiting = _Push(tree, int(step), meta)
+                self._cond.notify_all()
         return True
 
     def wait(self) -> None:
-        """Block until every queued push committed; raises a failed push's error."""
+        """Block until the waiting and in-flight pushes finished; raises a failed push's error."""
         if self._is_writer:
-            self._queue.join()
+            self._wait_idle()
         self._raise_pending()
 
     def close(self) -> None:
-        if self._is_writer and self._thread.is_alive():
-            self._queue.join()
-            self._queue.put(None)
-            self._thread.join(timeout=self.config.timeout_s)
-        if self._client is not None:
-            self._client.close()
+        try:
+            if self._is_writer and self._thread.is_alive():
+                self._wait_idle()
+                with self._cond:
+                    self._closing = True
+                    self._cond.notify_all()
+                self._thread.join(timeout=self.config.timeout_s)
+        finally:
+            if self._client is not None:
+                self._client.close()
         self._raise_pending()
 
     def __enter__(self) -> Publisher:
