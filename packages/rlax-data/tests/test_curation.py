@@ -176,6 +176,10 @@ def test_rich_summary():
     assert "dedup" in text and "33" in text and "30" in text
 
 
+BOARD = (
+    "Alice picks the number 12 and Bob picks the number 5, and they write both numbers on the board "
+    "in the classroom for everyone to see. What is the {} written on the board?"
+)
 # Pairs that look alike but ask different things: every one must survive both passes.
 DIFFERENT_PROBLEMS = [
     ("808-414=", "808+414="),
@@ -196,6 +200,17 @@ DIFFERENT_PROBLEMS = [
         "farmer have now in total?",
         "A farmer has 12 cows in the field and then buys 7 more at the market. How many cows does the "
         "farmer have now in total?",
+    ),
+    # One word of many names the operation, comparison, count or negation.
+    (
+        BOARD.format("larger of the two numbers"),
+        BOARD.format("smaller of the two numbers"),
+    ),
+    (BOARD.format("sum of the two numbers"), BOARD.format("product of the two numbers")),
+    (BOARD.format("sum of three such numbers"), BOARD.format("sum of four such numbers")),
+    (
+        "Show with trial division by the small primes, step by step, that the number 91 is prime.",
+        "Show with trial division by the small primes, step by step, that the number 91 is not prime.",
     ),
 ]
 

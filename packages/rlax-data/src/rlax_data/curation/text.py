@@ -43,19 +43,43 @@ def normalize_text(text: str) -> str:
     return " ".join(text_tokens(text))
 
 
+# Words that decide an answer as surely as a digit or an operator does: numbers and
+# operations written out, comparisons, parity and negation. "The larger of the two" and
+# "the smaller of the two" differ in one word of many, which MinHash alone would merge.
+_ANSWER_WORDS = frozenset(
+    """
+    zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen
+    fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy
+    eighty ninety hundred hundreds thousand thousands million millions billion billions
+    dozen dozens half halves third thirds quarter quarters fifth fifths tenth tenths
+    first second fourth sixth seventh eighth ninth last once twice thrice double triple
+    sum plus add adds added adding total difference minus subtract subtracts subtracted
+    less fewer more product times multiply multiplies multiplied quotient divide divides
+    divided remainder modulo mod square squared squares cube cubed cubes root roots power
+    powers exponent percent percentage average mean median mode
+    larger largest smaller smallest greater greatest bigger biggest lesser least most
+    higher highest lower lowest longer longest shorter shortest maximum minimum max min
+    increase increased increases decrease decreased decreases
+    odd even prime positive negative not no never none without except
+    """.split()
+)
+
+
 def _is_prose_word(token: str) -> bool:
-    # Words of two or more letters carry the wording; a single letter is read as a
-    # variable ("x", "n"), so it decides the answer like a number does.
-    return len(token) > 1 and token.isalpha()
+    # Words of two or more letters carry the wording, unless they name a number, an
+    # operation or a comparison; a single letter is read as a variable ("x", "n"), so it
+    # decides the answer like a number does.
+    return len(token) > 1 and token.isalpha() and token not in _ANSWER_WORDS
 
 
 def answer_key(text: str) -> tuple[str, ...]:
     """The tokens that decide a problem's answer, in order: numbers, symbols (operators,
-    brackets, relations) and single-letter variables. Two texts whose keys differ pose
-    different problems however similar their wording is."""
+    brackets, relations), single-letter variables, and words naming a number, an
+    operation or a comparison. Two texts whose keys differ pose different problems
+    however similar their wording is."""
     return tuple(t for t in text_tokens(text) if not _is_prose_word(t))
 
 
 def prose_words(text: str) -> list[str]:
-    """The remaining tokens (words of two or more letters), in order: the wording."""
+    """The remaining tokens (the other words of two or more letters), in order: the wording."""
     return [t for t in text_tokens(text) if _is_prose_word(t)]
