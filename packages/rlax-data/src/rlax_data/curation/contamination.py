@@ -59,13 +59,15 @@ class _EvalIndex:
         self.n = n
         self.grams: dict[tuple[str, ...], set[str]] = {}  # n-gram -> ids of long problems holding it
         self.gram_count: dict[str, int] = {}  # long problem id -> its number of distinct n-grams
-        self.short: dict[int, dict[tuple[str, ...], set[str]]] = {}  # length -> token sequence -> ids
+        self.short: dict[tuple[str, ...], set[str]] = {}  # whole token sequence -> ids of short problems
+        self.short_lengths: dict[str, set[int]] = {}  # first token -> lengths of short problems starting so
         for e in eval_records:
             tokens = text_tokens(record_text(e))
             if not tokens:
                 continue
             if len(tokens) < n:
-                self.short.setdefault(len(tokens), {}).setdefault(tuple(tokens), set()).add(e.id)
+                self.short.setdefault(tuple(tokens), set()).add(e.id)
+                self.short_lengths.setdefault(tokens[0], set()).add(len(tokens))
                 continue
             grams = _ngrams(tokens, n)
             self.gram_count[e.id] = len(grams)
@@ -78,9 +80,10 @@ class _EvalIndex:
         for g in _ngrams(tokens, self.n):
             hits.update(self.grams.get(g, ()))
         found = {eid: min(1.0, c / self.gram_count[eid]) for eid, c in hits.items()}
-        for length, sequences in self.short.items():
-            for i in range(len(tokens) - length + 1):
-                for eid in sequences.get(tuple(tokens[i : i + length]), ()):
+        # Only positions that start like some short problem can hold one.
+        for i, token in enumerate(tokens):
+            for length in self.short_lengths.get(token, ()):
+                for eid in self.short.get(tuple(tokens[i : i + length]), ()):
                     found[eid] = 1.0
         return found
 
