@@ -20,7 +20,7 @@ from rlax_data.verify.registry import (
     register_verifier,
     registered_configs,
 )
-from rlax_data.verify.sandbox import CaseOutcome, ExecJob, JobResult, Sandbox, SandboxConfig, netns_available
+from rlax_data.verify.sandbox import CaseOutcome, ExecJob, JobResult, Sandbox, SandboxConfig, bwrap_available
 from rlax_data.verify.shaping import OverlongConfig, ShapedVerifier, ShapingConfig, overlong_penalty
 
 __all__ = [
@@ -47,11 +47,11 @@ __all__ = [
     "VerifyItem",
     "VerifyResult",
     "build_verifier",
+    "bwrap_available",
     "evaluate_countdown",
     "extract_answer",
     "extract_code",
     "load_verifier_config",
-    "netns_available",
     "normalize_answer",
     "overlong_penalty",
     "register_verifier",

@@ -1,185 +1,145 @@
-"""Child-side sandbox harness (run as a script by `sandbox.py`, never imported by it).
+"""Child-side runner, executed inside the sandbox (never imported by the verifier).
 
-Order matters: read the spec (still privileged), set resource limits, import the stdlib
-modules user code may need, drop to the sandbox uid, install the audit hook, then run
-the user program. Results go to an inherited pipe fd as JSON lines that carry a nonce,
-so text a program prints can never pass for a result.
+`sandbox.py` runs `python -I -S -c <plain_values.py + this file> REQUEST_FD REPLY_FD
+STATUS_FD`.
+Nothing here is trusted by the judging side: the program runs in this same process and
+may rewrite any of it. The design does not need it to be trusted, because
+- the expected values never enter the sandbox (only call arguments do), and
+- the parent checks the returned *values*, decoded from JSON as built-in types, never a
+  pass flag; a forged reply is only a (probably wrong) answer.
 
-Only the standard library is used: the interpreter runs with -I -S.
+Messages are JSON lines. Request 1: {"mode", "program", "entry_point", "limits"}.
+Mode "io": run the program and exit with its status (stdout is what gets judged).
+Mode "tests": reply {"loaded": true} or {"loaded": false, "error", "type"} after running
+the program; then for each request {"args", "kwargs"} call `entry_point` and reply
+{"value": plain} or {"error", "type", "errno"}; end at EOF.
 """
 
 import json
 import os
 import resource
 import sys
-
-SPEC_PATH = sys.argv[1]
-RESULT_FD = int(sys.argv[2])
-
-with open(SPEC_PATH, "rb") as _f:
-    SPEC = json.loads(_f.read())
-os.unlink(SPEC_PATH)
-NONCE = SPEC.pop("nonce")
-LIMITS = SPEC["limits"]
-SANDBOX_DIR = os.path.realpath(SPEC["sandbox_dir"])
+import traceback
+import types
 
 
-def _emit(obj):
-    obj["nonce"] = NONCE
-    data = (json.dumps(obj, default=repr) + "\n").encode()
-    while data:
-        n = os.write(RESULT_FD, data)
-        data = data[n:]
-
-
-def _set_limits():
+def _set_limits(limits):
     def both(which, value):
         resource.setrlimit(which, (value, value))
 
     # The CPU hard limit sits one second above the soft one: SIGXCPU first, then SIGKILL.
-    resource.setrlimit(resource.RLIMIT_CPU, (LIMITS["cpu_s"], LIMITS["cpu_s"] + 1))
-    both(resource.RLIMIT_AS, LIMITS["as_bytes"])
-    both(resource.RLIMIT_FSIZE, LIMITS["fsize_bytes"])
-    both(resource.RLIMIT_NOFILE, LIMITS["nofile"])
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+    both(resource.RLIMIT_AS, limits["as_bytes"])
+    both(resource.RLIMIT_FSIZE, limits["fsize_bytes"])
+    both(resource.RLIMIT_NOFILE, limits["nofile"])
     both(resource.RLIMIT_CORE, 0)
-    both(resource.RLIMIT_NPROC, LIMITS["nproc"])
+    both(resource.RLIMIT_NPROC, limits["nproc"])
 
 
-_set_limits()
+class _Lines:
+    def __init__(self, fd):
+        self.fd = fd
+        self.buf = b""
 
-for _name in SPEC["preload"]:
-    __import__(_name)
-
-import traceback  # noqa: E402  (after the limits, so its import is limited too)
-
-if SPEC["uid"] is not None:
-    os.setgroups([])
-    os.setgid(SPEC["gid"])
-    os.setuid(SPEC["uid"])
-os.chdir(SANDBOX_DIR)
-
-_BLOCKED_EVENTS = {
-    "os.fork",
-    "os.forkpty",
-    "os.posix_spawn",
-    "os.spawn",
-    "os.system",
-    "os.exec",
-    "os.startfile",
-    "subprocess.Popen",
-    "pty.spawn",
-    "ctypes.dlopen",
-    "ctypes.dlsym",
-    "ctypes.cdata",
-    "ctypes.call_function",
-    "os.chroot",
-    "os.setuid",
-    "os.setreuid",
-    "os.setresuid",
-}
-# Modules that reach the OS without raising an audit event of their own.
-_BLOCKED_IMPORTS = {"_posixsubprocess", "_ctypes", "ctypes", "_multiprocessing"}
-if SPEC["block_network"]:
-    _BLOCKED_EVENTS |= {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo"}
-    _BLOCKED_IMPORTS |= {"_socket", "socket", "ssl", "_ssl"}
-_PATH_EVENTS = {
-    "os.remove",
-    "os.rename",
-    "os.rmdir",
-    "os.mkdir",
-    "os.chmod",
-    "os.chown",
-    "os.truncate",
-    "os.utime",
-    "os.link",
-    "os.symlink",
-    "shutil.rmtree",
-    "shutil.copyfile",
-    "shutil.move",
-}
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    def next(self):
+        while b"\n" not in self.buf:
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
 
 
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    real = os.path.realpath(os.fspath(path))
-    return real == SANDBOX_DIR or real.startswith(SANDBOX_DIR + os.sep) or real == "/dev/null"
-
-
-def _hook(event, args):
-    if event in _BLOCKED_EVENTS:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0] in _BLOCKED_IMPORTS:
-        raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (mode is not None and any(c in mode for c in "wax+")) or (
-            mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS
-        )
-        if writing and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory")
-    elif event in _PATH_EVENTS:
-        for p in args[:2]:
-            if isinstance(p, (str, bytes, os.PathLike)) and not _inside(p):
-                raise PermissionError(f"sandbox: {event} on {p!r} outside the sandbox directory")
-
-
-sys.addaudithook(_hook)
-
-
-def _error_text():
-    etype, value, _ = sys.exc_info()
-    lines = traceback.format_exception_only(etype, value)
-    return "".join(lines).strip()[-2000:]
-
-
-def _plain(value):
-    # JSON round trip: tuples become lists, so results compare like the stored expectation.
-    return json.loads(json.dumps(value))
-
-
-def _run():
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    mode = SPEC["mode"]
-    try:
-        exec(compile(SPEC["program"], "<program>", "exec"), namespace)
-    except SystemExit as e:
-        if mode == "io" and (e.code is None or e.code == 0):
-            _emit({"case": "io", "passed": True})
-            return
-        raise
-    except BaseException:
-        if mode == "io":
-            _emit({"case": "io", "passed": False, "error": _error_text()})
-            return
-        msg = _error_text()
-        for case in SPEC["cases"]:
-            _emit({"case": case, "passed": False, "error": "program failed: " + msg})
-        return
-    if mode == "io":
-        sys.stdout.flush()
-        _emit({"case": "io", "passed": True})
-        return
-    for case in SPEC["cases"]:
+def _send(fd, obj):
+    for stream in (sys.stdout, sys.stderr):
         try:
-            if case == "script":
-                exec(compile(SPEC["script"], "<tests>", "exec"), namespace)
-                _emit({"case": case, "passed": True})
-            else:
-                call = SPEC["calls"][case]
-                fn = namespace[SPEC["entry_point"]]
-                got = _plain(fn(*call["args"], **call["kwargs"]))
-                ok = got == call["expected"]
-                out = {"case": case, "passed": ok}
-                if not ok:
-                    out["error"] = f"expected {call['expected']!r}, got {got!r}"[:2000]
-                _emit(out)
+            stream.flush()
+        except Exception:
+            pass
+    data = (json.dumps(obj, allow_nan=False) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _failure(exc):
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+    return {"error": text, "type": type(exc).__name__, "errno": getattr(exc, "errno", None)}
+
+
+def _run_program(spec, requests, reply_fd):
+    """The program's process: limits, then the program, then its test calls."""
+    _set_limits(spec["limits"])
+    # The program gets a fresh `__main__` module of its own.
+    module = types.ModuleType("__main__")
+    sys.modules["__main__"] = module
+    if spec["mode"] == "io":
+        os.close(requests.fd)
+        os.close(reply_fd)
+        exec(compile(spec["program"], "<program>", "exec"), module.__dict__)
+        return
+    try:
+        exec(compile(spec["program"], "<program>", "exec"), module.__dict__)
+    except BaseException as exc:
+        _send(reply_fd, {"loaded": False, **_failure(exc)})
+        return
+    _send(reply_fd, {"loaded": True})
+    entry_point = spec["entry_point"]
+    while True:
+        call = requests.next()
+        if call is None:
+            return
+        try:
+            function = module.__dict__.get(entry_point)
+            if not callable(function):
+                raise NameError(f"the program does not define a function {entry_point!r}")
+            value = function(*from_plain(call["args"]), **from_plain(call["kwargs"]))  # noqa: F821
+            reply = {"value": to_plain(value)}  # noqa: F821
+        except BaseException as exc:
+            reply = _failure(exc)
+        _send(reply_fd, reply)
+
+
+def _exit_code(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
+def _main():
+    request_fd, reply_fd, status_fd = (int(a) for a in sys.argv[1:4])
+    requests = _Lines(request_fd)
+    spec = requests.next()
+    # The program runs in a child; this process only reports how it ended and the CPU
+    # time it used (through `status_fd`, which the child does not keep), so that a kill
+    # can be told apart: a limit of the job's own, or a signal from outside.
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)
+        code = 0
+        try:
+            _run_program(spec, requests, reply_fd)
+        except SystemExit as exc:
+            code = _exit_code(exc)
         except BaseException:
-            _emit({"case": case, "passed": False, "error": _error_text()})
+            traceback.print_exc()
+            code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(code)
+    os.close(request_fd)
+    os.close(reply_fd)
+    _, status, usage = os.wait4(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    _send(status_fd, {"exit": code, "cpu_s": usage.ru_utime + usage.ru_stime})
+    os._exit(code if code >= 0 else 128 - code)
 
 
-_run()
-sys.stdout.flush()
+if __name__ == "__main__":
+    _main()

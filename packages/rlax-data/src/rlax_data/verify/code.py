@@ -42,6 +42,7 @@ def jobs_for(program: str, tests: CodeTests) -> list[ExecJob]:
                 mode="tests",
                 program=program,
                 script=tests.script,
+                prelude=tests.prefix,
                 entry_point=tests.entry_point,
                 calls=[msgspec.to_builtins(c) for c in tests.calls],
                 timeout_s=tests.timeout_s,

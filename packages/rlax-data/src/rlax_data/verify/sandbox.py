@@ -1,30 +1,32 @@
-"""Sandboxed execution of untrusted Python programs, in parallel.
+"""Sandboxed execution of untrusted Python programs, in parallel, judged from outside.
 
-Each job runs `python -I -S _harness.py` in a subprocess:
-- resource limits (CPU seconds, address space, file size, open files, process count),
-  set by the harness with `resource` before any user code runs (not in a `preexec_fn`:
-  that is unsafe with the thread pool that runs jobs in parallel);
-- when the host runs us as root, a private uid per pool slot, so the process-count limit
-  caps that slot alone, the program cannot write anywhere but its own temporary
-  directory, and every leftover process of the slot can be found and killed;
-- no network: a fresh network namespace (`unshare --net`, no interfaces but a downed
-  loopback) when it can be made, plus an in-process audit hook that refuses sockets,
-  process creation, ctypes and writes outside the temporary directory;
-- a private temporary directory as cwd, HOME and TMPDIR, removed afterwards;
-- its own session: at the timeout (and after any exit) the whole process group is killed.
+Each job is one process, `python -I -S -c <runner>` (`_harness.py`), started through
+bubblewrap (`_isolation.py`): fresh user, pid, network, ipc, uts and mount namespaces; the
+only files it sees are the interpreter, its standard library and the system's shared
+libraries (read-only), and private tmpfs `/work` and `/tmp`. When we run as root the job
+also runs under a uid of its own, unique on the host (`UidPool`), and its processes count
+against the per-job process limit. The runner sets resource limits (CPU seconds,
+address space, file size, open files, processes) before any program code runs.
 
-`Sandbox.isolation` says which of these the host allowed; `SandboxConfig.network`
-chooses between the namespace and the hook alone, and requiring a namespace the host
-cannot make is an error rather than a silent downgrade.
+The verdict is decided here, never in the job: the job receives only the program and
+the *arguments* of each test call, and sends back each return value as plain JSON
+(`plain_values`: built-in types only, no subclasses). This process compares them with
+the expected values, which never enter the sandbox, and a case without a reply (the
+program exited, crashed or timed out first) fails. Assert-style test scripts (HumanEval's
+`check(candidate)`) run here too (`_channel.run_script`), with the entry point replaced
+by a stand-in that forwards each call to the job and returns its plain reply.
+
+`SandboxConfig.isolation="process"` runs jobs without bubblewrap (resource limits and a
+private session only); it is never chosen implicitly, and the sandbox logs a warning.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
-import queue
-import secrets
-import selectors
+import select
 import shutil
 import signal
 import subprocess
@@ -38,30 +40,27 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["CaseOutcome", "ExecJob", "JobResult", "Sandbox", "SandboxConfig", "netns_available"]
+from rlax_data.verify import _channel, _isolation
 
-_HARNESS = Path(__file__).with_name("_harness.py")
+__all__ = ["CaseOutcome", "ExecJob", "JobResult", "Sandbox", "SandboxConfig", "bwrap_available"]
 
-# Imported before privileges drop: the interpreter's own files may be unreadable to the
-# sandbox uid (a pyenv under /root), so modules user code may want must already be loaded.
-DEFAULT_PRELOAD = (
-    "math", "cmath", "re", "string", "collections", "collections.abc", "itertools", "functools",
-    "operator", "typing", "heapq", "bisect", "hashlib", "random", "statistics", "fractions",
-    "decimal", "json", "copy", "datetime", "array", "struct", "dataclasses", "enum", "numbers",
-    "textwrap", "unicodedata", "io", "time", "traceback", "linecache", "contextlib", "queue",
-    "base64", "binascii", "zlib", "calendar", "difflib", "pprint", "threading", "warnings", "weakref",
-    "ast", "secrets", "uuid", "glob", "fnmatch", "shlex", "csv",
-)  # fmt: skip
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+# The runner's source: the shared plain-value encoding, then the runner itself.
+_RUNNER = (_HERE / "plain_values.py").read_text() + "\n" + (_HERE / "_harness.py").read_text()
 
 
 class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Limits and isolation of one sandboxed run.
 
-    timeout_s: wall-clock limit per job; the process group is killed then.
-    cpu_s: RLIMIT_CPU (whole seconds). memory_mb: RLIMIT_AS. file_size_mb: RLIMIT_FSIZE.
-    max_procs: RLIMIT_NPROC of the slot uid (1 means no child process at all).
-    network: "auto" (namespace if the host allows, else hook only), "netns" (required),
-    "audit" (hook only). workers: parallel jobs. uid_base: first private uid (root only).
+    timeout_s: wall-clock limit per job. cpu_s: RLIMIT_CPU (whole seconds).
+    memory_mb: RLIMIT_AS. file_size_mb: RLIMIT_FSIZE. max_procs: processes and threads
+    the program may have, itself included. tmpfs_mb: size of each of `/work` and `/tmp`.
+    isolation: "bwrap" (required unless "process" is chosen explicitly: limits only).
+    uid_base/uid_count: the host-wide pool of private uids (used when running as root).
+    python: interpreter for the jobs ("" = this one, or a system one of the same version
+    when a private uid cannot read this one). workers: parallel jobs (0 = CPU count).
     """
 
     timeout_s: float = 10.0
@@ -70,23 +69,33 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     file_size_mb: int = 16
     max_open_files: int = 64
     max_procs: int = 4
-    network: Literal["auto", "netns", "audit"] = "auto"
-    drop_privileges: bool = True
+    tmpfs_mb: int = 64
+    isolation: Literal["bwrap", "process"] = "bwrap"
     uid_base: int = 61000
+    uid_count: int = 4096
     workers: int = 0
     python: str = ""
-    preload: tuple[str, ...] = DEFAULT_PRELOAD
     max_output_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "max_open_files", "max_procs"):
+        for name in (
+            "timeout_s",
+            "cpu_s",
+            "memory_mb",
+            "file_size_mb",
+            "max_open_files",
+            "max_procs",
+            "tmpfs_mb",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"field `sandbox.{name}`: must be > 0, got {value!r}")
         if self.workers < 0:
             raise ValueError(f"field `sandbox.workers`: must be >= 0 (0 = CPU count), got {self.workers}")
-        if not 1000 <= self.uid_base < 2**31 - 1024:
-            raise ValueError(f"field `sandbox.uid_base`: must be in [1000, 2**31-1024), got {self.uid_base}")
+        if not (1000 <= self.uid_base and self.uid_count > 0 and self.uid_base + self.uid_count < 2**31):
+            raise ValueError(
+                "field `sandbox.uid_base`: [uid_base, uid_base + uid_count) must lie in [1000, 2**31)"
+            )
 
 
 class CaseOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,13 +109,17 @@ class CaseOutcome(msgspec.Struct, frozen=True, kw_only=True):
 class ExecJob(msgspec.Struct, frozen=True, kw_only=True):
     """One process to run.
 
-    mode "tests": run `program`, then `script` (if any) and each `calls` case;
-    mode "io": run `program` with `stdin`; passing also needs stdout == `expected_stdout`.
+    mode "tests": run `program`, then the `script` (if any; run outside the sandbox after
+    `prelude`, with `entry_point` forwarded to the job) and each `calls` case
+    ({"args", "kwargs", "expected"}; only the arguments reach the job).
+    mode "io": run `program` with `stdin`; it passes if it exits with status 0 and its
+    stdout equals `expected_stdout` (trailing whitespace of each line ignored).
     """
 
     mode: Literal["tests", "io"]
     program: str
     script: str = ""
+    prelude: str = ""
     entry_point: str | None = None
     calls: list[dict[str, Any]] = []
     stdin: str = ""
@@ -115,7 +128,8 @@ class ExecJob(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one job did. status: ok | failed | timeout | killed | crashed."""
+    """What one job did. status: ok | failed | timeout | killed | crashed.
+    `reason` says why the process ended early (which limit, or a signal from outside)."""
 
     cases: list[CaseOutcome]
     status: str
@@ -123,65 +137,86 @@ class JobResult(msgspec.Struct, frozen=True, kw_only=True):
     stdout: str
     stderr: str
     elapsed_s: float
+    reason: str = ""
 
     @property
     def passed(self) -> bool:
         return bool(self.cases) and all(c.passed for c in self.cases)
 
 
-_netns_cache: dict[str, bool] = {}
-
-
-def netns_available() -> bool:
-    """Whether `unshare --net` works here (root, or a kernel allowing it); probed once."""
-    if "ok" not in _netns_cache:
-        exe = shutil.which("unshare")
-        ok = False
-        if exe is not None:
-            try:
-                ok = subprocess.run([exe, "--net", "true"], capture_output=True, timeout=10).returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
-                ok = False
-        _netns_cache["ok"] = ok
-    return _netns_cache["ok"]
+def bwrap_available() -> bool:
+    """Whether bubblewrap is installed (whether it works here is `Sandbox.self_check`'s job)."""
+    return shutil.which("bwrap") is not None
 
 
 def _normalise_stdout(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
+def _json_view(value: Any) -> Any:
+    """Tuples as lists (expected values of call cases come from JSON)."""
+    if type(value) is tuple or type(value) is list:
+        return [_json_view(v) for v in value]
+    if type(value) is dict:
+        return {k: _json_view(v) for k, v in value.items()}
+    return value
+
+
+def _memfd(name: str, data: bytes = b"") -> int:
+    fd = os.memfd_create(name)
+    if data:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class Sandbox:
     """Runs `ExecJob`s in isolated subprocesses, `workers` at a time."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig()
-        c = self.config
-        self._python = c.python or sys.executable
-        self._privileged = c.drop_privileges and os.geteuid() == 0
-        if c.network == "netns" and not netns_available():
-            raise RuntimeError("sandbox.network='netns' but `unshare --net` fails on this host (needs root)")
-        self._netns = c.network == "netns" or (c.network == "auto" and netns_available())
+        self.config = c = config or SandboxConfig()
         self._workers = c.workers or os.cpu_count() or 1
-        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(self._workers):
-            self._slots.put(i)
+        self._private_uid = c.isolation == "bwrap" and os.geteuid() == 0
+        self._uids = _isolation.UidPool(c.uid_base, c.uid_count) if self._private_uid else None
+        if c.isolation == "bwrap":
+            if not bwrap_available():
+                raise RuntimeError(_isolation.BWRAP_MISSING)
+            self._interp = _isolation.find_interpreter(c.python, self._private_uid)
+            python = self._interp.executable
+            self.isolation: dict[str, Any] = {
+                "mode": "bwrap",
+                "network": "bwrap netns",
+                "filesystem": "interpreter and stdlib read-only, private tmpfs /work and /tmp",
+                "user": "private uid per job"
+                if self._private_uid
+                else "caller's uid in a per-job user namespace",
+            }
+        else:
+            python = os.path.realpath(c.python or sys.executable)
+            self.isolation = {
+                "mode": "process",
+                "network": "none",
+                "filesystem": "none (host filesystem visible)",
+                "user": "caller's uid",
+            }
+            log.warning(
+                "sandbox.isolation='process': programs run with resource limits only, without "
+                "filesystem, network or process isolation; use it only for trusted programs"
+            )
+        self.isolation.update(workers=self._workers, python=python)
+        self._python = python
         self._checked = False
-        self.isolation = {
-            "network": "netns+audit-hook" if self._netns else "audit-hook",
-            "user": f"private uid per slot from {c.uid_base}"
-            if self._privileged
-            else "same uid as the caller",
-            "workers": self._workers,
-        }
 
     def self_check(self) -> None:
-        """Run a trivial program once; raise if the sandbox itself cannot start one on this
-        host (say the uid switch is refused), instead of failing every program later."""
-        res = self._run_one(ExecJob(mode="tests", program="x = 1", script="assert x == 1"))
+        """Run a trivial program once; raise if this host cannot run one (no user
+        namespaces, say), instead of failing every program later."""
+        job = ExecJob(mode="tests", program="def f(x):\n    return 2 * x\n", entry_point="f",
+                      calls=[{"args": [21], "kwargs": {}, "expected": 42}])  # fmt: skip
+        res = self._execute(job)
         if not res.passed:
             raise RuntimeError(
-                f"sandbox cannot run a trivial program here ({self.isolation}): status {res.status}, "
-                f"returncode {res.returncode}, stderr: {res.stderr.strip()[-1000:]}"
+                f"the sandbox cannot run a trivial program here ({self.isolation}): status {res.status} "
+                f"({res.reason}), cases {res.cases}, stderr: {res.stderr.strip()[-1000:]}"
             )
         self._checked = True
 
@@ -192,272 +227,263 @@ class Sandbox:
         if not self._checked:
             self.self_check()
         if len(jobs) == 1 or self._workers == 1:
-            return [self._run_one(j) for j in jobs]
+            return [self._execute(j) for j in jobs]
         with ThreadPoolExecutor(max_workers=min(self._workers, len(jobs))) as pool:
-            return list(pool.map(self._run_one, jobs))
+            return list(pool.map(self._execute, jobs))
 
-    def _run_one(self, job: ExecJob) -> JobResult:
-        slot = self._slots.get()
-        try:
-            return self._execute(job, slot)
-        finally:
-            self._slots.put(slot)
-
-    def _execute(self, job: ExecJob, slot: int) -> JobResult:
+    def _limits(self) -> dict[str, int]:
         c = self.config
-        uid = c.uid_base + slot if self._privileged else None
-        workdir = Path(tempfile.mkdtemp(prefix="rlax-sandbox-"))
-        read_fd = write_fd = -1
+        if c.isolation == "bwrap":
+            # Counted per job (its own user namespace): the job's processes and threads
+            # plus bubblewrap's init process.
+            nproc = c.max_procs + 1
+        else:
+            nproc = len(os.listdir("/proc")) + c.max_procs  # a rough cap: shared with the caller's uid
+        return {
+            "cpu_s": c.cpu_s,
+            "as_bytes": c.memory_mb << 20,
+            "fsize_bytes": c.file_size_mb << 20,
+            "nofile": c.max_open_files,
+            "nproc": nproc,
+        }
+
+    def _execute(self, job: ExecJob) -> JobResult:
+        if self._uids is not None:
+            with self._uids.lease() as uid:
+                return self._execute_as(job, uid)
+        return self._execute_as(job, None)
+
+    def _execute_as(self, job: ExecJob, uid: int | None) -> JobResult:
+        c = self.config
+        timeout = job.timeout_s or c.timeout_s
+        fds: list[int] = []
         proc: subprocess.Popen[bytes] | None = None
+        workdir: str | None = None
         t0 = time.monotonic()
         try:
-            # Traversable but not listable: the slot uid reaches only its own `work` folder.
-            os.chmod(workdir, 0o711)
-            sandbox_dir = workdir / "work"
-            sandbox_dir.mkdir(mode=0o700)
-            if uid is not None:
-                os.chown(sandbox_dir, uid, uid)
-            nonce = secrets.token_hex(16)
-            case_ids: list[str | int] = []
-            if job.mode == "tests":
-                case_ids = (["script"] if job.script else []) + list(range(len(job.calls)))
-            spec = {
-                "mode": "io" if job.mode == "io" else "tests",
-                "program": job.program,
-                "script": job.script,
-                "entry_point": job.entry_point,
-                "calls": job.calls,
-                "cases": case_ids,
-                "nonce": nonce,
-                "sandbox_dir": str(sandbox_dir),
-                "uid": uid,
-                "gid": uid,
-                "block_network": True,
-                "preload": list(c.preload),
-                "limits": {
-                    "cpu_s": c.cpu_s,
-                    "as_bytes": c.memory_mb << 20,
-                    "fsize_bytes": c.file_size_mb << 20,
-                    "nofile": c.max_open_files,
-                    "nproc": c.max_procs if uid is not None else _own_process_count() + c.max_procs,
-                },
-            }
-            spec_path = workdir / "spec.json"
-            # Read by the harness before it drops privileges; unreadable to the slot uid.
-            fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(spec))
-            read_fd, write_fd = os.pipe()
-            cmd = [self._python, "-I", "-S", str(_HARNESS), str(spec_path), str(write_fd)]
-            if self._netns:
-                cmd = [shutil.which("unshare") or "unshare", "--net", "--", *cmd]
-            env = {
-                "PATH": "/usr/bin:/bin",
-                "HOME": str(sandbox_dir),
-                "TMPDIR": str(sandbox_dir),
-                "LANG": "C.UTF-8",
-            }
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(write_fd,),
-                cwd=str(sandbox_dir),
-                env=env,
-                start_new_session=True,
+            stdin_fd, stdout_fd, stderr_fd = (
+                _memfd("stdin", job.stdin.encode()),
+                _memfd("stdout"),
+                _memfd("stderr"),
             )
-            os.close(write_fd)
-            write_fd = -1
-            timeout = job.timeout_s or c.timeout_s
-            outs, timed_out = self._pump(proc, job.stdin.encode(), read_fd, t0 + timeout, uid)
-            rc = proc.returncode
-            elapsed = time.monotonic() - t0
-            stdout = outs[0].decode("utf-8", "replace")
-            stderr = outs[1].decode("utf-8", "replace")
-            cases = _parse_results(outs[2], nonce)
-            return self._judge(job, case_ids, cases, rc, timed_out, stdout, stderr, elapsed)
-        finally:
-            if proc is not None and proc.poll() is None:
-                self._kill_all(proc, uid)
-                proc.wait()
-            for fd in (read_fd, write_fd):
-                if fd >= 0:
-                    os.close(fd)
-            shutil.rmtree(workdir, ignore_errors=True)
-
-    def _pump(
-        self, proc: subprocess.Popen[bytes], stdin: bytes, result_fd: int, deadline: float, uid: int | None
-    ) -> tuple[list[bytes], bool]:
-        """Feed stdin and collect stdout, stderr and the result pipe until EOF or the deadline."""
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        cap = self.config.max_output_bytes
-        bufs = [bytearray(), bytearray(), bytearray()]
-        sel = selectors.DefaultSelector()
-        for i, f in enumerate((proc.stdout.fileno(), proc.stderr.fileno(), result_fd)):
-            os.set_blocking(f, False)
-            sel.register(f, selectors.EVENT_READ, i)
-        pending = memoryview(stdin)
-        if pending:
-            os.set_blocking(proc.stdin.fileno(), False)
-            sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, -1)
-        else:
-            proc.stdin.close()
-        open_readers = 3
-        timed_out = False
-        reaped = False
-        try:
-            while open_readers:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = proc.poll() is None
-                    break
-                for key, _ in sel.select(timeout=min(left, 0.5)):
-                    if key.data == -1:
-                        try:
-                            n = os.write(key.fd, pending[:65536])
-                            pending = pending[n:]
-                        except BlockingIOError:
-                            continue
-                        except BrokenPipeError:
-                            pending = pending[:0]  # the program stopped reading; that is its business
-                        if not pending:
-                            sel.unregister(key.fd)
-                            proc.stdin.close()
-                        continue
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        open_readers -= 1
-                    elif len(bufs[key.data]) < cap:
-                        bufs[key.data] += chunk[: cap - len(bufs[key.data])]
-                if not reaped and proc.poll() is not None:
-                    # The main process is gone: anything it left behind (holding our pipes
-                    # open) is killed so the remaining output reaches EOF.
-                    reaped = True
-                    self._kill_all(proc, uid)
-        finally:
-            sel.close()
-        if proc.poll() is None or not reaped:
-            self._kill_all(proc, uid)
-        proc.wait()
-        return [bytes(b) for b in bufs], timed_out
-
-    def _kill_all(self, proc: subprocess.Popen[bytes], uid: int | None) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if uid is not None:
-            # A process that called setsid() left the group; the slot uid still finds it.
-            for _ in range(20):
-                pids = _pids_of_uid(uid)
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.01)
-
-    def _judge(
-        self,
-        job: ExecJob,
-        case_ids: list[str | int],
-        got: dict[str | int, CaseOutcome],
-        rc: int | None,
-        timed_out: bool,
-        stdout: str,
-        stderr: str,
-        elapsed: float,
-    ) -> JobResult:
-        if timed_out:
-            status, why = (
-                "timeout",
-                f"timed out after {job.timeout_s or self.config.timeout_s:g}s; process group killed",
-            )
-        elif rc is not None and rc < 0:
-            sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-            status, why = (
-                "killed",
-                f"killed by {sig}" + (" (CPU time limit)" if sig in ("SIGXCPU", "SIGKILL") else ""),
-            )
-        elif rc not in (0, None):
-            status, why = "crashed", f"exit code {rc}: {stderr.strip()[-500:]}"
-        else:
-            status, why = "ok", "no result reported (the program exited early)"
-        if job.mode == "io":
-            res = got.get("io")
-            if res is None or status != "ok":
-                cases = [CaseOutcome(case="io", passed=False, error=res.error if res and res.error else why)]
-            elif not res.passed:
-                cases = [res]
+            request_r, request_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            status_r, status_w = os.pipe()
+            fds += [
+                stdin_fd,
+                stdout_fd,
+                stderr_fd,
+                request_r,
+                request_w,
+                reply_r,
+                reply_w,
+                status_r,
+                status_w,
+            ]
+            harness = ["-c", _RUNNER, str(request_r), str(reply_w), str(status_w)]
+            if c.isolation == "bwrap":
+                cmd = _isolation.bwrap_command(self._interp, c.tmpfs_mb << 20, harness)
+                env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
             else:
-                want = _normalise_stdout(job.expected_stdout or "")
-                ok = _normalise_stdout(stdout) == want
-                err = (
-                    ""
-                    if ok
-                    else f"stdout mismatch: expected {want[:200]!r}, got {_normalise_stdout(stdout)[:200]!r}"
-                )
-                cases = [CaseOutcome(case="io", passed=ok, error=err)]
-        else:
-            cases = [got.get(cid) or CaseOutcome(case=cid, passed=False, error=why) for cid in case_ids]
-            if status != "ok":
-                # A result line followed by a kill (e.g. CPU limit in a later case) still counts
-                # only for the cases that finished before it.
-                cases = [
-                    c if c.passed or c.error else CaseOutcome(case=c.case, passed=False, error=why)
-                    for c in cases
-                ]
-        final = (
-            "ok"
-            if status == "ok" and all(c.passed for c in cases)
-            else ("failed" if status == "ok" else status)
-        )
-        return JobResult(
-            cases=cases, status=final, returncode=rc, stdout=stdout, stderr=stderr[-4000:], elapsed_s=elapsed
-        )
-
-
-def _parse_results(raw: bytes, nonce: str) -> dict[str | int, CaseOutcome]:
-    out: dict[str | int, CaseOutcome] = {}
-    for line in raw.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(obj, dict) or obj.get("nonce") != nonce:
-            continue
-        case = obj.get("case")
-        if isinstance(case, (str, int)) and case not in out:
-            out[case] = CaseOutcome(
-                case=case, passed=bool(obj.get("passed")), error=str(obj.get("error", ""))
+                workdir = tempfile.mkdtemp(prefix="rlax-sandbox-")
+                cmd = [self._python, "-I", "-S", *harness]
+                env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+                cwd = workdir
+            proc = subprocess.Popen(
+                cmd, stdin=stdin_fd, stdout=stdout_fd, stderr=stderr_fd, pass_fds=(request_r, reply_w, status_w),
+                cwd=cwd, env=env, start_new_session=True,
+                user=uid, group=uid, extra_groups=[] if uid is not None else None,
+            )  # fmt: skip
+            for fd in (request_r, reply_w, status_w, stdin_fd):
+                os.close(fd)
+                fds.remove(fd)
+            pidfd = os.pidfd_open(proc.pid)
+            fds.append(pidfd)
+            chan = _channel.Channel(request_w, reply_r, pidfd, t0 + timeout, c.max_output_bytes)
+            spec = {
+                "mode": job.mode,
+                "program": job.program,
+                "entry_point": job.entry_point,
+                "limits": self._limits(),
+            }
+            outcomes: list[CaseOutcome | None] = [None] * (1 if job.mode == "io" else len(_case_ids(job)))
+            try:
+                chan.send(spec)
+                if job.mode == "io":
+                    _await_exit(chan)
+                else:
+                    self._run_tests(job, chan, outcomes)
+            except _channel.Stopped:
+                pass  # the cases without an outcome fail below, with the reason
+            # A closed reply pipe means the job's processes are gone: give bubblewrap a
+            # moment to report how its child ended.
+            grace = min(2.0, max(0.0, t0 + timeout - time.monotonic())) if chan.stopped == "exited" else 0.0
+            ended_by_itself = _has_exited(pidfd, grace)
+            rc, _ = _finish(proc)
+            ended = _read_status(status_r) if ended_by_itself else None
+            elapsed = time.monotonic() - t0
+            stdout = os.pread(stdout_fd, c.max_output_bytes, 0).decode("utf-8", "replace")
+            stderr = os.pread(stderr_fd, c.max_output_bytes, 0).decode("utf-8", "replace")
+        finally:
+            if proc is not None and proc.returncode is None:
+                _finish(proc)
+            for fd in fds:
+                os.close(fd)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if chan.timed_out:
+            status, reason = (
+                "timeout",
+                f"timed out after {timeout:g}s (wall-clock time limit); all its processes were killed",
             )
-    return out
+        elif ended is not None:
+            status, reason = self._exit_reason(ended[0], ended[1], stderr)
+        elif ended_by_itself:
+            status, reason = (
+                "crashed",
+                f"the job's supervisor ended (status {rc}) without saying how the program did",
+            )
+        elif chan.stopped:
+            status, reason = "crashed", f"the job sent {chan.stopped}"
+        else:
+            status, reason = "ok", ""
+        if job.mode == "io":
+            cases = [self._io_outcome(job, status, reason, stdout)]
+        else:
+            why = reason or "no reply"
+            if status == "ok" and ended_by_itself:
+                why = "the program exited before its tests had run"
+            cases = [
+                o or CaseOutcome(case=cid, passed=False, error=why)
+                for o, cid in zip(outcomes, _case_ids(job))
+            ]
+        if status == "ok":
+            status = "ok" if cases and all(x.passed for x in cases) else "failed"
+        return JobResult(cases=cases, status=status, returncode=rc, stdout=stdout, stderr=stderr[-4000:],
+                         elapsed_s=elapsed, reason=reason)  # fmt: skip
 
+    def _run_tests(self, job: ExecJob, chan: _channel.Channel, outcomes: list[CaseOutcome | None]) -> None:
+        """Fill `outcomes` (script first, then the calls) until the job stops answering."""
+        loaded = chan.recv()
+        if loaded.get("loaded") is not True:
+            error = "program failed: " + str(loaded.get("error", ""))[-2000:] + self._limit_label(loaded)
+            outcomes[:] = [CaseOutcome(case=cid, passed=False, error=error) for cid in _case_ids(job)]
+            return
+        first = 0
+        if job.script:
+            error = _channel.run_script(job.prelude, job.script, job.entry_point, chan)
+            outcomes[0] = CaseOutcome(case="script", passed=not error, error=error)
+            first = 1
+        for k, call in enumerate(job.calls):
+            reply = chan.call(call.get("args", []), call.get("kwargs", {}))
+            outcomes[first + k] = self._compare(k, call.get("expected"), reply)
 
-def _pids_of_uid(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real uid is `uid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    def _compare(self, case: int, expected: Any, reply: dict[str, Any]) -> CaseOutcome:
+        if "value" not in reply:
+            return CaseOutcome(
+                case=case, passed=False, error=str(reply["error"])[-2000:] + self._limit_label(reply)
+            )
+        got = _json_view(reply["value"])
         try:
-            with open(f"/proc/{entry.name}/status", "rb") as f:
-                state = b""
-                for line in f:
-                    if line.startswith(b"State:"):
-                        state = line.split()[1]
-                    elif line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid and state != b"Z":
-                            pids.append(int(entry.name))
-                        break
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            ok = got == expected  # both are built-in values: no code of the program runs here
+        except RecursionError:
+            ok = False
+        error = "" if ok else f"expected {expected!r:.300}, got {got!r:.300}"
+        return CaseOutcome(case=case, passed=ok, error=error)
+
+    def _io_outcome(self, job: ExecJob, status: str, reason: str, stdout: str) -> CaseOutcome:
+        if status != "ok":
+            return CaseOutcome(case="io", passed=False, error=reason)
+        want, got = _normalise_stdout(job.expected_stdout or ""), _normalise_stdout(stdout)
+        if got == want:
+            return CaseOutcome(case="io", passed=True)
+        return CaseOutcome(
+            case="io", passed=False, error=f"stdout mismatch: expected {want[:200]!r}, got {got[:200]!r}"
+        )
+
+    def _limit_label(self, failure: dict[str, Any]) -> str:
+        """Which limit an exception the program reported stands for, if any."""
+        c = self.config
+        kind, code = failure.get("type"), failure.get("errno")
+        if kind == "MemoryError":
+            return f" (memory limit {c.memory_mb} MB)"
+        if code == errno.EFBIG:
+            return f" (file size limit {c.file_size_mb} MB)"
+        if code == errno.EAGAIN and kind == "BlockingIOError":
+            return f" (process limit {c.max_procs})"
+        if code == errno.EMFILE:
+            return f" (open files limit {c.max_open_files})"
+        return ""
+
+    def _exit_reason(self, rc: int, cpu_used: float, stderr: str) -> tuple[str, str]:
+        """Status and reason for a job that ended by itself with exit status `rc`."""
+        c = self.config
+        sig = -rc if rc < 0 else None
+        if sig is None:
+            if rc == 0:
+                return "ok", ""
+            last = stderr.strip().splitlines()[-1:] or [""]
+            kind = last[0].split(":", 1)[0]
+            code = (
+                errno.EFBIG
+                if "[Errno 27]" in last[0]
+                else (errno.EAGAIN if "[Errno 11]" in last[0] else None)
+            )
+            label = self._limit_label({"type": kind, "errno": code})
+            return "crashed", f"exit status {rc}: {last[0][-300:]}{label}"
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= c.cpu_s - 0.05):
+            return "killed", f"CPU time limit ({c.cpu_s} s; used {cpu_used:.1f} s), {name}"
+        if sig == signal.SIGXFSZ:
+            return "killed", f"file size limit ({c.file_size_mb} MB), {name}"
+        if sig == signal.SIGKILL:
+            return "killed", (
+                f"SIGKILL from outside the sandbox (used {cpu_used:.1f} s of {c.cpu_s} s CPU: no limit of "
+                "the job explains it; the host's OOM killer or another process sent it)"
+            )
+        return "crashed", f"killed by {name}"
+
+
+def _case_ids(job: ExecJob) -> list[str | int]:
+    return (["script"] if job.script else []) + list(range(len(job.calls)))
+
+
+def _await_exit(chan: _channel.Channel) -> None:
+    """Wait until the job's main process exits (the deadline raises `Stopped`)."""
+    while True:
+        left = chan.deadline - time.monotonic()
+        if left <= 0 or not select.select([chan.pidfd], [], [], left)[0]:
+            if time.monotonic() >= chan.deadline:
+                chan.timed_out = True
+                raise _channel.Stopped("deadline")
             continue
-    return pids
+        return
 
 
-def _own_process_count() -> int:
-    return len(_pids_of_uid(os.getuid()))
+def _read_status(fd: int) -> tuple[int, float] | None:
+    """The program's exit status and CPU seconds, as the job's supervisor reported them."""
+    os.set_blocking(fd, False)
+    try:
+        report = json.loads(os.read(fd, 4096))
+        code, cpu_s = report["exit"], report["cpu_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if type(code) is not int or type(cpu_s) not in (int, float):
+        return None
+    return code, float(cpu_s)
+
+
+def _has_exited(pidfd: int, wait_s: float = 0.0) -> bool:
+    return bool(select.select([pidfd], [], [], wait_s)[0])
+
+
+def _finish(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
+    """Kill what is left of the job (its whole pid namespace goes with bubblewrap) and
+    reap it: its exit status and the CPU seconds it and its reaped children used."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime

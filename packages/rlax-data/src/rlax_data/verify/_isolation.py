@@ -1,0 +1,177 @@
+"""How a sandboxed job is started: the bubblewrap command, the interpreter files it may
+see, and a uid of its own (unique on the host) when we run as root.
+
+With bubblewrap every job gets fresh user, pid, network, ipc, uts, cgroup and mount
+namespaces: its root is an empty tmpfs holding only read-only binds of the interpreter,
+its standard library and the system's shared libraries (every `site-packages` /
+`dist-packages` hidden under an empty tmpfs), plus a private tmpfs `/work` (cwd, HOME) and
+`/tmp`. No project file, dataset or host `/tmp` is visible; no other process on the host
+can be seen or signalled; there is no network interface but a downed loopback.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["BWRAP_MISSING", "Interpreter", "UidPool", "bwrap_command", "find_interpreter"]
+
+BWRAP_MISSING = (
+    "sandbox.isolation='bwrap' needs bubblewrap (`bwrap`), which is not installed here: install it "
+    "(Debian/Ubuntu: apt-get install bubblewrap) or set sandbox.isolation='process' to run programs "
+    "with resource limits only (no filesystem, network or process isolation: trusted programs only)"
+)
+
+_PROBE = (
+    "import json, sys, sysconfig\n"
+    "print(json.dumps([sys.version_info[:2], sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib'),"
+    " sysconfig.get_config_var('LIBDIR') or '']))"
+)
+
+
+class Interpreter:
+    """A Python interpreter as the sandbox sees it: `executable` (a real path), the paths
+    bound read-only, and the package folders hidden under an empty tmpfs."""
+
+    def __init__(self, executable: str, binds: list[str], masks: list[str]) -> None:
+        self.executable = executable
+        self.binds = binds
+        self.masks = masks
+
+
+def _probe(executable: str) -> tuple[tuple[int, int], list[str]]:
+    out = subprocess.run([executable, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"sandbox.python {executable!r} does not run: {out.stderr.strip()[-500:]}")
+    version, *paths = json.loads(out.stdout)
+    return (version[0], version[1]), [os.path.realpath(p) for p in paths if p]
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """Existing paths with those nested inside another one dropped, in a stable order."""
+    kept: list[str] = []
+    for p in sorted({p for p in paths if os.path.exists(p)}, key=lambda s: (len(s), s)):
+        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(p)
+    return kept
+
+
+def _interpreter_at(executable: str) -> Interpreter:
+    exe = os.path.realpath(executable)
+    _, paths = _probe(exe)
+    # The system's shared libraries (libc, libm, libz, libffi, ...): /usr/lib and /lib*
+    # hold nothing of the project; a non-merged /lib is bound as well.
+    system = ["/usr/lib", "/usr/lib64", "/usr/lib32"]
+    system += [d for d in ("/lib", "/lib64", "/lib32") if os.path.isdir(d) and not os.path.islink(d)]
+    binds = _outermost([exe, *paths, *system])
+    masks = []
+    for root in binds:
+        if os.path.isdir(root):
+            for pattern in (
+                "site-packages",
+                "dist-packages",
+                "python3*/site-packages",
+                "python3*/dist-packages",
+            ):
+                masks += glob.glob(os.path.join(root, pattern))
+    return Interpreter(exe, binds, sorted(set(masks)))
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether a uid that owns nothing here can read `path` (and traverse to it)."""
+    p = Path(path)
+    for parent in reversed(p.parents):
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+    mode = os.stat(p).st_mode
+    need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+    return mode & need == need
+
+
+def find_interpreter(python: str, private_uid: bool) -> Interpreter:
+    """The interpreter jobs run with: `python`, else this one, else (when a private uid
+    cannot read this one, say a pyenv under /root) a system Python of the same version."""
+    if python:
+        interp = _interpreter_at(python)
+        candidates = [interp]
+    else:
+        interp = _interpreter_at(sys.executable)
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        candidates = [interp] + [
+            _interpreter_at(p)
+            for p in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
+            if os.path.exists(p)
+        ]
+    if not private_uid:
+        return candidates[0]
+    for cand in candidates:
+        if all(_readable_by_others(b) for b in cand.binds):
+            return cand
+    raise RuntimeError(
+        f"the sandbox runs programs under a private uid, which cannot read the interpreter "
+        f"{interp.executable} or its library ({', '.join(interp.binds)}); set sandbox.python to an "
+        "interpreter readable by every user (such as /usr/bin/python3)"
+    )
+
+
+def bwrap_command(interp: Interpreter, tmpfs_bytes: int, harness: list[str]) -> list[str]:
+    """The bubblewrap argv running `interp.executable *harness` in fresh namespaces."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        raise RuntimeError(BWRAP_MISSING)
+    cmd = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/work"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
+        cmd += ["--setenv", key, value]
+    for path in interp.binds:
+        cmd += ["--ro-bind", path, path]
+    for link in ("/lib", "/lib64", "/lib32"):
+        if os.path.islink(link):
+            cmd += ["--symlink", os.readlink(link), link]
+    for path in interp.masks:
+        cmd += ["--tmpfs", path, "--remount-ro", path]
+    cmd += ["--dev", "/dev"]
+    for path in ("/work", "/tmp"):
+        cmd += ["--size", str(tmpfs_bytes), "--tmpfs", path]
+    cmd += ["--chdir", "/work", "--remount-ro", "/", interp.executable, "-I", "-S", *harness]
+    return cmd
+
+
+class UidPool:
+    """Uids in [base, base + count) handed out one per job, unique across every process
+    on the host: a uid is held by an exclusive `flock` on a file named after it, which
+    the kernel releases when the holder closes it or dies."""
+
+    def __init__(self, base: int, count: int, lock_dir: str | None = None) -> None:
+        self.base = base
+        self.count = count
+        self.lock_dir = Path(lock_dir or os.path.join(tempfile.gettempdir(), "rlax-sandbox-uids"))
+        self.lock_dir.mkdir(mode=0o700, exist_ok=True)
+        self._next = 0
+
+    @contextmanager
+    def lease(self) -> Iterator[int]:
+        for i in range(self.count):
+            uid = self.base + (self._next + i) % self.count
+            fd = os.open(self.lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._next = (self._next + i + 1) % self.count
+            try:
+                yield uid
+            finally:
+                os.close(fd)
+            return
+        raise RuntimeError(f"all {self.count} sandbox uids from {self.base} are in use on this host")
