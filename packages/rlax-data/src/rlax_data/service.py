@@ -248,7 +248,13 @@ class VerifierService:
                 todo.append(pending)
         if todo:
             self.stats["batches"] += 1
-            for p, res in zip(todo, self._verify([p.item for p in todo]), strict=True):
+            results: list[VerifyResult | Exception]
+            try:
+                results = self._verify([p.item for p in todo])
+            except Exception as e:  # not one item's fault (`_verify` catches those): answer all
+                results = [e] * len(todo)
+                log.error("scoring a batch failed: %s", _describe(e), exc_info=e)
+            for p, res in zip(todo, results, strict=True):
                 try:
                     self._answer(p, res)
                 except Exception as e:
