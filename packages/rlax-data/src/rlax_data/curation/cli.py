@@ -188,15 +188,27 @@ def _parser() -> argparse.ArgumentParser:
         return s
 
     d = io("dedup", "remove exact and near duplicates")
-    d.add_argument("--threshold", type=float, default=0.8)
+    d.add_argument(
+        "--threshold",
+        type=float,
+        default=0.8,
+        help="Jaccard of the wording at which records with identical answer keys are near-duplicates",
+    )
     d.add_argument("--num-perm", type=int, default=128)
     d.add_argument("--exact-only", action="store_true")
     d.set_defaults(fn=_cmd_dedup)
 
     c = io("contamination", "remove records overlapping an evaluation set")
     c.add_argument("--eval", required=True)
-    c.add_argument("--n", type=int, default=13)
-    c.add_argument("--min-overlap", type=float, default=0.5)
+    c.add_argument(
+        "--n", type=int, default=13, help="tokens per n-gram (shorter eval questions: whole-text match)"
+    )
+    c.add_argument(
+        "--min-overlap",
+        type=float,
+        default=0.5,
+        help="fraction of one eval problem's n-grams found in a record that flags the record",
+    )
     c.set_defaults(fn=_cmd_contamination)
 
     ln = io("length", "drop records with too many tokens")
