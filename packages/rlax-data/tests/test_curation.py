@@ -209,6 +209,16 @@ DIFFERENT_PROBLEMS = [
     (BOARD.format("sum of the two numbers"), BOARD.format("product of the two numbers")),
     (BOARD.format("sum of three such numbers"), BOARD.format("sum of four such numbers")),
     (
+        r"Evaluate the expression \sqrt{16} exactly and write the result as a single whole number.",
+        r"Evaluate the expression \log{16} exactly and write the result as a single whole number.",
+    ),
+    (
+        "Find the derivative of sin(x) with respect to x, showing every step of the working clearly "
+        "and simplifying the final expression as far as it goes.",
+        "Find the derivative of cos(x) with respect to x, showing every step of the working clearly "
+        "and simplifying the final expression as far as it goes.",
+    ),
+    (
         "Show with trial division by the small primes, step by step, that the number 91 is prime.",
         "Show with trial division by the small primes, step by step, that the number 91 is not prime.",
     ),

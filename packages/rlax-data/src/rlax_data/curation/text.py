@@ -16,9 +16,10 @@ from rlax_data.datasets import Record
 
 __all__ = ["answer_key", "normalize_text", "prose_words", "record_text", "text_tokens"]
 
-# A number keeps its inner separators ("3.5" is not "35", "9,8,2" is not "982"); a word is
-# a run of letters; anything else that is not a space is one symbol token.
-_TOKEN = re.compile(r"\d+(?:[.,:]\d+)*|[^\W\d_]+|\S", re.UNICODE)
+# A LaTeX command is one token (`\frac` and `\sqrt` are operators); a number keeps its
+# inner separators ("3.5" is not "35", "9,8,2" is not "982"); a word is a run of letters;
+# anything else that is not a space is one symbol token.
+_TOKEN = re.compile(r"\\[^\W\d_]+|\d+(?:[.,:]\d+)*|[^\W\d_]+|\S", re.UNICODE)
 # Punctuation of prose: dropping it never changes what a problem asks.
 _PROSE_PUNCT = frozenset(",;:!?.\"'`“”‘’«»…¿¡")
 
@@ -61,6 +62,9 @@ _ANSWER_WORDS = frozenset(
     higher highest lower lowest longer longest shorter shortest maximum minimum max min
     increase increased increases decrease decreased decreases
     odd even prime positive negative not no never none without except
+    sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp sqrt floor ceil
+    gcd lcm abs det derivative derivatives integral integrals limit limits
+    area perimeter volume circumference radius diameter
     """.split()
 )
 
@@ -68,7 +72,7 @@ _ANSWER_WORDS = frozenset(
 def _is_prose_word(token: str) -> bool:
     # Words of two or more letters carry the wording, unless they name a number, an
     # operation or a comparison; a single letter is read as a variable ("x", "n"), so it
-    # decides the answer like a number does.
+    # decides the answer like a number does (and so does a LaTeX command, "\frac").
     return len(token) > 1 and token.isalpha() and token not in _ANSWER_WORDS
 
 
