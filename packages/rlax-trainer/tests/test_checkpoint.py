@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_trainer import Learner, RolloutBuffer
 from rlax_trainer.checkpoint import CheckpointManager, state_fingerprint
+from rlax_trainer.learner import TrainState
 
 
 def leaves(state) -> list[np.ndarray]:
@@ -76,8 +79,10 @@ def test_damaged_newest_checkpoints_fall_back(
     for sub in (tmp_path / "c" / "3" / "state").iterdir():
         if sub.is_dir() and sub.name.startswith("ocdbt"):
             shutil.rmtree(sub)
-    # Step 2 reads fine but its bytes changed on disk: the fingerprint catches it.
-    _corrupt(tmp_path / "c" / "2")
+    # Step 2 decodes but its arrays are not the ones it was saved with (here: step 1's):
+    # the fingerprint catches it. (Flipped bytes usually fail zstd decoding instead.)
+    shutil.rmtree(tmp_path / "c" / "2" / "state")
+    shutil.copytree(tmp_path / "c" / "1" / "state", tmp_path / "c" / "2" / "state")
     # A crash mid-save leaves orbax's temporary folder, which is never a candidate.
     (tmp_path / "c" / "4.orbax-checkpoint-tmp-1").mkdir()
     with (
@@ -101,3 +106,74 @@ def test_damaged_newest_checkpoints_fall_back(
         ckpt.restore(learner.state)
     with CheckpointManager(tmp_path / "empty") as ckpt:
         assert ckpt.restore(learner.state) is None
+
+
+def small_state(step: int) -> TrainState:
+    return TrainState(
+        {"w": jnp.arange(64, dtype=jnp.float32) * step},
+        {"m": jnp.ones(64)},
+        jnp.array(step),
+        jnp.zeros(2, jnp.uint32),
+    )
+
+
+def _tensorstore_read_error(status: str) -> Exception:
+    """How orbax surfaces a TensorStore read failure: a generic Exception over a ValueError."""
+    try:
+        try:
+            raise ValueError(
+                f'{status}: Error reading "params.w/0" in OCDBT database at local file "/c/2/state/"'
+            )
+        except ValueError as inner:
+            raise Exception("Encountered error while reading array index: (slice(0, 64, 1),).") from inner
+    except Exception as outer:
+        return outer
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.EIO, "Input/output error"),
+        PermissionError(errno.EACCES, "Permission denied"),
+        _tensorstore_read_error("UNKNOWN: [OS error 5: Input/output error]"),
+        _tensorstore_read_error("FAILED_PRECONDITION: [OS error 13: Permission denied]"),
+        MemoryError(),
+        jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 64.00GiB"),
+    ],
+    ids=["eio", "eacces", "tensorstore-eio", "tensorstore-eacces", "host-oom", "device-oom"],
+)
+def test_io_error_or_out_of_memory_stops_the_restore(tmp_path, error):
+    """Only a checksum/format error of a step makes restore fall back; an I/O error or OOM
+    on the newest step (whose data may be intact) is raised as it is."""
+    with CheckpointManager(tmp_path / "c", asynchronous=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(small_state(step), version=step)
+    with CheckpointManager(tmp_path / "c") as ckpt:
+        original = ckpt._manager.restore
+
+        def failing_restore(step, *args, **kwargs):
+            if step == 2:
+                raise error
+            return original(step, *args, **kwargs)
+
+        ckpt._manager.restore = failing_restore
+        with pytest.raises(type(error)) as caught:
+            ckpt.restore(small_state(0))
+        assert caught.value is error
+
+
+def test_unreadable_metadata_is_damage_named_by_step(tmp_path, caplog):
+    with CheckpointManager(tmp_path / "c", asynchronous=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(small_state(step), version=step)
+    for f in (tmp_path / "c" / "2" / "meta").rglob("metadata"):
+        f.write_text("{not json")
+    with (
+        CheckpointManager(tmp_path / "c") as ckpt,
+        caplog.at_level(logging.WARNING, logger="rlax_trainer.checkpoint"),
+    ):
+        state, info = ckpt.restore(small_state(0))
+        assert info.step == 1 and state_fingerprint(state) == state_fingerprint(small_state(1))
+        with pytest.raises(RuntimeError, match=r"no loadable checkpoint.*step 2: unreadable metadata JSON"):
+            ckpt.restore(small_state(0), step=2)
+    assert "checkpoint step 2 in" in caplog.text and "is damaged: unreadable metadata JSON" in caplog.text

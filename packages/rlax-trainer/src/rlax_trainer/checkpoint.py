@@ -3,15 +3,23 @@
 A checkpoint holds the whole `TrainState` (float32 params, optimizer state, step, RNG)
 plus JSON metadata: weight version, buffer counters, the learner config, and a
 fingerprint of every array computed on device when saving. Orbax commits a step
-atomically (a partial write stays a temporary folder and is never listed); a committed
-step that fails to load or whose fingerprint differs is reported in the log and the
-next older step is restored instead.
+atomically (a partial write stays a temporary folder and is never listed).
+
+Restore falls back to the next older step only when the newest is *damaged*: its
+fingerprint differs (a checksum error) or its files cannot be decoded (a format error:
+truncated or missing array data, unreadable JSON, a missing item). The damage is logged
+and raised as `CheckpointDamagedError` naming the step. Any other failure (an I/O error
+such as EIO or EACCES, out of memory on host or device, arrays that do not fit the
+template) stops the restore with that error: an older step would silently lose work
+that is still intact on disk.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -23,7 +31,7 @@ import orbax.checkpoint as ocp
 from rlax_trainer.buffer import BufferStats
 from rlax_trainer.learner import TrainState
 
-__all__ = ["CheckpointManager", "Restored", "state_fingerprint"]
+__all__ = ["CheckpointDamagedError", "CheckpointManager", "Restored", "state_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,58 @@ class Restored(msgspec.Struct, frozen=True):
     version: int
     buffer: BufferStats | None
     extra: dict[str, Any]
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A committed step whose data fails its checksum or cannot be decoded."""
+
+    def __init__(self, step: int, directory: pathlib.Path, reason: str) -> None:
+        super().__init__(f"checkpoint step {step} in {directory} is damaged: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+# TensorStore reports undecodable stored data with these status codes...
+_DAMAGE_STATUS = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|NOT_FOUND|INVALID_ARGUMENT): ")
+# ...and an operating-system error with its errno; only a missing file (errno 2) is damage.
+_OS_ERROR = re.compile(
+    r"\[OS error(?: (\d+))?:|Input/output error|Permission denied|No space left|Cannot allocate"
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _damage_reason(exc: BaseException) -> str | None:
+    """Why `exc` (raised by orbax while restoring) shows the step's own data is damaged;
+    None when it is anything else: I/O, memory, or a template that does not match."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, MemoryError | jax.errors.JaxRuntimeError):
+            return None
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            return None
+        os_error = _OS_ERROR.search(str(e))
+        if os_error and os_error.group(1) != "2":
+            return None
+    for e in chain:
+        first = str(e).splitlines()[0] if str(e) else ""
+        if isinstance(e, json.JSONDecodeError):
+            return f"unreadable metadata JSON ({first})"
+        if isinstance(e, FileNotFoundError):
+            return f"missing file ({first})"
+        if isinstance(e, KeyError) and "was not found in the checkpoint" in first:
+            return f"missing item ({first})"
+        if isinstance(e, ValueError) and (
+            _DAMAGE_STATUS.match(first) or first.startswith("pytree structure error")
+        ):
+            return f"undecodable array data ({first[:300]})"
+    return None
 
 
 def _as_u32(x: jax.Array) -> jax.Array:
@@ -124,39 +184,21 @@ class CheckpointManager:
 
     def restore(self, like: TrainState, *, step: int | None = None) -> tuple[TrainState, Restored] | None:
         """Restore the newest loadable step (or exactly `step`) with the shapes, dtypes and
-        shardings of `like`; None when there is no checkpoint at all. A damaged newest step
-        is logged and skipped; if every step is damaged a RuntimeError lists why."""
+        shardings of `like`; None when there is no checkpoint at all. A damaged step
+        (`CheckpointDamagedError`: checksum or format) is logged and the previous one tried;
+        if every step is damaged a RuntimeError lists why. Any other error propagates."""
         self.wait()
         self._manager.reload()
         candidates = self.steps()[::-1] if step is None else [step]
         if not candidates:
             return None
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         failures = []
         for s in candidates:
             try:
-                out = self._manager.restore(
-                    s,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-                    ),
-                )
-                state, meta = out["state"], out["meta"]
-                state = TrainState(*state) if not isinstance(state, TrainState) else state
-                got = state_fingerprint(state)
-                if got != meta["fingerprint"]:
-                    raise ValueError(
-                        f"fingerprint {got:#010x} != saved {meta['fingerprint']:#010x} (data changed on disk)"
-                    )
-            except Exception as e:
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                failures.append(f"step {s}: {reason}")
-                log.warning(
-                    "checkpoint step %d in %s is damaged (%s); trying the previous one",
-                    s,
-                    self.directory,
-                    reason,
-                )
+                state, meta = self._restore_step(s, like)
+            except CheckpointDamagedError as e:
+                failures.append(f"step {s}: {e.reason}")
+                log.warning("%s; trying the previous one", e)
                 continue
             if failures:
                 log.warning(
@@ -170,6 +212,35 @@ class CheckpointManager:
             buffer = None if meta["buffer"] is None else msgspec.convert(meta["buffer"], BufferStats)
             return state, Restored(step=s, version=meta["version"], buffer=buffer, extra=meta["extra"])
         raise RuntimeError(f"no loadable checkpoint in {self.directory}: {'; '.join(failures)}")
+
+    def _restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
+        """Load one step and check it; raises CheckpointDamagedError for checksum/format errors."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:
+            reason = _damage_reason(e)
+            if reason is None:
+                raise
+            raise CheckpointDamagedError(step, self.directory, reason) from e
+        state, meta = out["state"], out["meta"]
+        state = TrainState(*state) if not isinstance(state, TrainState) else state
+        missing = {"version", "buffer", "extra", "fingerprint"} - set(meta if isinstance(meta, dict) else ())
+        if missing:
+            raise CheckpointDamagedError(step, self.directory, f"metadata lacks {sorted(missing)}")
+        got = state_fingerprint(state)
+        if got != meta["fingerprint"]:
+            raise CheckpointDamagedError(
+                step,
+                self.directory,
+                f"fingerprint {got:#010x} != saved {meta['fingerprint']:#010x} (data changed on disk)",
+            )
+        return state, meta
 
     def close(self) -> None:
         self._manager.wait_until_finished()
