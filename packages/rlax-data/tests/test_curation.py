@@ -187,6 +187,9 @@ DIFFERENT_PROBLEMS = [
     ("3.5*2=", "35*2="),
     ("2*(3+4)=", "2*3+4="),
     ("Is 7 < 9?", "Is 7 > 9?"),
+    ("What is 5!?", "What is 5?"),  # a factorial, not an exclamation
+    ("Compute 10!/8!.", "Compute 10/8."),
+    ("If f(x)=x^3, find f'(2).", "If f(x)=x^3, find f(2)."),  # a derivative, not a quote
     ("Simplify x^2 * x^3.", "Simplify x^2 * x^4."),
     ("Solve for x: 3x+5=11", "Solve for x: 3x+5=17"),
     ("Solve for x: 2x+3=7", "Solve for y: 2y+3=7"),
@@ -264,7 +267,7 @@ def test_dedup_still_merges_the_same_problem_written_differently():
         ),
         Record(
             id="d",
-            prompt="Solve for x; 3x + 5 = 11! Give the value of x as a whole number, thanks.",
+            prompt="Solve for x; 3x + 5 = 11. Give the value of x as a whole number please, thanks!",
             answer="2",
         ),
     ]

@@ -3,8 +3,8 @@
 A text is read as a sequence of tokens: numbers (`3.5`, `1,000`, `9,8,2`), words, and
 single symbols (`+ - * / = ^ ( ) < > \\ { }` ...). Only prose punctuation that never
 changes a problem's answer (`, ; : ! ? " '` and a full stop outside a number) is
-dropped; every digit, operator and variable stays, so "808-414=" and "808+414=" remain
-different texts.
+dropped, and `!` and `'` are kept where they follow an operand (`5!`, `f'(x)`); every
+digit, operator and variable stays, so "808-414=" and "808+414=" remain different texts.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ __all__ = ["answer_key", "normalize_text", "prose_words", "record_text", "text_t
 # inner separators ("3.5" is not "35", "9,8,2" is not "982"); a word is a run of letters;
 # anything else that is not a space is one symbol token.
 _TOKEN = re.compile(r"\\[^\W\d_]+|\d+(?:[.,:]\d+)*|[^\W\d_]+|\S", re.UNICODE)
-# Punctuation of prose: dropping it never changes what a problem asks.
+# Punctuation of prose: dropping it never changes what a problem asks ...
 _PROSE_PUNCT = frozenset(",;:!?.\"'`“”‘’«»…¿¡")
+# ... except these right after an operand: a factorial (`5!`, `n!`) or a prime (`f'(x)`).
+_POSTFIX_OPERATORS = frozenset("!'’")
 
 
 def record_text(record: Record) -> str:
@@ -35,7 +37,21 @@ def text_tokens(text: str) -> list[str]:
     """NFKC, lowercased tokens of `text` with prose punctuation removed (numbers, words,
     operators and other symbols kept, in order)."""
     s = unicodedata.normalize("NFKC", text).lower()
-    return [t for t in _TOKEN.findall(s) if t not in _PROSE_PUNCT]
+    tokens = []
+    for m in _TOKEN.finditer(s):
+        token = m.group()
+        if token not in _PROSE_PUNCT or (token in _POSTFIX_OPERATORS and _follows_operand(s, m.start())):
+            tokens.append(token)
+    return tokens
+
+
+def _follows_operand(s: str, at: int) -> bool:
+    """Whether s[at] comes right after a digit, a closing bracket or a single letter
+    (a variable), where `!` and `'` are operators; after a word they are punctuation."""
+    before = s[at - 1] if at > 0 else " "
+    if before.isdigit() or before in ")]}":
+        return True
+    return before.isalpha() and not (at > 1 and s[at - 2].isalpha())
 
 
 def normalize_text(text: str) -> str:
