@@ -232,3 +232,28 @@ def test_rpc_server_handshake_handler_and_errors() -> None:
             socket.close()
         with RpcClient(server.address, timeout_s=5) as client:
             assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 0
+
+
+def test_rpc_server_survives_ten_thousand_hostile_requests_then_answers() -> None:
+    calls = {"n": 0}
+
+    def handler(message: rp.Message, frames: list[zmq.Frame]):
+        calls["n"] += 1
+        if isinstance(message, rp.LatestQuery):
+            return rp.LatestVersion(version=7)
+        if isinstance(message, rp.StatQuery):
+            return rp.Ack(), [object()]  # a reply frame the socket cannot send
+        raise RemoteError("unknown_message", type(message).__name__)
+
+    valid = [rp.encode(rp.LatestQuery()), rp.encode(rp.StatQuery()), rp.encode(rp.Hello(protocol_version=1))]
+    with rp.RpcServer("tcp://127.0.0.1:*", handler, server_id="fuzzed") as server:
+        requests = list(rp.fuzzing.hostile_requests(10_000, seed=3, valid=valid))
+        replies = rp.fuzzing.blast(server.address, requests, settle_s=2.0)
+        # Every request is answered (a bad one with an error), including the first Hello.
+        assert replies == len(requests) + 1
+        assert calls["n"] > 0
+        with RpcClient(server.address, timeout_s=5, retries=0) as client:
+            assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 7
+            with pytest.raises(RemoteError, match="internal"):
+                client.call(rp.StatQuery())
+            assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 7

@@ -3,6 +3,8 @@
 No JAX here: a parameter-server node installs only this package and `rlax-paramserver`.
 """
 
+from rlax_protocol import fuzzing
+from rlax_protocol.bounds import MAX_MESSAGE_BYTES, MAX_MESSAGE_DEPTH, check_msgpack_bounds
 from rlax_protocol.codec import (
     DEFAULT_CHUNK_BYTES,
     EncodedTree,
@@ -96,6 +98,8 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DTYPE_ITEMSIZE",
+    "MAX_MESSAGE_BYTES",
+    "MAX_MESSAGE_DEPTH",
     "PROTOCOL_VERSION",
     "Ack",
     "AnyMessage",
@@ -151,6 +155,7 @@ __all__ = [
     "apply_curve_client",
     "check_manifest_version",
     "check_welcome",
+    "check_msgpack_bounds",
     "checksum",
     "decode",
     "decode_as",
@@ -161,6 +166,7 @@ __all__ = [
     "encode_tree",
     "flatten_tree",
     "frame_layout",
+    "fuzzing",
     "generate_curve_keypair",
     "load_curve_keypair",
     "load_curve_public_key",

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import msgspec
 
+from rlax_protocol.bounds import MAX_MESSAGE_BYTES, MAX_MESSAGE_DEPTH, check_msgpack_bounds
 from rlax_protocol.errors import MalformedMessageError
 
 PROTOCOL_VERSION = 1
@@ -426,12 +427,29 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes | memoryview | bytearray) -> Message:
-    """Decode any RLAX message; garbage or a field of the wrong type raises `MalformedMessageError`."""
+def decode(
+    data: bytes | memoryview | bytearray,
+    *,
+    max_depth: int = MAX_MESSAGE_DEPTH,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> Message:
+    """Decode any RLAX message; never raises anything but `MalformedMessageError`.
+
+    The bytes are first checked (iteratively) for nesting deeper than `max_depth`, a
+    size above `max_bytes` and impossible declared lengths, because msgspec recurses
+    into nested values and would otherwise exhaust the stack (`RecursionError`) or try
+    to allocate what a hostile length prefix claims.
+    """
+    check_msgpack_bounds(data, max_depth=max_depth, max_bytes=max_bytes)
     try:
         message: Message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise MalformedMessageError(f"cannot decode message ({len(data)} bytes): {err}") from None
+    except (RecursionError, MemoryError, ValueError, TypeError, OverflowError) as err:
+        # Defence in depth: the bounds above should make these unreachable.
+        raise MalformedMessageError(
+            f"cannot decode message ({len(data)} bytes): {type(err).__name__}: {err}"
+        ) from None
     return message
 
 

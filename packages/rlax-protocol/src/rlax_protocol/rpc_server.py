@@ -131,12 +131,29 @@ class RpcServer:
             while not self._stop.is_set():
                 if not socket.poll(50):
                     continue
-                request = parse_request(socket.recv_multipart(copy=False))
-                reply, frames = self.answer(request)
-                socket.send_multipart(
-                    reply_parts(request.identity, request.request_id, reply, frames), copy=False
-                )
+                self._serve_one(socket, socket.recv_multipart(copy=False))
         finally:
             socket.close(0)
             if auth is not None:
                 auth.stop()
+
+    def _serve_one(self, socket: zmq.Socket[Any], parts: list[zmq.Frame]) -> None:
+        """Answer one message; whatever it does, the loop goes on to the next one."""
+        request = parse_request(parts)
+        try:
+            reply, frames = self.answer(request)
+            outgoing = reply_parts(request.identity, request.request_id, reply, frames)
+        except Exception as err:  # e.g. a handler returning something that cannot be encoded
+            log.exception("%s: could not build a reply", self.server_id)
+            error = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}")
+            outgoing = reply_parts(request.identity, request.request_id, error)
+        try:
+            socket.send_multipart(outgoing, copy=False)
+        except (zmq.ZMQError, TypeError, ValueError) as err:
+            # A frame the socket refuses: tell the client instead of leaving it waiting.
+            log.error("%s: could not send a reply: %s", self.server_id, err)
+            error = ErrorReply(code="internal", message=f"reply could not be sent: {err}")
+            try:
+                socket.send_multipart(reply_parts(request.identity, request.request_id, error))
+            except zmq.ZMQError as again:
+                log.error("%s: could not send an error reply either: %s", self.server_id, again)

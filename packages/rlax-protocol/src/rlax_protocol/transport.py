@@ -122,19 +122,27 @@ def parse_request(parts: Sequence[zmq.Frame]) -> Request:
 
     A request whose id or message cannot be read comes back with `error` set (and
     request id 0 when unreadable) so the server can still answer with an `ErrorReply`.
+    The message is decoded by `decode`, which bounds nesting depth and size first.
     """
     if not parts:
         return Request(b"", 0, None, [], MalformedMessageError("empty multipart message"))
-    identity = parts[0].bytes
+    try:
+        identity = parts[0].bytes
+    except Exception as err:  # not a frame at all: nothing to answer to
+        return Request(b"", 0, None, [], MalformedMessageError(f"unreadable identity frame: {err}"))
     if len(parts) < 3:
         return Request(
             identity, 0, None, [], MalformedMessageError(f"request has {len(parts)} parts, needs >= 3")
         )
+    request_id = 0
     try:
         request_id = unpack_request_id(parts[1])
         message = decode(parts[2].buffer)
     except MalformedMessageError as err:
-        return Request(identity, 0, None, [], err)
+        return Request(identity, request_id, None, [], err)
+    except Exception as err:  # defence in depth: one message must never stop a server loop
+        log.warning("unexpected %s while parsing a request", type(err).__name__, exc_info=True)
+        return Request(identity, request_id, None, [], MalformedMessageError(f"{type(err).__name__}: {err}"))
     return Request(identity, request_id, message, list(parts[3:]))
 
 
