@@ -11,8 +11,8 @@ passes as ``paged_attention_xla`` -- with sequences spread over the CPU cores.
 XLA calls it through the typed FFI (``jax.ffi.ffi_call``): the handler is a numba ``cfunc``
 that reads the buffers straight from XLA's call frame, so the cache is never copied and no
 Python runs inside a step. The call frame layout is XLA's stable C ABI
-(``xla/ffi/api/c_api.h``, shipped in ``jax.ffi.include_dir()``); the offsets used here are
-named below. The kernel compiles on first use (a few seconds; numba caches it on disk).
+(``xla/ffi/api/c_api.h``, shipped in ``jax.ffi.include_dir()``); `cpu_ffi` reads it, checks
+every field the kernel uses before touching memory, and reports failures back to XLA. The kernel compiles on first use (a few seconds; numba caches it on disk).
 
 Threads: sequences are spread over the cores by numba's ``workqueue`` layer, chosen here
 unless the process already picked one (``NUMBA_THREADING_LAYER``, or numba code that ran
@@ -39,13 +39,8 @@ import numba
 import numpy as np
 from numba import types
 
-from rlax_kernels.paged_attention.cpu_intrinsics import (
-    float_bits,
-    pointer,
-    prefetch,
-    spin_acquire,
-    spin_release,
-)
+from rlax_kernels.paged_attention.cpu_ffi import make_handler
+from rlax_kernels.paged_attention.cpu_intrinsics import float_bits, prefetch
 from rlax_kernels.paged_attention.reference import check_decode_extras, default_scale
 
 _TARGET = "rlax_paged_attention_cpu"
@@ -53,17 +48,6 @@ _TARGET = "rlax_paged_attention_cpu"
 # Reassociation lets LLVM vectorise the head_dim dot products; results differ from XLA's
 # only by float32 rounding (checked against the reference in the tests).
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-
-# 8-byte word offsets in XLA's C structs (c_api.h).
-_FRAME_API, _FRAME_EXTENSION, _FRAME_STAGE = 2, 1, 4  # XLA_FFI_CallFrame
-_FRAME_ARGS = 9  # XLA_FFI_CallFrame.args.args: void** of XLA_FFI_Buffer*
-_FRAME_RETS = 14  # XLA_FFI_CallFrame.rets: void** rets
-_BUFFER_DATA, _BUFFER_RANK, _BUFFER_DIMS = 3, 4, 5  # XLA_FFI_Buffer
-_EXTENSION_TYPE, _EXTENSION_METADATA = 1, 3  # XLA_FFI_Metadata_Extension
-_METADATA_TYPE = 1  # XLA_FFI_Extension_Metadata
-_STAGE_EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
-_API_VERSION_WORD = 4  # XLA_FFI_Api.api_version.{major, minor}: two int32 in word 4
-_NUM_ARGS = 9
 
 # One int32 in memory that outlives every call: 0 free, 1 held (see `spin_acquire`).
 _LAUNCH_LOCK = np.zeros(1, np.int32)
@@ -104,18 +88,6 @@ def _exp(x):  # type: ignore[no-untyped-def]
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
     return p * float_bits(np.int32(n + np.float32(127.0)) << 23)
-
-
-@numba.njit(inline="always")
-def _words(address, n):  # type: ignore[no-untyped-def]
-    return numba.carray(pointer(address), n, np.int64)
-
-
-@numba.njit(inline="always")
-def _buffer(args, i):  # type: ignore[no-untyped-def]
-    """(data address, dims) of the i-th buffer in a void** array of XLA_FFI_Buffer*."""
-    buf = _words(args[i], 6)
-    return buf[_BUFFER_DATA], numba.carray(pointer(buf[_BUFFER_DIMS]), buf[_BUFFER_RANK], np.int64)
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
@@ -192,68 +164,20 @@ def _attend(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out):
                 out[b, h * group + g, d] = (acc[g, d] + extra) * inv
 
 
-def _handler(frame_ptr):  # type: ignore[no-untyped-def]
-    """XLA FFI handler: answers the metadata query, then runs `_attend` on the frame's buffers."""
-    frame = numba.carray(frame_ptr, 16, np.int64)
-    extension = frame[_FRAME_EXTENSION]
-    if extension != 0:
-        ext = _words(extension, 4)
-        if ext[_EXTENSION_TYPE] & 0xFFFFFFFF == _METADATA_TYPE:
-            # Report the runtime's own FFI version (we use only its oldest structs) and no traits.
-            metadata = _words(ext[_EXTENSION_METADATA], 6)
-            api = frame[_FRAME_API]
-            version = _words(api, 5)[_API_VERSION_WORD] if api != 0 else np.int64(1) << 32
-            metadata[1] = 28  # XLA_FFI_Api_Version_STRUCT_SIZE
-            metadata[2] = 0  # its extension_start
-            metadata[3] = version  # major (low 32 bits), minor (high 32 bits)
-            metadata[4] = 0  # traits: none
-            if metadata[0] >= 48:
-                metadata[5] = 0  # state type id: stateless
-            return pointer(0)
-    if frame[_FRAME_STAGE] & 0xFFFFFFFF != _STAGE_EXECUTE:
-        return pointer(0)
-    args = _words(frame[_FRAME_ARGS], _NUM_ARGS)
-    rets = _words(frame[_FRAME_RETS], 1)
-    q_at, q_dims = _buffer(args, 0)
-    k_at, k_dims = _buffer(args, 1)
-    v_at, _ = _buffer(args, 2)
-    lengths_at, _ = _buffer(args, 3)
-    tables_at, tables_dims = _buffer(args, 4)
-    new_k_at, _ = _buffer(args, 5)
-    new_v_at, _ = _buffer(args, 6)
-    ints_at, _ = _buffer(args, 7)
-    scale_at, _ = _buffer(args, 8)
-    out_at, _ = _buffer(rets, 0)
-    batch, num_heads, head_dim = q_dims[0], q_dims[1], q_dims[2]
-    cache_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
-    num_kv_heads = k_dims[1]
-    ints = numba.carray(pointer(ints_at), 2, np.int32)
-    spin_acquire(_LAUNCH_LOCK_ADDRESS)  # XLA may run two programs at once; workqueue takes one launch
-    _attend(
-        numba.carray(pointer(q_at), (batch, num_heads, head_dim), np.float32),
-        numba.carray(pointer(k_at), cache_shape, np.float32),
-        numba.carray(pointer(v_at), cache_shape, np.float32),
-        numba.carray(pointer(lengths_at), batch, np.int32),
-        numba.carray(pointer(tables_at), (batch, tables_dims[1]), np.int32),
-        numba.carray(pointer(new_k_at), (batch, num_kv_heads, head_dim), np.float32),
-        numba.carray(pointer(new_v_at), (batch, num_kv_heads, head_dim), np.float32),
-        ints[0],
-        ints[1] != 0,
-        numba.carray(pointer(scale_at), 1, np.float32)[0],
-        numba.carray(pointer(out_at), (batch, num_heads, head_dim), np.float32),
-    )
-    spin_release(_LAUNCH_LOCK_ADDRESS)
-    return pointer(0)
+@functools.cache
+def compiled_handler() -> numba.core.ccallback.CFunc:
+    """The FFI handler as a C function (`cpu_ffi.make_handler` around `_attend`), compiled once per process."""
+    from numba.np.ufunc import parallel
+
+    if "NUMBA_THREADING_LAYER" not in os.environ and not parallel._is_initialized:
+        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
+    return numba.cfunc(types.voidptr(types.voidptr))(make_handler(_attend, _LAUNCH_LOCK_ADDRESS))
 
 
 @functools.cache
 def _register() -> None:
     """Compiles the handler (or loads it from numba's cache) and registers it with XLA, once per process."""
-    from numba.np.ufunc import parallel
-
-    if "NUMBA_THREADING_LAYER" not in os.environ and not parallel._is_initialized:
-        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
-    handler = numba.cfunc(types.voidptr(types.voidptr))(_handler)
+    handler = compiled_handler()
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     new_capsule.restype = ctypes.py_object

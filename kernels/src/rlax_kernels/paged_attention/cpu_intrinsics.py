@@ -1,5 +1,6 @@
 """LLVM intrinsics for the native CPU kernel (numba ``@intrinsic``): what numba's own types
-cannot say -- an integer as a pointer, a float from its bits, a prefetch hint and a spin lock.
+cannot say -- an integer as a pointer, a float from its bits, a prefetch hint, a spin lock
+and a call through a C function pointer.
 
 Addresses travel as integers (``pointer`` turns one into the void pointer ``numba.carray``
 takes), so the kernel around them stays ordinary numba code.
@@ -79,3 +80,17 @@ def spin_release(typingctx, address):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.void(types.intp), codegen
+
+
+@intrinsic
+def call_pointer(typingctx, function, argument):  # type: ignore[no-untyped-def]
+    """Call the C function at address `function` as ``void *f(void *)`` with `argument`; its result as int64."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i64 = ir.IntType(64)
+        function_type = ir.FunctionType(cgutils.voidptr_t, [cgutils.voidptr_t])
+        target = builder.inttoptr(args[0], function_type.as_pointer())
+        result = builder.call(target, [builder.inttoptr(args[1], cgutils.voidptr_t)])
+        return builder.ptrtoint(result, i64)
+
+    return types.int64(types.int64, types.int64), codegen
