@@ -193,8 +193,8 @@ class VerifierService:
                         operation="request",
                     )
                 )
-            except rp.ProtocolTimeoutError:
-                break
+            except (rp.ProtocolTimeoutError, zmq.ZMQError):
+                break  # score what arrived; a socket error recurs at the next first receive
         return batch
 
     def _internal(self, identity: bytes, request_id: int, error: BaseException) -> None:
