@@ -48,6 +48,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
     parser.add_argument("--max-frame-bytes", type=int, default=256 * 1024 * 1024)
     parser.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument(
+        "--max-clients", type=int, default=4096, help="handshaken connections remembered at most"
+    )
+    parser.add_argument("--max-waiters", type=int, default=4096, help="long-polls held at most")
+    parser.add_argument(
         "--curve-keypair", help="ZeroMQ secret certificate file of this server (enables CURVE)"
     )
     parser.add_argument(
@@ -76,6 +80,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
             push_idle_timeout_s=args.push_idle_timeout,
             max_frame_bytes=args.max_frame_bytes,
             max_message_bytes=args.max_message_bytes,
+            max_clients=args.max_clients,
+            max_waiters=args.max_waiters,
             curve=curve,
         )
     except ValueError as err:

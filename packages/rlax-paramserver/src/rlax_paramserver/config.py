@@ -31,7 +31,10 @@ class ServerConfig:
     max_frames: most frames one version may be split into.
     max_pending_pushes / max_pending_per_client: caps on unfinished pushes.
     max_wait_s: longest a WaitNewer long-poll is held before answering.
+    max_waiters: most long-polls held at once (beyond it the oldest is answered early).
     client_idle_timeout_s: a client silent for this long must say Hello again.
+    max_clients: most handshaken connections remembered (beyond it the least recently
+        seen must say Hello again), so reconnect churn cannot grow memory.
     """
 
     bind: str = DEFAULT_BIND
@@ -48,7 +51,9 @@ class ServerConfig:
     max_pending_pushes: int = 16
     max_pending_per_client: int = 2
     max_wait_s: float = 60.0
+    max_waiters: int = 4096
     client_idle_timeout_s: float = 600.0
+    max_clients: int = 4096
     server_id: str = "rlax-paramserver"
     curve: CurveServerConfig | None = field(default=None, repr=False)
 
@@ -69,6 +74,8 @@ class ServerConfig:
             "max_frames",
             "max_pending_pushes",
             "max_pending_per_client",
+            "max_waiters",
+            "max_clients",
         ):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be > 0")

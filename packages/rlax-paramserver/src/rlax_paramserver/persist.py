@@ -11,7 +11,9 @@ File layout (``weights-v<version>.rlaxw``)::
 A file is written under a temporary name, fsynced, renamed into place and the
 directory fsynced, so a crash leaves either the old file or the new one. On load every
 tensor's xxh3_64 is checked against the manifest; a file that fails any check is
-reported (`CorruptStateError`), renamed to ``*.corrupt`` and never served.
+reported (`CorruptStateError`), renamed to ``*.corrupt`` and never served. A file that
+cannot be *read* (EIO, EACCES, ...) says nothing about its bytes: it is left as it is
+and loading fails with that error, rather than falling back to an older version.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from typing import Any
 import msgspec
 import xxhash
 
-from rlax_protocol import PROTOCOL_VERSION, ProtocolError, TensorManifest, frame_layout
+from rlax_protocol import (
+    PROTOCOL_VERSION,
+    MalformedMessageError,
+    ProtocolError,
+    TensorManifest,
+    check_msgpack_bounds,
+    frame_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,10 @@ _NAME = re.compile(r"^weights-v(\d+)\.rlaxw$")
 
 class CorruptStateError(ProtocolError):
     """A state file failed a check; the message names the file and what is wrong."""
+
+
+class StateReadError(OSError):
+    """A state file could not be read (the disk or the permissions failed, not its bytes)."""
 
 
 class StateHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,9 +116,12 @@ def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, in
     length = int.from_bytes(f.read(8), "little")
     if length <= 0 or length > size:
         raise CorruptStateError(f"{path}: header length {length} does not fit a {size}-byte file")
+    raw = f.read(length)
     try:
-        header = msgspec.msgpack.decode(f.read(length), type=StateHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        # Bounded first: the metadata is free-form and msgspec would recurse into it.
+        check_msgpack_bounds(raw, max_bytes=length)
+        header = msgspec.msgpack.decode(raw, type=StateHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError, MalformedMessageError) as err:
         raise CorruptStateError(f"{path}: unreadable header: {err}") from None
     if header.protocol_version != PROTOCOL_VERSION or header.manifest.protocol_version != PROTOCOL_VERSION:
         raise CorruptStateError(
@@ -156,7 +172,8 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
 
     Leftover temporary files of an interrupted write are deleted; a corrupt file is
     renamed to ``<name>.corrupt`` (kept for inspection) and an older valid file, if any,
-    is used instead.
+    is used instead. A file that cannot be read raises `StateReadError` naming it and
+    is left in place: serving an older file instead would move the version backwards.
     """
     if not state_dir.is_dir():
         return None, None
@@ -170,7 +187,9 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
     for _, path in reversed(candidates):
         try:
             return read_state(path), "; ".join(errors) or None
-        except (CorruptStateError, OSError) as err:
+        except OSError as err:
+            raise StateReadError(err.errno, f"cannot read state file {path}: {err.strerror or err}") from err
+        except CorruptStateError as err:
             log.error("corrupt state file, not served: %s", err)
             errors.append(str(err))
             try:

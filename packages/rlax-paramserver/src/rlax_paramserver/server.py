@@ -8,8 +8,18 @@ Threads and sockets::
 The broker hands each request to an idle worker only (load balancing), so a worker
 busy verifying a large commit never delays a pull queued behind it. Workers answer
 with ``REPLY`` (and become idle again) or ``SEND`` (an extra message, e.g. waking a
-long-poll); the persister writes the newest version to disk and then sends the
-commit's reply. Byte payloads move as `zmq.Frame`s without copies end to end.
+long-poll). Byte payloads move as `zmq.Frame`s without copies end to end.
+
+Durability (with a state dir): a committed version becomes visible only after it is
+on disk. The worker verifies the push and hands it to the persister, which writes
+the file (fsynced, renamed), then installs the version, wakes long-polls and answers
+the commit. So every version a puller ever saw survives a ``kill -9``, and a restart
+never serves an older version than one already served. A write that fails answers
+the commit with ``persist_failed`` and the version never becomes visible; the
+persister lives on. Without a state dir a commit is visible at once.
+
+No message can stop a thread: a worker answers anything one request raises with an
+``internal`` error and goes back to the idle pool.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import zmq
 
 from rlax_paramserver.config import ServerConfig
 from rlax_paramserver.persist import load_newest, write_state
-from rlax_paramserver.store import StoredVersion, StoreError, VersionStore, Waiter, Wakeup
+from rlax_paramserver.store import PendingPush, StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 from rlax_protocol import (
     Ack,
     Committed,
@@ -70,7 +80,7 @@ _POLL_MS = 50
 class _PersistJob:
     identity: bytes
     request_id: int
-    stored: StoredVersion
+    push: PendingPush
 
 
 class ParamServer:
@@ -84,7 +94,7 @@ class ParamServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.store = VersionStore(config)
-        self.peers = PeerRegistry(idle_timeout_s=config.client_idle_timeout_s)
+        self.peers = PeerRegistry(idle_timeout_s=config.client_idle_timeout_s, max_peers=config.max_clients)
         self.address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -188,7 +198,10 @@ class ParamServer:
                             break
                         worker, kind = parts[0].bytes, parts[1].bytes
                         if kind in (_REPLY, _SEND) and len(parts) > 2:
-                            frontend.send_multipart(parts[2:], copy=False)
+                            try:
+                                frontend.send_multipart(parts[2:], copy=False)
+                            except zmq.ZMQError as err:  # one undeliverable reply must not stop the broker
+                                log.error("could not forward a reply: %s", err)
                         if kind in (_READY, _REPLY):
                             idle.append(worker)
                 if frontend in events:
@@ -218,29 +231,44 @@ class ParamServer:
         try:
             while not self._stop.is_set():
                 if time.monotonic() >= next_sweep:
-                    self._send_wakeups(socket, self.store.sweep())
+                    try:
+                        self._send_wakeups(socket, self.store.sweep())
+                    except Exception:  # keep serving; the next sweep retries
+                        log.exception("worker %d: sweeping leases and long-polls failed", index)
                     next_sweep = time.monotonic() + _POLL_MS / 1000
                 if not socket.poll(_POLL_MS):
                     continue
-                request = parse_request(socket.recv_multipart(copy=False))
-                answer = self._answer(socket, request)
-                if answer is None:
-                    socket.send(_READY)
-                else:
-                    message, frames = answer
-                    socket.send_multipart(
-                        [
-                            _REPLY,
-                            request.identity,
-                            pack_request_id(request.request_id),
-                            encode(message),
-                            *frames,
-                        ],
-                        copy=False,
-                    )
-                self.store.reap()
+                self._serve_one(socket, socket.recv_multipart(copy=False))
         finally:
             socket.close(0)
+
+    def _serve_one(self, socket: zmq.Socket[Any], parts: list[zmq.Frame]) -> None:
+        """Answer one request and return to the idle pool, whatever the request did.
+
+        The broker counts this worker idle again only after ``REPLY`` or ``READY``, so
+        exactly one of them is sent on every path (else the worker is lost for good).
+        """
+        request = parse_request(parts)
+        try:
+            answer = self._answer(socket, request)
+        except Exception as err:  # `_answer` catches what handlers raise; this is the last guard
+            log.exception("internal error answering a request")
+            answer = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}"), []
+        if answer is None:
+            socket.send(_READY)
+        else:
+            message, frames = answer
+            head = [_REPLY, request.identity, pack_request_id(request.request_id)]
+            try:
+                socket.send_multipart([*head, encode(message), *frames], copy=False)
+            except (zmq.ZMQError, TypeError, ValueError) as err:
+                log.error("could not send a reply: %s", err)
+                error = ErrorReply(code="internal", message=f"reply could not be sent: {err}")
+                socket.send_multipart([*head, encode(error)])
+        try:
+            self.store.reap()
+        except Exception:
+            log.exception("freeing evicted versions failed")
 
     def _send_wakeups(self, socket: zmq.Socket[Any], wakeups: list[Wakeup]) -> None:
         for w in wakeups:
@@ -258,7 +286,7 @@ class ParamServer:
             if isinstance(message, Hello):
                 welcome: Welcome = welcome_for(message, server_id=self.config.server_id)
                 if welcome.accepted:
-                    self.peers.admit(request.identity)
+                    self.peers.admit(request.identity, message.client_id)
                 return welcome, []
             if not self.peers.touch(request.identity):
                 return ErrorReply(
@@ -303,7 +331,10 @@ class ParamServer:
             store.end_pull(message.lease_id)
             return Ack(), []
         if isinstance(message, PushBegin):
-            push_id = store.begin_push(message.version, message.manifest, message.metadata, request.identity)
+            # Keyed on the client, not the connection: a pusher that reconnects and starts
+            # over abandons its older pushes instead of piling them up to `busy`.
+            owner = self.peers.client_key(request.identity)
+            push_id = store.begin_push(message.version, message.manifest, message.metadata, owner)
             return PushReady(push_id=push_id, max_message_bytes=self.config.max_message_bytes), []
         if isinstance(message, PushChunks):
             if message.count != len(request.frames):
@@ -324,19 +355,19 @@ class ParamServer:
             return Ack(), []
         if isinstance(message, PushCommit):
             push = store.take_for_commit(message.push_id)
-            store.verify(push)
+            try:
+                store.verify(push)
+            except BaseException:
+                store.release(push.version)
+                raise
+            if self.config.state_dir is not None:
+                # Visible only once on disk: the persister installs it and answers.
+                self._persist_jobs.put(_PersistJob(request.identity, request.request_id, push))
+                return None
             stored, wakeups = store.commit(push)
             self._send_wakeups(socket, wakeups)
-            log.info(
-                "committed version %d (%d tensors, %d bytes)",
-                stored.version,
-                len(stored.manifest.tensors),
-                stored.nbytes,
-            )
-            if self.config.state_dir is None:
-                return Committed(version=stored.version, persisted=False), []
-            self._persist_jobs.put(_PersistJob(request.identity, request.request_id, stored))
-            return None
+            self._log_commit(stored, persisted=False)
+            return Committed(version=stored.version, persisted=False), []
         if isinstance(message, PushAbort):
             store.abort_push(message.push_id)
             return Ack(), []
@@ -344,7 +375,11 @@ class ParamServer:
             return LatestVersion(version=store.latest), []
         if isinstance(message, WaitNewer):
             result = store.wait_newer(
-                request.identity, request.request_id, message.version, max(0, message.timeout_ms) / 1000
+                request.identity,
+                request.request_id,
+                message.version,
+                max(0, message.timeout_ms) / 1000,
+                self.peers.client_key(request.identity),
             )
             return None if isinstance(result, Waiter) else (LatestVersion(version=result), [])
         if isinstance(message, StatQuery):
@@ -353,10 +388,20 @@ class ParamServer:
             code="unknown_message", message=f"{type(message).__name__} is not a parameter-server request"
         ), []
 
+    @staticmethod
+    def _log_commit(stored: StoredVersion, *, persisted: bool) -> None:
+        log.info(
+            "committed version %d (%d tensors, %d bytes%s)",
+            stored.version,
+            len(stored.manifest.tensors),
+            stored.nbytes,
+            ", on disk" if persisted else "",
+        )
+
     # ------------------------------------------------------------------ persister
 
     def _persister(self) -> None:
-        assert self._context is not None and self.config.state_dir is not None
+        assert self._context is not None
         socket = self._context.socket(zmq.DEALER)
         socket.linger = 0
         socket.identity = b"persister"
@@ -367,24 +412,52 @@ class ParamServer:
                     job = self._persist_jobs.get(timeout=_POLL_MS / 1000)
                 except queue.Empty:
                     continue
-                persisted = False
-                stored = job.stored
-                if stored.version == self.store.latest:  # a newer commit supersedes this write
-                    try:
-                        write_state(
-                            self.config.state_dir,
-                            stored.version,
-                            stored.manifest,
-                            stored.metadata,
-                            stored.frames,
-                        )
-                        persisted = True
-                        self.store.persisted_version = stored.version
-                        self.store.state_error = None
-                    except OSError as err:
-                        log.error("could not persist version %d: %s", stored.version, err)
-                        self.store.state_error = f"persisting version {stored.version} failed: {err}"
-                reply = Committed(version=stored.version, persisted=persisted)
-                socket.send_multipart([_SEND, job.identity, pack_request_id(job.request_id), encode(reply)])
+                reply = self._persist_and_install(socket, job.push)
+                try:
+                    socket.send_multipart(
+                        [_SEND, job.identity, pack_request_id(job.request_id), encode(reply)]
+                    )
+                except zmq.ZMQError as err:
+                    log.error("could not answer the commit of version %d: %s", job.push.version, err)
         finally:
             socket.close(0)
+
+    def _persist_and_install(self, socket: zmq.Socket[Any], push: PendingPush) -> Message:
+        """Write `push` to disk, then make it visible; any failure is the pusher's answer.
+
+        Whatever goes wrong (a full disk, an unwritable directory, metadata that cannot be
+        encoded, ...) is reported to the pusher as ``persist_failed`` and the version is
+        released unseen; the thread goes on with the next commit.
+        """
+        assert self.config.state_dir is not None
+        try:
+            stored = StoredVersion(
+                push.version,
+                push.manifest,
+                push.metadata,
+                [f for f in push.frames if f is not None],
+                push.manifest.total_bytes,
+            )
+            write_state(
+                self.config.state_dir, stored.version, stored.manifest, stored.metadata, stored.frames
+            )
+        except Exception as err:
+            self.store.release(push.version)
+            log.error("could not persist version %d: %s: %s", push.version, type(err).__name__, err)
+            self.store.state_error = f"persisting version {push.version} failed: {type(err).__name__}: {err}"
+            return ErrorReply(
+                code="persist_failed",
+                message=f"version {push.version} was not committed: writing it failed: {type(err).__name__}: {err}",
+            )
+        try:
+            _, wakeups = self.store.install(stored)
+        except StoreError as err:
+            return ErrorReply(code=err.code, message=str(err))
+        self.store.persisted_version = stored.version
+        self.store.state_error = None
+        try:
+            self._send_wakeups(socket, wakeups)
+        except zmq.ZMQError as err:  # the long-polls then end at their timeout
+            log.error("could not wake long-polls for version %d: %s", stored.version, err)
+        self._log_commit(stored, persisted=True)
+        return Committed(version=stored.version, persisted=True)

@@ -86,6 +86,7 @@ class Waiter:
     request_id: int
     version: int | None
     deadline: float
+    client_key: bytes = b""
 
 
 @dataclass
@@ -104,18 +105,27 @@ class VersionStore:
     pending: dict[int, PendingPush] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
     waiters: list[Waiter] = field(default_factory=list)
+    # Versions taken for commit but not yet visible (verifying, or being written to disk):
+    # they count as claimed, so no other push of them or of an older version can start.
+    committing: set[int] = field(default_factory=set)
     persisted_version: int | None = None
     state_error: str | None = None
     malformed_messages: int = 0
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _graveyard: list[StoredVersion] = field(default_factory=list)
+    _early_wakeups: list[Wakeup] = field(default_factory=list)
 
     # ------------------------------------------------------------------ queries
 
     @property
     def latest(self) -> int | None:
         return max(self.versions) if self.versions else None
+
+    def _newest_claimed(self) -> int | None:
+        """The newest version visible or being committed (lock held)."""
+        claimed = [*self.versions, *self.committing]
+        return max(claimed) if claimed else None
 
     def count_malformed(self) -> None:
         with self._lock:
@@ -152,12 +162,7 @@ class VersionStore:
         now = time.monotonic()
         with self._lock:
             self._expire_pushes(now)
-            latest = self.latest
-            if latest is not None and version <= latest:
-                raise StoreError(
-                    "stale_version",
-                    f"version {version} is not newer than the latest committed version {latest}",
-                )
+            self._refuse_stale(version)
             mine = sorted(p.push_id for p in self.pending.values() if p.owner == owner)
             while len(mine) >= self.config.max_pending_per_client:
                 del self.pending[mine.pop(0)]  # a client restarting its push abandons the older one
@@ -253,7 +258,8 @@ class VersionStore:
             self.pending.pop(push_id, None)
 
     def take_for_commit(self, push_id: int) -> PendingPush:
-        """Remove a complete pending push so its checksums can be verified without the lock."""
+        """Remove a complete pending push so its checksums can be verified (and the version
+        written) without the lock; its version stays claimed until `install` or `release`."""
         with self._lock:
             push = self._pending(push_id)
             if push.missing:
@@ -262,7 +268,14 @@ class VersionStore:
                     "out_of_order", f"push {push_id} misses {len(absent)} frames (first: {absent[:5]})"
                 )
             del self.pending[push_id]
+            self._refuse_stale(push.version)
+            self.committing.add(push.version)
             return push
+
+    def release(self, version: int) -> None:
+        """Give up a version taken for commit that will not become visible (corrupt, not persisted)."""
+        with self._lock:
+            self.committing.discard(version)
 
     def verify(self, push: PendingPush) -> None:
         """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one."""
@@ -283,6 +296,7 @@ class VersionStore:
     def install(self, stored: StoredVersion) -> tuple[StoredVersion, list[Wakeup]]:
         """Make `stored` visible (atomically: one dict insert under the lock); wake long-polls."""
         with self._lock:
+            self.committing.discard(stored.version)
             latest = self.latest
             if latest is not None and stored.version <= latest:
                 raise StoreError(
@@ -363,16 +377,42 @@ class VersionStore:
     # ------------------------------------------------------------------ long-poll
 
     def wait_newer(
-        self, identity: bytes, request_id: int, version: int | None, timeout_s: float
+        self,
+        identity: bytes,
+        request_id: int,
+        version: int | None,
+        timeout_s: float,
+        client_key: bytes = b"",
     ) -> int | None | Waiter:
-        """The latest version if already newer than `version`; otherwise registers and returns a waiter."""
+        """The latest version if already newer than `version`; otherwise registers and returns a waiter.
+
+        Waiters stay bounded under reconnect churn: the waiters of the same client on an
+        older connection, and beyond `max_waiters` the oldest ones, are answered now with
+        the unchanged latest (a long-poll may end early; the client simply asks again;
+        a reply to a closed connection is dropped by ZeroMQ). `sweep` returns them.
+        """
         with self._lock:
             latest = self.latest
             if latest is not None and (version is None or latest > version):
                 return latest
             waiter = Waiter(
-                identity, request_id, version, time.monotonic() + min(timeout_s, self.config.max_wait_s)
+                identity,
+                request_id,
+                version,
+                time.monotonic() + min(timeout_s, self.config.max_wait_s),
+                client_key,
             )
+            if client_key:
+                kept: list[Waiter] = []
+                for w in self.waiters:
+                    if w.client_key == client_key and w.identity != identity:
+                        self._early_wakeups.append(Wakeup(w.identity, w.request_id, latest))
+                    else:
+                        kept.append(w)
+                self.waiters = kept
+            while len(self.waiters) >= self.config.max_waiters:
+                oldest = self.waiters.pop(0)
+                self._early_wakeups.append(Wakeup(oldest.identity, oldest.request_id, latest))
             self.waiters.append(waiter)
             return waiter
 
@@ -382,12 +422,13 @@ class VersionStore:
         with self._lock:
             self._expire_leases(now)
             self._expire_pushes(now)
+            early, self._early_wakeups = self._early_wakeups, []
             due = [w for w in self.waiters if w.deadline <= now]
             if not due:
-                return []
+                return early
             self.waiters = [w for w in self.waiters if w.deadline > now]
             latest = self.latest
-            return [Wakeup(w.identity, w.request_id, latest) for w in due]
+            return early + [Wakeup(w.identity, w.request_id, latest) for w in due]
 
     # ------------------------------------------------------------------ internals (lock held)
 
@@ -396,6 +437,16 @@ class VersionStore:
         if lease.unsent == 0 and self.leases.pop(lease.lease_id, None) is not None:
             # Every frame is on its way (ZeroMQ holds references to the buffers): the pull is done.
             self._evict(time.monotonic())
+
+    def _refuse_stale(self, version: int) -> None:
+        claimed = self._newest_claimed()
+        if claimed is not None and version <= claimed:
+            latest = self.latest
+            being = "" if claimed == latest else f" (version {claimed} is being committed)"
+            raise StoreError(
+                "stale_version",
+                f"version {version} is not newer than the latest committed version {latest}{being}",
+            )
 
     def _pending(self, push_id: int) -> PendingPush:
         push = self.pending.get(push_id)
@@ -449,4 +500,5 @@ class VersionStore:
                 "malformed_messages": self.malformed_messages,
                 "persisted_version": self.persisted_version,
                 "state_error": self.state_error,
+                "waiters": len(self.waiters),
             }

@@ -264,6 +264,7 @@ class ServerStats(Message, frozen=True):
     malformed_messages: int
     persisted_version: int | None
     state_error: str | None
+    waiters: int = 0
 
 
 # --------------------------------------------------------------------------- generation

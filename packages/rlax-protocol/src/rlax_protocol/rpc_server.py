@@ -51,12 +51,13 @@ class RpcServer:
         server_id: str = "rlax",
         curve: CurveServerConfig | None = None,
         client_idle_timeout_s: float = 600.0,
+        max_clients: int = 4096,
     ) -> None:
         self.bind = bind
         self.handler = handler
         self.server_id = server_id
         self.curve = curve
-        self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s)
+        self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s, max_peers=max_clients)
         self.address = ""
         self._context: zmq.Context[Any] = zmq.Context()
         self._stop = threading.Event()
@@ -93,7 +94,7 @@ class RpcServer:
         if isinstance(message, Hello):
             welcome = welcome_for(message, server_id=self.server_id)
             if welcome.accepted:
-                self.peers.admit(request.identity)
+                self.peers.admit(request.identity, message.client_id)
             return welcome, ()
         if not self.peers.touch(request.identity):
             return ErrorReply(

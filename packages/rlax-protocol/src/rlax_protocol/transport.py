@@ -17,6 +17,7 @@ Frames larger than `ZERO_COPY_THRESHOLD` are sent with ``copy=False`` and receiv
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
@@ -192,38 +193,71 @@ class Handshake:
 
 
 @dataclass
+class _Peer:
+    last_seen: float
+    client_key: bytes
+
+
+@dataclass
 class PeerRegistry:
-    """Server-side record of the clients that completed the handshake (thread-safe).
+    """Server-side record of the clients that completed the handshake (thread-safe, bounded).
 
     A client idle for longer than `idle_timeout_s` is forgotten; its next request is
-    answered ``handshake_required`` and `RpcClient` then says `Hello` again.
+    answered ``handshake_required`` and `RpcClient` then says `Hello` again. Every
+    reconnection gets a new ZeroMQ identity, so under reconnect churn the table would
+    grow without end: it is kept in least-recently-seen order, idle entries are dropped
+    from its old end on every admission, and beyond `max_peers` the least recently seen
+    client is forgotten (it only has to say `Hello` again).
+
+    `client_key(identity)` names the client behind a connection across reconnections:
+    the ``client_id`` of its `Hello` when it gave one, else the connection itself.
     """
 
     idle_timeout_s: float = 300.0
-    _seen: dict[bytes, float] = field(default_factory=dict)
+    max_peers: int = 4096
+    _seen: collections.OrderedDict[bytes, _Peer] = field(default_factory=collections.OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def admit(self, identity: bytes) -> None:
+    def admit(self, identity: bytes, client_id: str = "") -> None:
+        key = b"id:" + client_id.encode() if client_id else b"conn:" + identity
+        now = time.monotonic()
         with self._lock:
-            self._seen[identity] = time.monotonic()
+            self._seen[identity] = _Peer(now, key)
+            self._seen.move_to_end(identity)
+            self._expire(now)
+            while len(self._seen) > self.max_peers:
+                self._seen.popitem(last=False)
 
     def touch(self, identity: bytes) -> bool:
         """True if `identity` said Hello and is not expired (and refreshes it)."""
         now = time.monotonic()
         with self._lock:
-            seen = self._seen.get(identity)
-            if seen is None or now - seen > self.idle_timeout_s:
+            peer = self._seen.get(identity)
+            if peer is None or now - peer.last_seen > self.idle_timeout_s:
                 self._seen.pop(identity, None)
                 return False
-            self._seen[identity] = now
+            peer.last_seen = now
+            self._seen.move_to_end(identity)
             return True
 
-    def count(self) -> int:
-        now = time.monotonic()
+    def client_key(self, identity: bytes) -> bytes:
+        """The key of the client behind `identity` (stable across its reconnections)."""
         with self._lock:
-            for identity in [i for i, t in self._seen.items() if now - t > self.idle_timeout_s]:
-                del self._seen[identity]
+            peer = self._seen.get(identity)
+        return peer.client_key if peer is not None else b"conn:" + identity
+
+    def count(self) -> int:
+        with self._lock:
+            self._expire(time.monotonic())
             return len(self._seen)
+
+    def _expire(self, now: float) -> None:
+        # Oldest first: stop at the first entry still fresh.
+        while self._seen:
+            identity, peer = next(iter(self._seen.items()))
+            if now - peer.last_seen <= self.idle_timeout_s:
+                return
+            del self._seen[identity]
 
 
 # --------------------------------------------------------------------------- CURVE
