@@ -100,6 +100,6 @@ class CodeVerifier:
             "total": len(cases),
             "status": [r.status for r in results],
             "failures": failures,
-            "isolation": self.sandbox.isolation["network"],
+            "isolation": self.sandbox.isolation["mode"],
         }
         return VerifyResult(reward=reward, correct=ok, details=details)

@@ -216,7 +216,9 @@ class Sandbox:
         if not res.passed:
             raise RuntimeError(
                 f"the sandbox cannot run a trivial program here ({self.isolation}): status {res.status} "
-                f"({res.reason}), cases {res.cases}, stderr: {res.stderr.strip()[-1000:]}"
+                f"({res.reason}), cases {res.cases}, stderr: {res.stderr.strip()[-1000:]}. With bubblewrap "
+                "this usually means the host refuses user namespaces; sandbox.isolation='process' runs "
+                "without them (limits only: trusted programs only)"
             )
         self._checked = True
 
@@ -238,7 +240,8 @@ class Sandbox:
             # plus bubblewrap's init process.
             nproc = c.max_procs + 1
         else:
-            nproc = len(os.listdir("/proc")) + c.max_procs  # a rough cap: shared with the caller's uid
+            # RLIMIT_NPROC counts every process of the caller's uid: a rough cap at best.
+            nproc = _processes_of_uid(os.getuid()) + c.max_procs
         return {
             "cpu_s": c.cpu_s,
             "as_bytes": c.memory_mb << 20,
@@ -269,17 +272,7 @@ class Sandbox:
             request_r, request_w = os.pipe()
             reply_r, reply_w = os.pipe()
             status_r, status_w = os.pipe()
-            fds += [
-                stdin_fd,
-                stdout_fd,
-                stderr_fd,
-                request_r,
-                request_w,
-                reply_r,
-                reply_w,
-                status_r,
-                status_w,
-            ]
+            fds += [stdin_fd, stdout_fd, stderr_fd, request_r, request_w, reply_r, reply_w, status_r, status_w]  # fmt: skip
             harness = ["-c", _RUNNER, str(request_r), str(reply_w), str(status_w)]
             if c.isolation == "bwrap":
                 cmd = _isolation.bwrap_command(self._interp, c.tmpfs_mb << 20, harness)
@@ -319,7 +312,7 @@ class Sandbox:
             # moment to report how its child ended.
             grace = min(2.0, max(0.0, t0 + timeout - time.monotonic())) if chan.stopped == "exited" else 0.0
             ended_by_itself = _has_exited(pidfd, grace)
-            rc, _ = _finish(proc)
+            rc = _finish(proc)
             ended = _read_status(status_r) if ended_by_itself else None
             elapsed = time.monotonic() - t0
             stdout = os.pread(stdout_fd, c.max_output_bytes, 0).decode("utf-8", "replace")
@@ -446,6 +439,17 @@ class Sandbox:
         return "crashed", f"killed by {name}"
 
 
+def _processes_of_uid(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                count += entry.stat().st_uid == uid
+            except OSError:
+                continue
+    return count
+
+
 def _case_ids(job: ExecJob) -> list[str | int]:
     return (["script"] if job.script else []) + list(range(len(job.calls)))
 
@@ -479,13 +483,25 @@ def _has_exited(pidfd: int, wait_s: float = 0.0) -> bool:
     return bool(select.select([pidfd], [], [], wait_s)[0])
 
 
-def _finish(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
+def _finish(proc: subprocess.Popen[bytes]) -> int:
     """Kill what is left of the job (its whole pid namespace goes with bubblewrap) and
-    reap it: its exit status and the CPU seconds it and its reaped children used."""
+    reap it; its exit status. (How the program itself ended, and its CPU time, come from
+    the job's supervisor: bubblewrap does not wait for its child, so its rusage is empty.)"""
+    # bubblewrap's child is the pid namespace's init: once it has exited, the kernel has
+    # killed and reaped every process of the namespace. Wait for that, so that nothing
+    # of the job outlives this call.
+    init_pidfds = []
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        init_pidfds = [os.pidfd_open(int(pid)) for pid in children]
+    except OSError:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_utime + usage.ru_stime
+    proc.wait()
+    for pidfd in init_pidfds:
+        select.select([pidfd], [], [], 10.0)
+        os.close(pidfd)
+    return proc.returncode
