@@ -62,9 +62,12 @@ class CodeTests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """How a code completion is tested.
 
     The program is `prefix + completion`. Then, in this order and each only if given:
-    `script` runs after the program in the same namespace (assert-style tests, such as
-    HumanEval's `check(candidate)`; any exception fails it), each `calls` case calls
-    `entry_point`, each `io` case runs the program with its stdin.
+    `script` (assert-style tests, such as HumanEval's `check(candidate)`; any exception
+    fails it) runs in the verifier, outside the sandbox, after `prefix`, with
+    `entry_point` bound to a stand-in that calls the sandboxed program and returns the
+    plain value it sent back; each `calls` case calls `entry_point` in the sandbox and
+    compares its plain return value with `expected` outside it; each `io` case runs the
+    program with its stdin.
     """
 
     prefix: str = ""
