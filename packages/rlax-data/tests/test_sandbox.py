@@ -293,3 +293,51 @@ def test_uid_pool_leases_are_unique_across_pools(tmp_path):
             pass
     with b.lease() as again:
         assert again in (70000, 70001, 70002)
+
+
+def test_plain_values_are_exact_builtins_only():
+    from rlax_data.verify.plain_values import from_plain, to_plain
+
+    value = [1, 2.5, True, None, "s", (1, [2]), {3: "x", (4,): b"\x00\xff"}, {5}, frozenset({6}), 1 + 2j]
+    encoded = to_plain(value)
+    # Hand-written: lists stay arrays, other containers become one-key objects.
+    assert encoded == [
+        1, 2.5, True, None, "s",
+        {"tuple": [1, [2]]},
+        {"dict": [[3, "x"], [{"tuple": [4]}, {"bytes": "00ff"}]]},
+        {"set": [5]}, {"frozenset": [6]},
+        {"complex": [1.0, 2.0]},
+    ]  # fmt: skip
+    assert from_plain(encoded) == value and type(from_plain(encoded)[5]) is tuple
+    assert to_plain(float("inf")) == {"float": "inf"} and from_plain({"float": "-inf"}) == float("-inf")
+
+    class Liar(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    for bad in (Liar(1), [Liar(1)], object(), iter([]), {"k": Liar(2)}):
+        with pytest.raises(TypeError, match="only built-in values"):
+            to_plain(bad)
+    for bad in ({"tuple": 1}, {"eval": "x"}, {"a": 1, "b": 2}, {"bytes": 3}, {"complex": [1]}):
+        with pytest.raises(ValueError):
+            from_plain(bad)
+
+
+def test_tests_script_semantics(sandbox):
+    prog = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    expects_error = "try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')\nassert f(2) == 2\n"
+    # A program that exits during a call: a test script that swallows every exception
+    # still cannot make the job pass.
+    exits = "import os\ndef f(x):\n    os._exit(0)\n"
+    swallowing = "try:\n    f(1)\nexcept BaseException:\n    pass\n"
+    jobs = [
+        ExecJob(mode="tests", program=prog, entry_point="f", script=expects_error),
+        ExecJob(mode="tests", program=exits, entry_point="f", script=swallowing),
+        ExecJob(mode="tests", program=prog, entry_point="f", script="assert f(3) == 4\n"),
+    ]
+    ok, swallowed, wrong = sandbox.run(jobs)
+    assert ok.passed, ok.cases
+    assert not swallowed.passed and "exited" in swallowed.cases[0].error
+    assert not wrong.passed and "AssertionError" in wrong.cases[0].error and "line 1" in wrong.cases[0].error
