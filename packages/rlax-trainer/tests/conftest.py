@@ -57,7 +57,7 @@ def model_params(model_config):
     return rlax_model.init_params(model_config, jax.random.key(0))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_batch():
     return random_batch
 

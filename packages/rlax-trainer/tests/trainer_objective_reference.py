@@ -26,6 +26,7 @@ Every objective's loss is the negated objective, averaged over prompts (groups).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -115,6 +116,16 @@ def kl_penalty(estimator: str, logprobs: np.ndarray, ref: np.ndarray) -> np.ndar
     return np.exp(log_ratio) - log_ratio - 1.0  # DeepSeekMath's D_KL
 
 
+class ClipCounts(NamedTuple):
+    """Where the data sits relative to the clip range (sequences for GSPO, else tokens)."""
+
+    above: int  # A > 0 and ratio > 1 + eps_high
+    below: int  # A < 0 and ratio < 1 - eps_low
+    inside: int  # 1 - eps_low < ratio < 1 + eps_high
+    boundary_distance: float  # min |log(ratio / boundary)|
+    max_abs_log_ratio: float  # of the token ratios
+
+
 class Reference:
     """The loss of one preset config (as `objective_to_dict` writes it) on one batch.
 
@@ -151,6 +162,23 @@ class Reference:
         """GSPO's length-normalised sequence ratio, [B]."""
         mask = self.x["mask"]
         return np.exp(((logprobs - self.x["old_logprobs"]) * mask).sum(axis=1) / mask.sum(axis=1))
+
+    def clip_counts(self) -> ClipCounts:
+        x, on = self.x, self.x["mask"] > 0
+        r, a = self.token_ratio(x["logprobs"]), self.adv
+        max_abs_log_ratio = float(np.abs(np.log(r[on])).max())
+        if self.cfg["importance"]["level"] == "sequence":
+            r, a, on = self.sequence_ratio(x["logprobs"]), a.sum(axis=1), np.ones(len(a), bool)
+        distance = np.abs(np.log(r / self.hi))
+        if self.lo > 0:
+            distance = np.minimum(distance, np.abs(np.log(r / self.lo)))
+        return ClipCounts(
+            above=int(((a > 0) & (r > self.hi) & on).sum()),
+            below=int(((a < 0) & (r < self.lo) & on).sum()),
+            inside=int(((r > self.lo) & (r < self.hi) & on).sum()),
+            boundary_distance=float(distance[on].min()),
+            max_abs_log_ratio=max_abs_log_ratio,
+        )
 
     def policy_objective(self, logprobs: np.ndarray, frozen_logprobs: np.ndarray | None = None) -> float:
         """The surrogate J (to maximise). `frozen_logprobs`: where CISPO's stop-gradient
