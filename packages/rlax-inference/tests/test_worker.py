@@ -5,6 +5,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import zmq
 from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
 
 import rlax_protocol as rp
@@ -13,6 +14,7 @@ from rlax_inference.worker import Worker, WorkerConfig
 from rlax_model import init_params
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
 
 ENGINE = EngineConfig(
     block_size=8,
@@ -135,4 +137,74 @@ def test_worker_answers_unknown_messages_and_keeps_serving(paramserver):
                 PARAMS, [3, 4, 5], 3
             )
     finally:
+        w.close()
+
+
+def raw_dealer(address):
+    """A DEALER that has said Hello (so its requests get past the handshake)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect(address)
+    socket.send_multipart(
+        [(0).to_bytes(8, "little"), rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION))]
+    )
+    assert socket.poll(10_000), "no Welcome"
+    assert isinstance(rp.decode(socket.recv_multipart()[1]), rp.Welcome)
+    return socket
+
+
+def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_request(paramserver):
+    push(paramserver, PARAMS, 2)
+    w = RunningWorker(paramserver)
+    try:
+        # Deep nesting, huge declared lengths, truncations and wrong framing, with valid
+        # requests (generation included) mixed in, all from one client.
+        valid = [
+            rp.encode(greedy_request("v", [5, 6, 7], max_tokens=2)),
+            rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION)),
+        ]
+        requests = list(hostile_requests(10_000, seed=11, valid=valid))
+        assert any(parts[1:] == [deep_nesting(1000)] for parts in requests)
+        replies = blast(w.address, requests, settle_s=2.0)
+        assert replies > 5_000
+        assert w.thread.is_alive() and not w.worker.errors
+        with rp.RpcClient(w.address, timeout_s=30, client_id="after-fuzz") as client:
+            (r,) = roundtrip(client, [greedy_request("ok", [5, 6, 7], max_tokens=4)])
+        assert r.weight_version == 2 and list(r.samples[0].token_ids) == naive_greedy(PARAMS, [5, 6, 7], 4)
+    finally:
+        w.close()
+
+
+def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(paramserver, monkeypatch):
+    push(paramserver, PARAMS, 3)
+    w = RunningWorker(paramserver)
+    parse = rp.parse_request
+
+    def parse_or_fail(parts):
+        if len(parts) > 2 and parts[2].bytes == b"boom":
+            raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+        return parse(parts)
+
+    # Whatever the decoder (or a handler) raises on one message, the I/O thread lives on.
+    monkeypatch.setattr(rp, "parse_request", parse_or_fail)
+    socket = raw_dealer(w.address)
+    try:
+        socket.send_multipart([(7).to_bytes(8, "little"), b"boom"])
+        assert socket.poll(10_000), "the failing message was not answered"
+        error = rp.decode(socket.recv_multipart()[1])
+        assert (
+            isinstance(error, rp.ErrorReply)
+            and error.code == "internal"
+            and "RecursionError" in error.message
+        )
+        socket.send_multipart(
+            [(8).to_bytes(8, "little"), rp.encode(greedy_request("after", [3, 4], max_tokens=2))]
+        )
+        assert socket.poll(60_000), "no answer after the failing message"
+        result = rp.decode(socket.recv_multipart()[1])
+        assert isinstance(result, rp.GenerateResult) and list(result.samples[0].token_ids) == naive_greedy(
+            PARAMS, [3, 4], 2
+        )
+    finally:
+        socket.close(0)
         w.close()

@@ -66,3 +66,33 @@ def test_rlax_worker_process(tmp_path: pathlib.Path):
                 proc.kill()
                 proc.wait()
             log.close()
+
+
+def test_rlax_worker_exits_with_the_config_error_code_on_a_rejected_config(tmp_path: pathlib.Path, capsys):
+    from rlax_inference.worker import EXIT_CONFIG_ERROR, main
+
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps({"attention": "fast"}))
+    # Rejected before the worker contacts anyone (nothing listens on port 9).
+    assert main(["--paramserver", "tcp://127.0.0.1:9", "--engine-config", str(engine)]) == EXIT_CONFIG_ERROR
+    assert "invalid config" in capsys.readouterr().err
+    engine.write_text(json.dumps({"no_such_field": 1}))
+    assert main(["--paramserver", "tcp://127.0.0.1:9", "--engine-config", str(engine)]) == EXIT_CONFIG_ERROR
+    assert "no_such_field" in capsys.readouterr().err
+    # Longer sequences than the model's positions: rejected once the weights (and so the
+    # model) are known, still as a config error, never as a crash to restart.
+    with running_server(tmp_path / "ps") as ps:
+        with ParamClient(ps, timeout_s=10) as client:
+            client.push(jax.tree_util.tree_map(np.asarray, PARAMS), 1)
+        (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(CONFIG)))
+        engine.write_text(json.dumps({"max_model_len": 4 * CONFIG.max_position_embeddings}))
+        argv = [
+            "--paramserver",
+            ps,
+            "--model-config",
+            str(tmp_path / "model.json"),
+            "--engine-config",
+            str(engine),
+        ]
+        assert main(argv) == EXIT_CONFIG_ERROR
+        assert "max_position_embeddings" in capsys.readouterr().err

@@ -42,6 +42,15 @@ from rlax_paramserver import ParamClient
 
 log = logging.getLogger("rlax_inference.worker")
 
+# sysexits.h EX_CONFIG: `main` exits with it when the worker's config is rejected, as every
+# rlax component does; `rlax launch` stops the run on it instead of restarting the worker.
+EXIT_CONFIG_ERROR = 78
+
+
+class WorkerConfigError(ValueError):
+    """The worker's model or engine config is rejected (by itself or by the pulled weights)."""
+
+
 _FINISH = {
     FinishReason.EOS: "stop",
     FinishReason.STOP: "stop",
@@ -172,12 +181,15 @@ class Worker:
             assert pulled is not None
         finally:
             client.close()
-        model_config = self.model_config or _model_config_from(pulled.metadata)
+        try:
+            model_config = self.model_config or _model_config_from(pulled.metadata)
+            self.engine = LLMEngine(
+                model_config, params_from_tree(pulled.tree), self.engine_config,
+                weight_version=pulled.version, detokenize=self.detokenize,
+            )  # fmt: skip
+        except ValueError as e:  # e.g. max_model_len beyond the model's positions: a restart cannot help
+            raise WorkerConfigError(str(e)) from None
         self.model_config = model_config
-        self.engine = LLMEngine(
-            model_config, params_from_tree(pulled.tree), self.engine_config,
-            weight_version=pulled.version, detokenize=self.detokenize,
-        )  # fmt: skip
         self._version_seen = pulled.version
         for target, name in ((self._io_loop, "rlax-worker-io"), (self._weights_loop, "rlax-worker-weights")):
             thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
@@ -227,7 +239,9 @@ class Worker:
                 key = f"{counter}:{item.request.request_id}"
                 try:
                     engine.add_request(key, item.request.prompt_token_ids, to_engine_params(item.request))
-                except ValueError as e:
+                except Exception as e:  # a request the engine refuses fails alone
+                    if not isinstance(e, ValueError):
+                        log.exception("request %r refused", item.request.request_id)
                     message = str(e).replace(f"request {key!r}", f"request {item.request.request_id!r}")
                     self._outbox.put(
                         (item.identity, item.transport_id, rp.ErrorReply(code="malformed", message=message))
@@ -272,11 +286,20 @@ class Worker:
                         break
                     self._send(socket, identity, transport_id, message)
                 if socket.poll(5, zmq.POLLIN):
-                    self._handle(
-                        socket, rp.parse_request(socket.recv_multipart(zmq.NOBLOCK, copy=False)), peers
-                    )
+                    self._serve_one(socket, socket.recv_multipart(zmq.NOBLOCK, copy=False), peers)
         finally:
             socket.close(linger=0)
+
+    def _serve_one(self, socket: zmq.Socket[Any], parts: list[zmq.Frame], peers: rp.PeerRegistry) -> None:
+        """One request: whatever it makes fail is answered with an `ErrorReply` (where the
+        sender is known) and logged; the I/O thread, and so the worker, keeps serving."""
+        try:
+            self._handle(socket, rp.parse_request(parts), peers)
+        except Exception as e:
+            log.exception("error handling a request")
+            if parts:
+                reply = rp.ErrorReply(code="internal", message=f"{type(e).__name__}: {e}")
+                self._send(socket, parts[0].bytes, 0, reply)
 
     def _send(self, socket: zmq.Socket[Any], identity: bytes, transport_id: int, message: rp.Message) -> None:
         try:
@@ -359,6 +382,34 @@ def model_config_from_dict(raw: dict[str, Any], *, source: str) -> ModelConfig:
     return ModelConfig(**raw)
 
 
+def _worker_from_args(args: argparse.Namespace) -> Worker:
+    """The worker the command line describes; a rejected config raises `WorkerConfigError`."""
+    try:
+        model_config = None
+        if args.model_config:
+            model_config = model_config_from_dict(
+                json.loads(args.model_config.read_text()), source=str(args.model_config)
+            )
+        engine_kwargs = json.loads(args.engine_config.read_text()) if args.engine_config else {}
+        if not isinstance(engine_kwargs, dict):
+            raise ValueError(f"{args.engine_config}: expected a JSON object of EngineConfig fields")
+        if "eos_token_ids" in engine_kwargs and engine_kwargs["eos_token_ids"] is not None:
+            engine_kwargs["eos_token_ids"] = tuple(engine_kwargs["eos_token_ids"])
+        if "swap_policy" in engine_kwargs:
+            engine_kwargs["swap_policy"] = SwapPolicy(engine_kwargs["swap_policy"])
+        return Worker(
+            WorkerConfig(
+                bind=args.bind, paramserver=args.paramserver, reload_staleness=args.reload_staleness,
+                weights_poll_s=args.weights_poll_s, worker_id=args.worker_id,
+            ),
+            EngineConfig(**engine_kwargs),
+            model_config,
+        )  # fmt: skip
+    except (ValueError, TypeError, OSError) as e:
+        # TypeError: a field EngineConfig/ModelConfig lacks; OSError: an unreadable file.
+        raise WorkerConfigError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlax-worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--paramserver", required=True, help="parameter server address (tcp://host:port)")
@@ -375,25 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", default="worker")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model_config = None
-    if args.model_config:
-        model_config = model_config_from_dict(
-            json.loads(args.model_config.read_text()), source=str(args.model_config)
-        )
-    engine_kwargs = json.loads(args.engine_config.read_text()) if args.engine_config else {}
-    if "eos_token_ids" in engine_kwargs and engine_kwargs["eos_token_ids"] is not None:
-        engine_kwargs["eos_token_ids"] = tuple(engine_kwargs["eos_token_ids"])
-    if "swap_policy" in engine_kwargs:
-        engine_kwargs["swap_policy"] = SwapPolicy(engine_kwargs["swap_policy"])
-    worker = Worker(
-        WorkerConfig(
-            bind=args.bind, paramserver=args.paramserver, reload_staleness=args.reload_staleness,
-            weights_poll_s=args.weights_poll_s, worker_id=args.worker_id,
-        ),
-        EngineConfig(**engine_kwargs),
-        model_config,
-    )  # fmt: skip
-    address = worker.start()
+    try:
+        worker = _worker_from_args(args)
+        address = worker.start()
+    except WorkerConfigError as e:
+        print(f"rlax-worker: invalid config: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker._stop.set())
     if args.ready_file:
