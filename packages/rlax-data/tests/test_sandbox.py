@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -341,3 +342,61 @@ def test_tests_script_semantics(sandbox):
     assert ok.passed, ok.cases
     assert not swallowed.passed and "exited" in swallowed.cases[0].error
     assert not wrong.passed and "AssertionError" in wrong.cases[0].error and "line 1" in wrong.cases[0].error
+
+
+def _unprivileged_python() -> tuple[list[str], dict]:
+    """argv prefix and Popen options that run Python without root: as `nobody` when this
+    test runs as root, else as ourselves."""
+    if os.geteuid() != 0:
+        return [sys.executable], {}
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    python = next(p for p in (f"/usr/bin/python{version}", sys.executable) if os.path.exists(p))
+    return [python], {"user": 65534, "group": 65534, "extra_groups": []}
+
+
+def test_without_root_the_job_still_cannot_signal_out_or_outlive_its_run():
+    import rlax_protocol
+
+    marker = f"rlax-nonroot-{uuid.uuid4().hex}"
+    paths = [
+        str(Path(rlax_data.__file__).parents[1]),
+        str(Path(rlax_protocol.__file__).parents[1]),
+        sysconfig.get_path("purelib"),
+    ]
+    program = (
+        "import os, signal, sys, time\n"
+        "try:\n"
+        "    os.kill(VERIFIER, signal.SIGKILL)\n"
+        "except OSError:\n"
+        "    pass\n"
+        "try:\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time\\nwhile True: time.sleep(1)', {marker!r}])\n"
+        "except Exception:\n"
+        "    pass\n"
+        "time.sleep(0.2)\n"
+        "for target in (os.getppid(), -1):\n"
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def f():\n"
+        "    return 1\n"
+    )
+    probe = (
+        f"import os, sys\nsys.path[:0] = {paths!r}\n"
+        "from rlax_data.verify import ExecJob, Sandbox, SandboxConfig\n"
+        "sb = Sandbox(SandboxConfig(workers=1, timeout_s=10))\n"
+        f"prog = {program!r}.replace('VERIFIER', str(os.getpid()))\n"
+        "job = ExecJob(mode='tests', program=prog, entry_point='f', calls=[{'args': [], 'kwargs': {}, 'expected': 1}])\n"
+        "res = sb.run([job])[0]\n"
+        "print('verifier alive', sb.isolation['user'], res.status)\n"
+    )
+    argv, options = _unprivileged_python()
+    out = subprocess.run(
+        [*argv, "-I", "-c", probe], capture_output=True, text=True, timeout=120, cwd="/", **options
+    )
+    assert out.returncode == 0 and "verifier alive" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "per-job user namespace" in out.stdout
+    assert _processes_with(marker) == []
