@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -257,3 +258,27 @@ def test_rpc_server_survives_ten_thousand_hostile_requests_then_answers() -> Non
             with pytest.raises(RemoteError, match="internal"):
                 client.call(rp.StatQuery())
             assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 7
+
+
+def test_peer_registry_stays_bounded_under_reconnect_churn() -> None:
+    peers = rp.PeerRegistry(idle_timeout_s=600.0, max_peers=3)
+    for n in range(1000):  # every reconnection is a new ZeroMQ identity
+        peers.admit(f"conn-{n}".encode(), client_id="trainer" if n % 2 else "")
+    assert peers.count() == 3
+    assert peers.touch(b"conn-999") and not peers.touch(b"conn-0")
+    # The client key survives reconnection when the client named itself.
+    assert peers.client_key(b"conn-999") == peers.client_key(b"conn-997") == b"id:trainer"
+    assert peers.client_key(b"conn-998") == b"conn:conn-998"
+    # Touching keeps a client: the least recently seen one is forgotten first.
+    peers.touch(b"conn-997")
+    peers.admit(b"new")
+    assert peers.touch(b"conn-997") and not peers.touch(b"conn-998")
+
+
+def test_peer_registry_drops_idle_clients_on_admission() -> None:
+    peers = rp.PeerRegistry(idle_timeout_s=0.05)
+    for n in range(100):
+        peers.admit(f"old-{n}".encode())
+    time.sleep(0.1)
+    peers.admit(b"fresh")
+    assert len(peers._seen) == 1 and peers.touch(b"fresh")
