@@ -294,6 +294,11 @@ def test_uid_pool_leases_are_unique_across_pools(tmp_path):
             pass
     with b.lease() as again:
         assert again in (70000, 70001, 70002)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could delete a lock file here and share a uid
+    with pytest.raises(RuntimeError, match="not writable by others"):
+        _isolation.UidPool(70000, 3, lock_dir=str(shared))
 
 
 def test_plain_values_are_exact_builtins_only():

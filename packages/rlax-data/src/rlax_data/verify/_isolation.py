@@ -19,7 +19,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,6 +145,9 @@ def bwrap_command(interp: Interpreter, tmpfs_bytes: int, harness: list[str]) -> 
     return cmd
 
 
+_DEFAULT_LOCK_DIR = "/run/lock/rlax-sandbox-uids" if os.path.isdir("/run/lock") else "/tmp/rlax-sandbox-uids"
+
+
 class UidPool:
     """Uids in [base, base + count) handed out one per job, unique across every process
     on the host: a uid is held by an exclusive `flock` on a file named after it, which
@@ -154,8 +156,14 @@ class UidPool:
     def __init__(self, base: int, count: int, lock_dir: str | None = None) -> None:
         self.base = base
         self.count = count
-        self.lock_dir = Path(lock_dir or os.path.join(tempfile.gettempdir(), "rlax-sandbox-uids"))
+        # A fixed path (not $TMPDIR, which differs between processes), ours alone.
+        self.lock_dir = Path(lock_dir or _DEFAULT_LOCK_DIR)
         self.lock_dir.mkdir(mode=0o700, exist_ok=True)
+        st = os.stat(self.lock_dir)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise RuntimeError(
+                f"sandbox uid lock folder {self.lock_dir} must be owned by us and not writable by others"
+            )
         self._next = 0
 
     @contextmanager
