@@ -77,8 +77,8 @@ def test_moved_policy_gradient_matches_reference(name, model_config, moved_polic
         advantages=prep.advantages,
         weights=prep.weights,
     )
-    loss_grad = jax.jit(jax.grad(lambda p, mb: _loss(_Spec(model_config, cfg), p, mb, 1.0)[0]))
-    got = loss_grad({"policy": m["moved"]}, mb)["policy"]
+    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, mb: _loss(_Spec(model_config, cfg), p, mb, 1.0)[0]))
+    loss, got = loss_and_grad({"policy": m["moved"]}, mb)
 
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     shape = m["logprobs"].shape
@@ -99,5 +99,7 @@ def test_moved_policy_gradient_matches_reference(name, model_config, moved_polic
     assert counts.above > 0 and counts.below > 0, counts
     g_lp, g_ent, _ = ref.gradients()
     (want,) = m["vjp"]((jnp.asarray(g_lp, jnp.float32), jnp.asarray(g_ent, jnp.float32)))
-    got, want = _flat(got), _flat(want)
+    # The logged loss counts clipped tokens at their clipped surrogate value.
+    np.testing.assert_allclose(float(loss), ref.logged_loss(), rtol=1e-5, atol=1e-6)
+    got, want = _flat(got["policy"]), _flat(want)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
