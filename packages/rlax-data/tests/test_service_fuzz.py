@@ -25,6 +25,7 @@ from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier
 from rlax_data.verify.registry import RoutingVerifier
+from rlax_protocol.fuzzing import blast, hostile_requests
 from rlax_protocol.transport import pack_request_id
 
 MESSAGES = 10_000
@@ -257,6 +258,33 @@ def test_service_survives_hostile_messages_and_still_answers(monkeypatch, protoc
         finally:
             remote.close()
         assert result.correct and result.reward == 1.0
+    finally:
+        svc.stop()
+        thread.join(timeout=10)
+        svc.close()
+
+
+def test_service_survives_the_hostile_requests_every_server_faces():
+    """The shared generator (`rlax_protocol.fuzzing`), mutating this service's own requests."""
+    svc = VerifierService(_routes(), address="tcp://127.0.0.1:*", batch_window_s=0.002, poll_s=0.05)
+    thread = threading.Thread(target=svc.serve, daemon=True)
+    thread.start()
+    try:
+        valid = [
+            rp.encode(_good("v", True)),
+            rp.encode(_countdown("c")),
+            rp.encode(rp.VerifyRequest(request_id="e", verifier="explosive", completion="recurse")),
+        ]
+        replies = blast(svc.bound_address, hostile_requests(MESSAGES, seed=3, valid=valid), settle_s=2.0)
+        assert replies == MESSAGES + 1  # each request answered, and the Hello
+        assert thread.is_alive()
+        remote = RemoteVerifier(client=rp.RpcClient(svc.bound_address, timeout_s=10), timeout_s=10)
+        try:
+            record = Record(id="after", prompt="6*7=", answer="42", task="arithmetic")
+            (result,) = remote.verify([("42", record)])
+        finally:
+            remote.close()
+        assert result.correct
     finally:
         svc.stop()
         thread.join(timeout=10)
