@@ -405,3 +405,21 @@ def test_without_root_the_job_still_cannot_signal_out_or_outlive_its_run():
     assert out.returncode == 0 and "verifier alive" in out.stdout, (out.stdout, out.stderr[-2000:])
     assert "per-job user namespace" in out.stdout
     assert _processes_with(marker) == []
+
+
+def test_the_test_script_runs_in_a_sandbox_of_its_own(sandbox, tmp_path):
+    """A record's test script (which the verifier service accepts over the wire) is
+    data, not trusted code: it cannot reach the host, nor the program's process."""
+    target = tmp_path / "from-script"
+    script = (
+        "import os\n"
+        f"open({str(target)!r}, 'w').write('x')\n"  # the host: not visible from the tests' sandbox
+    )
+    peek = "import os\nassert f() == 1\nassert not os.path.exists('/work/program-file')\nassert not os.path.exists('/etc/passwd')\n"
+    program = "open('/work/program-file', 'w').write('p')\ndef f():\n    return 1\n"
+    hostile, isolated = sandbox.run([
+        ExecJob(mode="tests", program=program, entry_point="f", script=script),
+        ExecJob(mode="tests", program=program, entry_point="f", script=peek),
+    ])  # fmt: skip
+    assert not hostile.passed and not target.exists()
+    assert isolated.passed, isolated.cases

@@ -1,34 +1,27 @@
-"""The verifier's end of the two pipes to a sandboxed job, and the judge that runs
-assert-style test scripts outside the sandbox.
+"""The verifier's end of the two pipes to a sandboxed process.
 
 Replies are decoded with the standard JSON parser into built-in types (`plain_values`);
-nothing the program created ever reaches this process as an object.
+nothing the program created ever reaches the verifier as an object.
 """
 
 from __future__ import annotations
 
-import builtins
-import functools
-import importlib.util
 import json
 import os
 import select
 import time
-import traceback
-import types
-import zlib
 from typing import Any
 
 from rlax_data.verify.plain_values import from_plain, to_plain
 
-__all__ = ["Channel", "Stopped", "run_script"]
+__all__ = ["Channel", "Stopped"]
 
 
 class Stopped(BaseException):
     """The job cannot answer any more (it exited, hit the deadline, or sent garbage).
 
-    A BaseException so that a test script's `except Exception` cannot swallow it; the
-    channel also remembers it, so even a bare `except:` does not make the job pass."""
+    A BaseException so that no `except Exception` on the way swallows it; the channel
+    also remembers it (`stopped`), and every later call raises it again."""
 
 
 class Channel:
@@ -121,94 +114,3 @@ class Channel:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-class SolutionRaised(Exception):
-    """The solution raised an exception that is not a built-in one."""
-
-
-def exception_for(reply: dict[str, Any]) -> BaseException:
-    """The exception a failed call raises in the judge: the built-in class of that name
-    (so tests that expect, say, a ValueError still work), else `SolutionRaised`."""
-    kind = getattr(builtins, str(reply.get("type")), None)
-    message = str(reply.get("error", ""))[-500:]
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
-        try:
-            return kind(message)
-        except Exception:
-            pass
-    return SolutionRaised(message)
-
-
-@functools.lru_cache(maxsize=2048)
-def _compiled(source: str, filename: str) -> types.CodeType:
-    return compile(source, filename, "exec")
-
-
-def _private_random(seed: int) -> types.ModuleType:
-    """A fresh copy of the `random` module, seeded: scripts that draw random tests get the
-    same tests for every sample, and the verifier's own `random` state is left alone."""
-    spec = importlib.util.find_spec("random")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.seed(seed)
-    return module
-
-
-def _judge_builtins(seed: int) -> dict[str, Any]:
-    private: dict[str, types.ModuleType] = {}
-    real_import = builtins.__import__
-
-    def judge_import(
-        name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
-    ) -> Any:
-        if name == "random" and level == 0:
-            if "random" not in private:
-                private["random"] = _private_random(seed)
-            return private["random"]
-        return real_import(name, globals, locals, fromlist, level)
-
-    table = dict(vars(builtins))
-    table["__import__"] = judge_import
-    return table
-
-
-def run_script(prelude: str, script: str, entry_point: str | None, channel: Channel) -> str:
-    """Run the dataset's test `script` here, outside the sandbox, after its `prelude` (the
-    problem's own helper code), with `entry_point` bound to a stand-in that asks the job
-    to make the call and returns the plain value it sent back. "" when it passed, else
-    why not. `Stopped` propagates: the job ended before its tests did."""
-    seed = zlib.crc32(script.encode())
-    namespace: dict[str, Any] = {"__name__": "__rlax_tests__", "__builtins__": _judge_builtins(seed)}
-
-    def candidate(*args: Any, **kwargs: Any) -> Any:
-        reply = channel.call(args, kwargs)
-        if "value" in reply:
-            return reply["value"]
-        raise exception_for(reply)
-
-    try:
-        if prelude:
-            exec(_compiled(prelude, "<prelude>"), namespace)
-    except Exception:
-        return "the tests' prelude failed: " + traceback.format_exc(limit=-2)[-1500:]
-    if entry_point:
-        namespace[entry_point] = candidate
-    try:
-        exec(_compiled(script, "<tests>"), namespace)
-        error = ""
-    except Stopped:
-        raise
-    except BaseException as e:
-        error = _short_traceback(e)
-    if channel.stopped:
-        raise Stopped(channel.stopped)
-    return error
-
-
-def _short_traceback(e: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "<tests>"]
-    where = f" (tests line {frames[-1].lineno})" if frames else ""
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return (text + where)[-2000:]

@@ -8,6 +8,11 @@ may rewrite any of it. The design does not need it to be trusted, because
 - the parent checks the returned *values*, decoded from JSON as built-in types, never a
   pass flag; a forged reply is only a (probably wrong) answer.
 
+The same runner also runs a dataset's test script (mode "judge", in a sandbox of its
+own that holds no program): it sends {"call": {"args", "kwargs"}} for each call of the
+entry point, gets back what the program's sandbox replied, and ends with {"done": true}
+or {"done": false, "error"}.
+
 Messages are JSON lines. Request 1: {"mode", "program", "entry_point", "limits"}.
 Mode "io": run the program and exit with its status (stdout is what gets judged).
 Mode "tests": reply {"loaded": true} or {"loaded": false, "error", "type"} after running
@@ -67,9 +72,67 @@ def _failure(exc):
     return {"error": text, "type": type(exc).__name__, "errno": getattr(exc, "errno", None)}
 
 
+def _exception_for(reply):
+    """The exception a failed call raises in the tests: the built-in class of that name
+    (so tests that expect, say, a ValueError work), else a plain Exception."""
+    import builtins
+
+    kind = getattr(builtins, str(reply.get("type")), None)
+    message = str(reply.get("error", ""))[-500:]
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(message)
+        except Exception:
+            pass
+    return Exception(message)
+
+
+def _tests_failure(exc):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<tests>"]
+    where = f" (tests line {frames[-1].lineno})" if frames else ""
+    return ("".join(traceback.format_exception_only(type(exc), exc)).strip() + where)[-2000:]
+
+
+def _run_judge(spec, requests, reply_fd):
+    """The tests' process (no program in it): run the dataset's test script with the
+    entry point standing for the program, which the verifier calls in the other
+    sandbox; every value that comes back is plain data."""
+    import random
+
+    # Tests that draw random cases get the same cases for every sample of a problem.
+    random.seed(spec["seed"])
+    namespace = {"__name__": "__rlax_tests__"}
+
+    def candidate(*args, **kwargs):
+        _send(reply_fd, {"call": {"args": to_plain(list(args)), "kwargs": to_plain(dict(kwargs))}})  # noqa: F821
+        reply = requests.next()
+        if reply is None:
+            os._exit(1)  # the verifier stopped the job
+        if "value" in reply:
+            return from_plain(reply["value"])  # noqa: F821
+        raise _exception_for(reply)
+
+    try:
+        exec(compile(spec["prelude"], "<prelude>", "exec"), namespace)
+    except BaseException as exc:
+        _send(reply_fd, {"done": False, "error": "the tests' prelude failed: " + _failure(exc)["error"]})
+        return
+    if spec["entry_point"]:
+        namespace[spec["entry_point"]] = candidate
+    try:
+        exec(compile(spec["script"], "<tests>", "exec"), namespace)
+    except BaseException as exc:
+        _send(reply_fd, {"done": False, "error": _tests_failure(exc)})
+        return
+    _send(reply_fd, {"done": True})
+
+
 def _run_program(spec, requests, reply_fd):
     """The program's process: limits, then the program, then its test calls."""
     _set_limits(spec["limits"])
+    if spec["mode"] == "judge":
+        _run_judge(spec, requests, reply_fd)
+        return
     # The program gets a fresh `__main__` module of its own.
     module = types.ModuleType("__main__")
     sys.modules["__main__"] = module

@@ -23,24 +23,26 @@ private session only); it is never chosen implicitly, and the sandbox logs a war
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
 from rlax_data.verify import _channel, _isolation
+from rlax_data.verify._process import JobProcess
+from rlax_data.verify.plain_values import from_plain, to_plain
 
 __all__ = ["CaseOutcome", "ExecJob", "JobResult", "Sandbox", "SandboxConfig", "bwrap_available"]
 
@@ -162,14 +164,6 @@ def _json_view(value: Any) -> Any:
     return value
 
 
-def _memfd(name: str, data: bytes = b"") -> int:
-    fd = os.memfd_create(name)
-    if data:
-        os.write(fd, data)
-        os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 class Sandbox:
     """Runs `ExecJob`s in isolated subprocesses, `workers` at a time."""
 
@@ -251,92 +245,74 @@ class Sandbox:
         }
 
     def _execute(self, job: ExecJob) -> JobResult:
-        if self._uids is not None:
-            with self._uids.lease() as uid:
-                return self._execute_as(job, uid)
-        return self._execute_as(job, None)
+        with ExitStack() as stack:
+            # The program and the tests (if a script) run in two sandboxes, as two uids.
+            n_uids = 2 if job.mode == "tests" and job.script else 1
+            uids = [stack.enter_context(self._uids.lease()) if self._uids else None for _ in range(n_uids)]
+            t0 = time.monotonic()
+            timeout = job.timeout_s or self.config.timeout_s
+            program = self._start(uids[0], job.stdin.encode(), t0 + timeout)
+            stack.callback(program.close)
+            tests = None
+            if n_uids == 2:
+                tests = self._start(uids[1], b"", t0 + timeout)
+                stack.callback(tests.close)
+            return self._judge(job, program, tests, t0, timeout)
+        raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
-    def _execute_as(self, job: ExecJob, uid: int | None) -> JobResult:
+    def _start(self, uid: int | None, stdin: bytes, deadline: float) -> JobProcess:
         c = self.config
-        timeout = job.timeout_s or c.timeout_s
-        fds: list[int] = []
-        proc: subprocess.Popen[bytes] | None = None
-        workdir: str | None = None
-        t0 = time.monotonic()
-        try:
-            stdin_fd, stdout_fd, stderr_fd = (
-                _memfd("stdin", job.stdin.encode()),
-                _memfd("stdout"),
-                _memfd("stderr"),
-            )
-            request_r, request_w = os.pipe()
-            reply_r, reply_w = os.pipe()
-            status_r, status_w = os.pipe()
-            fds += [stdin_fd, stdout_fd, stderr_fd, request_r, request_w, reply_r, reply_w, status_r, status_w]  # fmt: skip
-            harness = ["-c", _RUNNER, str(request_r), str(reply_w), str(status_w)]
-            if c.isolation == "bwrap":
-                cmd = _isolation.bwrap_command(self._interp, c.tmpfs_mb << 20, harness)
-                env, cwd = {"PATH": "/usr/bin:/bin"}, "/"
-            else:
-                workdir = tempfile.mkdtemp(prefix="rlax-sandbox-")
-                cmd = [self._python, "-I", "-S", *harness]
-                env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-                cwd = workdir
-            proc = subprocess.Popen(
-                cmd, stdin=stdin_fd, stdout=stdout_fd, stderr=stderr_fd, pass_fds=(request_r, reply_w, status_w),
-                cwd=cwd, env=env, start_new_session=True,
-                user=uid, group=uid, extra_groups=[] if uid is not None else None,
+
+        def harness(request_fd: int, reply_fd: int, status_fd: int) -> list[str]:
+            return ["-c", _RUNNER, str(request_fd), str(reply_fd), str(status_fd)]
+
+        if c.isolation == "bwrap":
+            return JobProcess(
+                lambda *fds: _isolation.bwrap_command(self._interp, c.tmpfs_mb << 20, harness(*fds)),
+                uid=uid, stdin=stdin, deadline=deadline, max_bytes=c.max_output_bytes,
+                env={"PATH": "/usr/bin:/bin"}, cwd="/",
             )  # fmt: skip
-            for fd in (request_r, reply_w, status_w, stdin_fd):
-                os.close(fd)
-                fds.remove(fd)
-            pidfd = os.pidfd_open(proc.pid)
-            fds.append(pidfd)
-            chan = _channel.Channel(request_w, reply_r, pidfd, t0 + timeout, c.max_output_bytes)
-            spec = {
-                "mode": job.mode,
-                "program": job.program,
-                "entry_point": job.entry_point,
-                "limits": self._limits(),
-            }
-            outcomes: list[CaseOutcome | None] = [None] * (1 if job.mode == "io" else len(_case_ids(job)))
-            try:
-                chan.send(spec)
-                if job.mode == "io":
-                    _await_exit(chan)
-                else:
-                    self._run_tests(job, chan, outcomes)
-            except _channel.Stopped:
-                pass  # the cases without an outcome fail below, with the reason
-            # A closed reply pipe means the job's processes are gone: give bubblewrap a
-            # moment to report how its child ended.
-            grace = min(2.0, max(0.0, t0 + timeout - time.monotonic())) if chan.stopped == "exited" else 0.0
-            ended_by_itself = _has_exited(pidfd, grace)
-            rc = _finish(proc)
-            ended = _read_status(status_r) if ended_by_itself else None
-            elapsed = time.monotonic() - t0
-            stdout = os.pread(stdout_fd, c.max_output_bytes, 0).decode("utf-8", "replace")
-            stderr = os.pread(stderr_fd, c.max_output_bytes, 0).decode("utf-8", "replace")
-        finally:
-            if proc is not None and proc.returncode is None:
-                _finish(proc)
-            for fd in fds:
-                os.close(fd)
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
+        workdir = tempfile.mkdtemp(prefix="rlax-sandbox-")
+        return JobProcess(
+            lambda *fds: [self._python, "-I", "-S", *harness(*fds)],
+            uid=uid, stdin=stdin, deadline=deadline, max_bytes=c.max_output_bytes,
+            env={"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
+            cwd=workdir, workdir=workdir,
+        )  # fmt: skip
+
+    def _judge(
+        self, job: ExecJob, program: JobProcess, tests: JobProcess | None, t0: float, timeout: float
+    ) -> JobResult:
+        chan = program.chan
+        spec = {
+            "mode": job.mode,
+            "program": job.program,
+            "entry_point": job.entry_point,
+            "limits": self._limits(),
+        }
+        outcomes: list[CaseOutcome | None] = [None] * (1 if job.mode == "io" else len(_case_ids(job)))
+        try:
+            chan.send(spec)
+            if job.mode == "io":
+                _await_exit(chan)
+            else:
+                self._run_tests(job, chan, tests, outcomes)
+        except _channel.Stopped:
+            pass  # the cases without an outcome fail below, with the reason
+        ended = program.stop()
+        elapsed = time.monotonic() - t0
+        stdout, stderr = ended.stdout, ended.stderr
         if chan.timed_out:
-            status, reason = (
-                "timeout",
-                f"timed out after {timeout:g}s (wall-clock time limit); all its processes were killed",
-            )
+            status = "timeout"
+            reason = f"timed out after {timeout:g}s (wall-clock time limit); all its processes were killed"
         elif job.mode == "tests" and all(o is not None for o in outcomes):
             status, reason = "ok", ""  # every case was answered: how it ended later is moot
-        elif ended is not None:
-            status, reason = self._exit_reason(ended[0], ended[1], stderr)
-        elif ended_by_itself:
-            status, reason = (
-                "crashed",
-                f"the job's supervisor ended (status {rc}) without saying how the program did",
+        elif ended.program is not None:
+            status, reason = self._exit_reason(ended.program[0], ended.program[1], stderr)
+        elif ended.by_itself:
+            status = "crashed"
+            reason = (
+                f"the job's supervisor ended (status {ended.returncode}) without saying how the program did"
             )
         elif chan.stopped:
             status, reason = "crashed", f"the job sent {chan.stopped}"
@@ -346,7 +322,7 @@ class Sandbox:
             cases = [self._io_outcome(job, status, reason, stdout)]
         else:
             why = reason or "no reply"
-            if status == "ok" and ended_by_itself:
+            if status == "ok" and ended.by_itself:
                 why = "the program exited before its tests had run"
             cases = [
                 o or CaseOutcome(case=cid, passed=False, error=why)
@@ -354,10 +330,16 @@ class Sandbox:
             ]
         if status == "ok":
             status = "ok" if cases and all(x.passed for x in cases) else "failed"
-        return JobResult(cases=cases, status=status, returncode=rc, stdout=stdout, stderr=stderr[-4000:],
-                         elapsed_s=elapsed, reason=reason)  # fmt: skip
+        return JobResult(cases=cases, status=status, returncode=ended.returncode, stdout=stdout,
+                         stderr=stderr[-4000:], elapsed_s=elapsed, reason=reason)  # fmt: skip
 
-    def _run_tests(self, job: ExecJob, chan: _channel.Channel, outcomes: list[CaseOutcome | None]) -> None:
+    def _run_tests(
+        self,
+        job: ExecJob,
+        chan: _channel.Channel,
+        tests: JobProcess | None,
+        outcomes: list[CaseOutcome | None],
+    ) -> None:
         """Fill `outcomes` (script first, then the calls) until the job stops answering."""
         loaded = chan.recv()
         if loaded.get("loaded") is not True:
@@ -365,13 +347,60 @@ class Sandbox:
             outcomes[:] = [CaseOutcome(case=cid, passed=False, error=error) for cid in _case_ids(job)]
             return
         first = 0
-        if job.script:
-            error = _channel.run_script(job.prelude, job.script, job.entry_point, chan)
-            outcomes[0] = CaseOutcome(case="script", passed=not error, error=error)
+        if tests is not None:
+            outcomes[0] = self._run_script(job, chan, tests)
             first = 1
         for k, call in enumerate(job.calls):
             reply = chan.call(call.get("args", []), call.get("kwargs", {}))
             outcomes[first + k] = self._compare(k, call.get("expected"), reply)
+
+    def _run_script(self, job: ExecJob, program: _channel.Channel, tests: JobProcess) -> CaseOutcome:
+        """Run the test script in its own sandbox, relaying each call of the entry point
+        to the program's sandbox: plain values in, plain values out. `Stopped` from the
+        program's channel propagates (its tests did not finish)."""
+        spec = {
+            "mode": "judge",
+            "prelude": job.prelude,
+            "script": job.script,
+            "entry_point": job.entry_point,
+            "seed": zlib.crc32(job.script.encode()),
+            "limits": self._limits(),
+        }
+        try:
+            tests.chan.send(spec)
+            while True:
+                msg = tests.chan.recv()
+                call = msg.get("call")
+                if call is None:
+                    break
+                try:
+                    args, kwargs = from_plain(call["args"]), from_plain(call["kwargs"])
+                    if type(args) is not list or type(kwargs) is not dict:
+                        raise ValueError("args must be a list and kwargs a dict")
+                except (ValueError, TypeError, KeyError, RecursionError) as e:
+                    return CaseOutcome(
+                        case="script", passed=False, error=f"the tests sent a malformed call: {e}"
+                    )
+                reply = program.call(args, kwargs)
+                if "value" in reply:
+                    tests.chan.send({"value": to_plain(reply["value"])})
+                else:
+                    tests.chan.send({"error": str(reply["error"]), "type": str(reply.get("type"))})
+        except _channel.Stopped:
+            if program.stopped:
+                raise
+            ended = tests.stop()
+            why = "the wall-clock time limit" if tests.chan.timed_out else ""
+            if ended.program is not None:
+                why = self._exit_reason(ended.program[0], ended.program[1], ended.stderr)[1]
+            return CaseOutcome(
+                case="script", passed=False, error=f"the tests did not finish: {why or tests.chan.stopped}"
+            )
+        if msg.get("done") is True:
+            return CaseOutcome(case="script", passed=True)
+        return CaseOutcome(
+            case="script", passed=False, error=str(msg.get("error", "the tests failed"))[-2000:]
+        )
 
     def _compare(self, case: int, expected: Any, reply: dict[str, Any]) -> CaseOutcome:
         if "value" not in reply:
@@ -464,44 +493,3 @@ def _await_exit(chan: _channel.Channel) -> None:
                 raise _channel.Stopped("deadline")
             continue
         return
-
-
-def _read_status(fd: int) -> tuple[int, float] | None:
-    """The program's exit status and CPU seconds, as the job's supervisor reported them."""
-    os.set_blocking(fd, False)
-    try:
-        report = json.loads(os.read(fd, 4096))
-        code, cpu_s = report["exit"], report["cpu_s"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if type(code) is not int or type(cpu_s) not in (int, float):
-        return None
-    return code, float(cpu_s)
-
-
-def _has_exited(pidfd: int, wait_s: float = 0.0) -> bool:
-    return bool(select.select([pidfd], [], [], wait_s)[0])
-
-
-def _finish(proc: subprocess.Popen[bytes]) -> int:
-    """Kill what is left of the job (its whole pid namespace goes with bubblewrap) and
-    reap it; its exit status. (How the program itself ended, and its CPU time, come from
-    the job's supervisor: bubblewrap does not wait for its child, so its rusage is empty.)"""
-    # bubblewrap's child is the pid namespace's init: once it has exited, the kernel has
-    # killed and reaped every process of the namespace. Wait for that, so that nothing
-    # of the job outlives this call.
-    init_pidfds = []
-    try:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        init_pidfds = [os.pidfd_open(int(pid)) for pid in children]
-    except OSError:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    for pidfd in init_pidfds:
-        select.select([pidfd], [], [], 10.0)
-        os.close(pidfd)
-    return proc.returncode
