@@ -63,9 +63,9 @@ class CodeTests(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     The program is `prefix + completion`. Then, in this order and each only if given:
     `script` (assert-style tests, such as HumanEval's `check(candidate)`; any exception
-    fails it) runs in the verifier, outside the sandbox, after `prefix`, with
-    `entry_point` bound to a stand-in that calls the sandboxed program and returns the
-    plain value it sent back; each `calls` case calls `entry_point` in the sandbox and
+    fails it) runs after `prefix` in a sandbox of its own, with `entry_point` bound to a
+    stand-in that calls the program (in its sandbox) and returns the plain value it
+    sent back; each `calls` case calls `entry_point` in the sandbox and
     compares its plain return value with `expected` outside it; each `io` case runs the
     program with its stdin.
     """

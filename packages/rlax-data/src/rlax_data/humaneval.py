@@ -23,10 +23,10 @@ def _default_path() -> Path:
 def humaneval_records(path: str | os.PathLike[str] | None = None) -> list[Record]:
     """The 164 HumanEval problems. The completion is the function body: the program is
     `prompt + completion`. The problem's `check(entry_point)` is the test script: the code
-    verifier runs it outside the sandbox, after the prompt (its helpers, such as
-    `encode_cyclic` or `poly`), with `entry_point` forwarded to the sandboxed program,
-    which returns plain values only (`rlax_data.verify.sandbox`). The canonical solution
-    is kept in `metadata["canonical_solution"]`; it never enters the sandbox."""
+    verifier runs it after the prompt (its helpers, such as `encode_cyclic` or `poly`) in
+    a sandbox of its own, with `entry_point` forwarded to the program's sandbox, which
+    returns plain values only (`rlax_data.verify.sandbox`). The canonical solution is
+    kept in `metadata["canonical_solution"]`; it never enters a sandbox."""
     p = Path(path) if path is not None else _default_path()
     records = []
     with gzip.open(p, "rt", encoding="utf-8") as f:

@@ -13,8 +13,9 @@ the *arguments* of each test call, and sends back each return value as plain JSO
 (`plain_values`: built-in types only, no subclasses). This process compares them with
 the expected values, which never enter the sandbox, and a case without a reply (the
 program exited, crashed or timed out first) fails. Assert-style test scripts (HumanEval's
-`check(candidate)`) run here too (`_channel.run_script`), with the entry point replaced
-by a stand-in that forwards each call to the job and returns its plain reply.
+`check(candidate)`) run in a second sandbox that holds no program (`_run_script`): the
+entry point there is a stand-in whose calls this process relays to the program's
+sandbox, as plain values both ways; that sandbox reports whether the script finished.
 
 `SandboxConfig.isolation="process"` runs jobs without bubblewrap (resource limits and a
 private session only); it is never chosen implicitly, and the sandbox logs a warning.
