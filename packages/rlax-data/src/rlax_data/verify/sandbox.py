@@ -231,9 +231,9 @@ class Sandbox:
     def _limits(self) -> dict[str, int]:
         c = self.config
         if c.isolation == "bwrap":
-            # Counted per job (its own user namespace): the job's processes and threads
-            # plus bubblewrap's init process.
-            nproc = c.max_procs + 1
+            # Counted per job (its own user namespace): the program's processes and
+            # threads, plus bubblewrap's init and the runner's supervisor.
+            nproc = c.max_procs + 2
         else:
             # RLIMIT_NPROC counts every process of the caller's uid: a rough cap at best.
             nproc = _processes_of_uid(os.getuid()) + c.max_procs
@@ -463,8 +463,8 @@ class Sandbox:
             return "killed", f"file size limit ({c.file_size_mb} MB), {name}"
         if sig == signal.SIGKILL:
             return "killed", (
-                f"SIGKILL from outside the sandbox (used {cpu_used:.1f} s of {c.cpu_s} s CPU: no limit of "
-                "the job explains it; the host's OOM killer or another process sent it)"
+                f"SIGKILL that no limit of the job explains (used {cpu_used:.1f} s of {c.cpu_s} s CPU): sent "
+                "from outside the sandbox (the host's OOM killer, another process) or by the program itself"
             )
         return "crashed", f"killed by {name}"
 
