@@ -74,7 +74,7 @@ def decode_case(layers=2, layer=1):
     tables = np.array([[3, 1, 0], [2, 5, 4]], np.int32)
     new_k = rng.normal(size=(batch, kv_heads, head_dim)).astype(np.float32)
     new_v = rng.normal(size=new_k.shape).astype(np.float32)
-    scalars = np.array([layer, 1], np.int32)
+    scalars = np.array([layer, 1, 0], np.int32)
     scale = np.array([head_dim**-0.5], np.float32)
     operands = [q, k, v, lengths, tables, new_k, new_v, scalars, scale]
     out = np.full(q.shape, np.nan, np.float32)
@@ -143,8 +143,8 @@ def corrupt(operands, codes, index, array=None, code=None):
         (lambda o, c: corrupt(o, c, 5, array=o[5][:1].copy()), "operand shapes disagree"),
         (lambda o, c: corrupt(o, c, 4, array=o[4][:1].copy()), "operand shapes disagree"),
         (lambda o, c: corrupt(o, c, 8, array=np.ones(2, np.float32)), "scale 1"),
-        (lambda o, c: corrupt(o, c, 7, array=np.array([2, 1], np.int32)), "layer index outside"),
-        (lambda o, c: corrupt(o, c, 7, array=np.array([-1, 1], np.int32)), "layer index outside"),
+        (lambda o, c: corrupt(o, c, 7, array=np.array([2, 1, 0], np.int32)), "layer index outside"),
+        (lambda o, c: corrupt(o, c, 7, array=np.array([-1, 1, 0], np.int32)), "layer index outside"),
         (lambda o, c: (o[:8], c[:8]), "expected 9 arguments and 1 result"),
     ],
 )
@@ -170,7 +170,7 @@ def test_small_call_frame_and_wrong_stage_are_refused():
 
 
 @numba.njit
-def _raising_launch(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out):
+def _raising_launch(q, k, v, lengths, tables, new_k, new_v, layer, has_new, window, scale, out):
     raise ValueError("a failure inside the kernel")
 
 

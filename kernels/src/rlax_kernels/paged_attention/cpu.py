@@ -41,7 +41,7 @@ from numba import types
 
 from rlax_kernels.paged_attention.cpu_ffi import make_handler
 from rlax_kernels.paged_attention.cpu_intrinsics import float_bits, prefetch
-from rlax_kernels.paged_attention.reference import check_decode_extras, default_scale
+from rlax_kernels.paged_attention.reference import check_decode_extras, check_sliding_window, default_scale
 
 _TARGET = "rlax_paged_attention_cpu"
 
@@ -91,12 +91,14 @@ def _exp(x):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, boundscheck=False, cache=True)
-def _attend(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out):  # type: ignore[no-untyped-def]
+def _attend(q, k, v, lengths, tables, new_k, new_v, layer, has_new, window, scale, out):  # type: ignore[no-untyped-def]
     """out[b, h*G+g] = softmax(q . [cached K ; new K]) @ [cached V ; new V], per (sequence, KV head).
 
     q, out: [B, H, D]; k, v: [L, KVH, P, PS, D]; lengths: [B]; tables: [B, W];
-    new_k, new_v: [B, KVH, D] (read when has_new). Table entries outside [0, P) read page 0
-    and lengths are clipped to the table, so a bad table cannot read outside the cache.
+    new_k, new_v: [B, KVH, D] (read when has_new). window > 0: only the last `window` of the
+    tokens (cached, then new) are attended, and pages before them are not read. Table
+    entries outside [0, P) read page 0 and lengths are clipped to the table, so a bad table
+    cannot read outside the cache.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k.shape[1], k.shape[2], k.shape[3]
@@ -107,19 +109,21 @@ def _attend(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out):
         h = task % num_kv_heads
         n = min(max(lengths[b], 0), width * page_size)
         total = n + 1 if has_new else n
+        first = max(total - window, 0) if window > 0 else 0  # first token seen
+        first_page = first // page_size
         qs = np.empty((group, head_dim), np.float32)
         for g in range(group):
             for d in range(head_dim):
                 qs[g, d] = q[b, h * group + g, d] * scale
         scores = np.empty((group, max(total, 1)), np.float32)
         used = (n + page_size - 1) // page_size
-        _prefetch_page(k, layer, h, tables, b, 0, used)
-        _prefetch_page(k, layer, h, tables, b, 1, used)
-        for p in range(used):
+        _prefetch_page(k, layer, h, tables, b, first_page, used)
+        _prefetch_page(k, layer, h, tables, b, first_page + 1, used)
+        for p in range(first_page, used):
             _prefetch_page(k, layer, h, tables, b, p + 2, used)
             page = tables[b, p]
             page = page if 0 <= page < num_pages else 0
-            for slot in range(min(page_size, n - p * page_size)):
+            for slot in range(max(first - p * page_size, 0), min(page_size, n - p * page_size)):
                 t = p * page_size + slot
                 for g in range(group):
                     s = np.float32(0.0)
@@ -132,25 +136,25 @@ def _attend(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out):
                 for d in range(head_dim):
                     s += qs[g, d] * new_k[b, h, d]
                 scores[g, n] = s
-        _prefetch_page(v, layer, h, tables, b, 0, used)  # loads while the softmax runs
-        _prefetch_page(v, layer, h, tables, b, 1, used)
+        _prefetch_page(v, layer, h, tables, b, first_page, used)  # loads while the softmax runs
+        _prefetch_page(v, layer, h, tables, b, first_page + 1, used)
         acc = np.zeros((group, head_dim), np.float32)
         denom = np.empty(group, np.float32)
         for g in range(group):
-            peak = scores[g, 0]
-            for t in range(1, total):
+            peak = scores[g, first]
+            for t in range(first + 1, total):
                 peak = max(peak, scores[g, t])
             tot = np.float32(0.0)
-            for t in range(total):
+            for t in range(first, total):
                 e = _exp(scores[g, t] - peak)
                 scores[g, t] = e
                 tot += e
             denom[g] = tot if total > 0 else np.float32(1.0)
-        for p in range(used):
+        for p in range(first_page, used):
             _prefetch_page(v, layer, h, tables, b, p + 2, used)
             page = tables[b, p]
             page = page if 0 <= page < num_pages else 0
-            for slot in range(min(page_size, n - p * page_size)):
+            for slot in range(max(first - p * page_size, 0), min(page_size, n - p * page_size)):
                 t = p * page_size + slot
                 for g in range(group):
                     w = scores[g, t]
@@ -228,6 +232,7 @@ def paged_attention_cpu(
     new_k: jax.Array | None = None,
     new_v: jax.Array | None = None,
     layer: jax.Array | int | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Decode attention as a native CPU kernel; arguments and result as ``paged_attention_xla``.
 
@@ -243,11 +248,14 @@ def paged_attention_cpu(
       new_k, new_v: ``[batch, num_kv_heads, head_dim]``, one more token per sequence, not in
         the cache (attended after the cached ones), or None.
       layer: int32 scalar choosing the layer when the pages carry a layer axis.
+      sliding_window: when given, the query sees only the last ``sliding_window`` tokens,
+        itself included; the pages before them are not read.
 
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32.
     """
     check_decode_extras("paged_attention_cpu", k_pages, layer, new_k, new_v)
+    check_sliding_window("paged_attention_cpu", sliding_window)
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(
             f"paged_attention_cpu: the pages must be float32, got k_pages {k_pages.dtype}, "
@@ -274,7 +282,7 @@ def paged_attention_cpu(
         block_tables.astype(jnp.int32),
         new_k.astype(jnp.float32),
         new_v.astype(jnp.float32),
-        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.int32(has_new)]),
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.int32(has_new), jnp.int32(sliding_window or 0)]),
         jnp.asarray(scale, jnp.float32).reshape(1),
     )
     return out.astype(q.dtype)

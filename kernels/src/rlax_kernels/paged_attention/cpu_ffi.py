@@ -64,7 +64,7 @@ ARGUMENTS = (
     "block_tables",
     "new_k",
     "new_v",
-    "layer_and_has_new",
+    "layer_has_new_window",
     "scale",
 )
 _ARG_DTYPES = np.array([_F32, _F32, _F32, _S32, _S32, _F32, _F32, _S32, _F32], np.int64)
@@ -87,8 +87,8 @@ MESSAGES = {
     _BUFFER_TOO_SMALL: f"an XLA_FFI_Buffer is smaller than {_BUFFER_SIZE} bytes",
     _BAD_SHAPES: "operand shapes disagree: q [B, H, D], pages [L, KVH, P, PS, D] with H a multiple of "
     "KVH, lengths [B], block_tables [B, W], new_k and new_v [B, KVH, D]",
-    _BAD_SCALARS: "layer_and_has_new must have 2 entries and scale 1",
-    _LAYER_OUT_OF_RANGE: "layer index outside the pages' layer axis (or has_new not 0/1)",
+    _BAD_SCALARS: "layer_has_new_window must have 3 entries and scale 1",
+    _LAYER_OUT_OF_RANGE: "layer index outside the pages' layer axis (or has_new not 0/1, or window < 0)",
     _METADATA_TOO_SMALL: "the metadata extension or XLA_FFI_Metadata is too small for FFI API "
     f"{FFI_API_VERSION[0]}.{FFI_API_VERSION[1]}",
     _LAUNCH_RAISED: "the kernel raised an exception during the launch",
@@ -215,17 +215,17 @@ def check_frame(frame):  # type: ignore[no-untyped-def]
     for extra in (new_k, new_v):
         if extra[0] != batch or extra[1] != kv_heads or extra[2] != head_dim:
             return _BAD_SHAPES
-    if _dims(args[7])[0] != 2 or _dims(args[8])[0] != 1:
+    if _dims(args[7])[0] != 3 or _dims(args[8])[0] != 1:
         return _BAD_SCALARS
-    scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 2, np.int32)
-    if not 0 <= scalars[0] < k[0] or not 0 <= scalars[1] <= 1:
+    scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
+    if not 0 <= scalars[0] < k[0] or not 0 <= scalars[1] <= 1 or scalars[2] < 0:
         return _LAYER_OUT_OF_RANGE
     return 0
 
 
 def make_handler(launch: Callable[..., None], lock_address: int) -> Callable[..., object]:
     """The FFI handler (to compile with ``numba.cfunc(voidptr(voidptr))``) that checks the
-    frame, then runs ``launch(q, k, v, lengths, tables, new_k, new_v, layer, has_new, scale, out)``
+    frame, then runs ``launch(q, k, v, lengths, tables, new_k, new_v, layer, has_new, window, scale, out)``
     (a numba function) under the spin lock at `lock_address`, released even if it raises."""
 
     @numba.njit
@@ -234,7 +234,7 @@ def make_handler(launch: Callable[..., None], lock_address: int) -> Callable[...
         q, k, tables = _dims(args[0]), _dims(args[1]), _dims(args[4])
         batch, num_heads, head_dim, num_kv_heads = q[0], q[1], q[2], k[1]
         cache_shape = (k[0], k[1], k[2], k[3], k[4])
-        scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 2, np.int32)
+        scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
         launch(
             numba.carray(pointer(_buffer_header(args[0])[2]), (batch, num_heads, head_dim), np.float32),
             numba.carray(pointer(_buffer_header(args[1])[2]), cache_shape, np.float32),
@@ -245,6 +245,7 @@ def make_handler(launch: Callable[..., None], lock_address: int) -> Callable[...
             numba.carray(pointer(_buffer_header(args[6])[2]), (batch, num_kv_heads, head_dim), np.float32),
             scalars[0],
             scalars[1] != 0,
+            scalars[2],
             numba.carray(pointer(_buffer_header(args[8])[2]), 1, np.float32)[0],
             numba.carray(pointer(out_at), (batch, num_heads, head_dim), np.float32),
         )

@@ -43,6 +43,14 @@ def check_decode_extras(
         raise ValueError(f"{where}: pass new_k and new_v together")
 
 
+def check_sliding_window(where: str, sliding_window: int | None) -> None:
+    """A window is None (no window) or a positive int (static: it shapes the compiled program)."""
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+
+
 def default_scale(head_dim: int) -> float:
     """The usual ``1 / sqrt(head_dim)`` softmax temperature."""
     return float(head_dim) ** -0.5
@@ -78,6 +86,7 @@ def paged_attention_reference(
     block_tables: jax.Array,
     *,
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Decode attention (one query token per sequence) over a paged KV cache.
 
@@ -89,17 +98,23 @@ def paged_attention_reference(
         the newest token, whose K/V must already be written.
       block_tables: ``[batch, max_pages_per_seq] int32``.
       scale: softmax temperature; ``1 / sqrt(head_dim)`` when None.
+      sliding_window: when given, the query (position ``lengths - 1``) sees only the last
+        ``sliding_window`` tokens, itself included (``ModelConfig.sliding_window``).
 
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32.
     """
+    check_sliding_window("paged_attention_reference", sliding_window)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
     scale = default_scale(head_dim) if scale is None else scale
     k = gather_pages(k_pages, block_tables, lengths).astype(jnp.float32)
     v = gather_pages(v_pages, block_tables, lengths).astype(jnp.float32)
-    valid = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] < lengths[:, None]  # [batch, tokens]
+    positions = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+    valid = positions < lengths[:, None]  # [batch, tokens]
+    if sliding_window is not None:
+        valid &= positions >= lengths[:, None] - sliding_window
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=_HIGHEST) * scale
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)

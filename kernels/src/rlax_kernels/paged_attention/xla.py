@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rlax_kernels.paged_attention.reference import check_decode_extras, default_scale
+from rlax_kernels.paged_attention.reference import check_decode_extras, check_sliding_window, default_scale
 
 # Tokens gathered per loop step: enough to amortise a step, few enough to stay in cache.
 STEP_TOKENS = 32
@@ -51,6 +51,7 @@ def paged_attention_xla(
     new_k: jax.Array | None = None,
     new_v: jax.Array | None = None,
     layer: jax.Array | int | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Decode attention (one query per sequence), reading the pages a few at a time.
 
@@ -66,12 +67,16 @@ def paged_attention_xla(
       new_k, new_v: ``[batch, num_kv_heads, head_dim]``, one more token per sequence that is
         not in the cache (attended after the cached ones), or None.
       layer: int32 scalar choosing the layer when the pages carry a layer axis.
+      sliding_window: when given, the query sees only the last ``sliding_window`` tokens,
+        itself (the new token, or the last cached one) included; the loop starts at the
+        first page any sequence of the batch still sees.
 
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32 (pages of a
       bfloat16 cache are widened after the gather: small bfloat16 dots are ~6x slower on CPU).
     """
     check_decode_extras("paged_attention_xla", k_pages, layer, new_k, new_v)
+    check_sliding_window("paged_attention_xla", sliding_window)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
     group = num_heads // num_kv_heads
@@ -80,6 +85,10 @@ def paged_attention_xla(
     step_pages = _pages_per_step(width, page_size)
     step_tokens = step_pages * page_size
 
+    # First cached token each query sees: all of them, or the window's (the query's own
+    # position is the last of `lengths` cached tokens plus the new one when it is given).
+    seen = lengths + (0 if new_k is None else 1)
+    first = jnp.zeros_like(lengths) if sliding_window is None else jnp.maximum(seen - sliding_window, 0)
     used = jnp.arange(width)[None, :] < (lengths[:, None] + page_size - 1) // page_size
     tables = jnp.where(used, block_tables, 0)  # unused entries may be garbage: read page 0
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
@@ -88,7 +97,8 @@ def paged_attention_xla(
         """Loop step i's pages as float32 [batch, num_kv_heads, step_tokens, head_dim], and which
         of their tokens are cached ([batch, step_tokens] bool)."""
         cols = lax.dynamic_slice_in_dim(tables, i * step_pages, step_pages, axis=1)  # [batch, step_pages]
-        valid = (i * step_tokens + jnp.arange(step_tokens))[None, :] < lengths[:, None]
+        token = (i * step_tokens + jnp.arange(step_tokens))[None, :]
+        valid = (token < lengths[:, None]) & (token >= first[:, None])
         if layer is None:
             got = jnp.moveaxis(pages[:, cols], 0, 2)  # [batch, step_pages, kv_heads, page_size, head_dim]
         else:  # advanced indices around a slice put the gathered axes first
@@ -122,16 +132,20 @@ def paged_attention_xla(
     # rather than an online softmax: the scores are small ([batch, heads, width * page_size]),
     # and without the running rescales the rounding stays that of a dense softmax, which
     # keeps engine logprobs within 1e-5 of a teacher-forced forward pass.
-    # Both loops stop at the longest sequence: the table's padded tail costs nothing.
+    # Both loops stop at the longest sequence (the table's padded tail costs nothing) and
+    # start at the first step that any sequence still sees through its window.
     steps = (jnp.max(lengths) + step_tokens - 1) // step_tokens
+    start = jnp.min(first) // step_tokens
     scores = jnp.full((batch, num_kv_heads, group, width * page_size), -jnp.inf, jnp.float32)
-    scores = lax.fori_loop(0, steps, score_step, scores)
+    scores = lax.fori_loop(start, steps, score_step, scores)
     peak = jnp.maximum(scores.max(axis=-1), new_scores)  # finite: lengths >= 1 or a new token
     weights = jnp.exp(scores - peak[..., None])
     new_weight = jnp.exp(new_scores - peak)
     denom = weights.sum(axis=-1) + new_weight
     probs = weights / denom[..., None]
-    acc = lax.fori_loop(0, steps, value_step, jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32))
+    acc = lax.fori_loop(
+        start, steps, value_step, jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32)
+    )
     if new_v is not None:  # the newest token last, as in a dense pass over the whole sequence
         acc = acc + (new_weight / denom)[..., None] * new_v[:, :, None, :].astype(jnp.float32)
     return acc.reshape(batch, num_heads, head_dim).astype(q.dtype)

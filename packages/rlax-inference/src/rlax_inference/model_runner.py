@@ -21,6 +21,10 @@ block tables after the prefill), so it is dense causal attention over the padded
 Decode on these paths reads the cached tokens in place through the block tables and adds
 the current token to the softmax itself; with a Pallas backend the layer's pages go through the scan,
 `rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
+
+A model with `ModelConfig.sliding_window` (Mistral-style) sees only that many tokens in
+prefill (the causal mask) and in decode (the CPU/XLA paths skip the pages before the
+window); the Pallas kernels take no window, so a runner refuses such a model on them.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
 
 class _PrefillContext(NamedTuple):
     valid: jax.Array  # [batch, seq] bool
+    sliding_window: int | None  # ModelConfig.sliding_window (static)
 
 
 class _DecodeContext(NamedTuple):
@@ -95,11 +100,15 @@ def _write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots:
 
 
 def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
-    """Dense causal attention over the prompt rows; hands this layer's K/V out to be written after the scan."""
-    return dense_attention_reference(q, k, v, causal_valid_mask(ctx.valid)), {"k": k, "v": v}
+    """Dense causal attention over the prompt rows (within the sliding window, if the model has
+    one); hands this layer's K/V out to be written after the scan."""
+    mask = causal_valid_mask(ctx.valid, ctx.sliding_window)
+    return dense_attention_reference(q, k, v, mask), {"k": k, "v": v}
 
 
-def _make_fused_decode_attention(attend: Callable[..., jax.Array]) -> Callable[..., Any]:
+def _make_fused_decode_attention(
+    attend: Callable[..., jax.Array], sliding_window: int | None
+) -> Callable[..., Any]:
     """CPU/XLA decode attention: cached tokens (read in place through the block tables) plus the current token.
 
     The current token's K/V join the softmax directly (`attend` is
@@ -119,6 +128,7 @@ def _make_fused_decode_attention(attend: Callable[..., jax.Array]) -> Callable[.
             new_k=k[:, 0],
             new_v=v[:, 0],
             layer=layer,
+            sliding_window=sliding_window,
         )
         return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
 
@@ -180,7 +190,7 @@ def _prefill_step(
         positions,
         config=config,
         attention=_prefill_attention,
-        attention_context=_PrefillContext(valid),
+        attention_context=_PrefillContext(valid, config.sliding_window),
         kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
     )
     layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
@@ -214,7 +224,7 @@ def _decode_one(
             tokens[:, None],
             positions,
             config=config,
-            attention=_make_fused_decode_attention(_FUSED_DECODE[attention]),
+            attention=_make_fused_decode_attention(_FUSED_DECODE[attention], config.sliding_window),
             attention_context=_FusedDecodeContext(cache, lengths, block_tables),
             kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
         )
@@ -325,6 +335,12 @@ class ModelRunner:
         self.min_width_bucket = min(self.max_pages_per_seq, max(1, 64 // block_size))
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
+        if config.sliding_window is not None and self.attention not in _FUSED_DECODE:
+            raise ValueError(
+                f"ModelConfig.sliding_window={config.sliding_window} is applied by the 'cpu' and 'xla' "
+                f"decode paths only; the Pallas kernels ({self.attention!r}) attend to the whole "
+                "sequence and would generate different tokens than the model: use attention='xla'"
+            )
         self.interpret = interpret
         shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         self.cache: KVCache = {

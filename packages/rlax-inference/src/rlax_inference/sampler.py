@@ -193,8 +193,9 @@ def sample(
     peak = block_max.max(axis=-1)  # [rows]
     block_sums = jnp.exp(x / scale[:, None, None] - peak[:, None, None]).sum(axis=-1)
     block_cdf = jnp.cumsum(block_sums, axis=-1)
-    total = block_cdf[:, -1]  # the end of the CDF the draw searches
-    log_norm = peak + jnp.log(total)  # [rows]
+    # The normaliser from a pairwise sum (as accurate as a softmax's); the draw searches
+    # the CDF up to its own end, whatever the rounding of either.
+    log_norm = peak + jnp.log(block_sums.sum(axis=-1))  # [rows]
 
     keys = jax.vmap(row_key)(
         jnp.asarray(batch.seed), jnp.asarray(batch.sample_index), jnp.asarray(batch.step)
@@ -203,7 +204,7 @@ def sample(
     # Two stages, each an exact inverse CDF: the block from the block sums, then the entry from
     # the chosen block's own CDF with a second uniform, so that inside a block the resolution
     # is relative to the block's mass, not the whole vocabulary's.
-    chosen, _ = _pick_block(block_sums, block_cdf, fine_uniform(bits[:, 0]) * total)
+    chosen, _ = _pick_block(block_sums, block_cdf, fine_uniform(bits[:, 0]) * block_cdf[:, -1])
     chosen_x = jnp.take_along_axis(x, chosen[:, None, None], axis=1)[:, 0]  # [rows, block]
     weights = jnp.exp(chosen_x / scale[:, None] - peak[:, None])
     own_cdf = jnp.cumsum(weights, axis=-1)
