@@ -169,6 +169,30 @@ ATTACKS: dict[str, str] = {
         "            pass\n"
         "    return None\n"
     ),
+    "find_the_tests_in_memory_or_fds": (
+        "import gc, os\n"
+        "def ENTRY(*args, **kwargs):\n"
+        "    texts = [o for o in gc.get_objects() if type(o) is str and ('def check' in o or 'expected' in o)]\n"
+        "    for fd in range(3, 64):\n"
+        "        try:\n"
+        "            os.set_blocking(fd, False)\n"
+        "            texts.append(os.read(fd, 1 << 16).decode('latin-1'))\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    for text in texts:\n"
+        "        if 'assert candidate(' in text:\n"
+        "            return text.split('==', 1)[1].split(chr(10))[0].strip()\n"
+        "    return None\n"
+    ),
+    "shell_out_for_the_answers": (
+        "import os, subprocess\n"
+        "def ENTRY(*args, **kwargs):\n"
+        "    try:\n"
+        "        out = subprocess.run(['/bin/sh', '-c', 'cat ' + DATA_FILE + ' | zcat'], capture_output=True, timeout=2)\n"
+        "        return out.stdout.decode()[:10]\n"
+        "    except Exception:\n"
+        "        return None\n"
+    ),
     "fetch_answers_over_network": (
         "import socket\n"
         "def ENTRY(*args, **kwargs):\n"

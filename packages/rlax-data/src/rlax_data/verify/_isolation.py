@@ -12,6 +12,7 @@ can be seen or signalled; there is no network interface but a downed loopback.
 from __future__ import annotations
 
 import fcntl
+import functools
 import glob
 import json
 import os
@@ -65,6 +66,7 @@ def _outermost(paths: list[str]) -> list[str]:
     return kept
 
 
+@functools.lru_cache(maxsize=16)
 def _interpreter_at(executable: str) -> Interpreter:
     exe = os.path.realpath(executable)
     _, paths = _probe(exe)
