@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
+import tempfile
 import threading
 import time
 import uuid
@@ -359,15 +360,33 @@ def _unprivileged_python() -> tuple[list[str], dict]:
     return [python], {"user": 65534, "group": 65534, "extra_groups": []}
 
 
-def test_without_root_the_job_still_cannot_signal_out_or_outlive_its_run():
-    import rlax_protocol
+@pytest.fixture
+def world_readable_sandbox_code():
+    """The sandbox's modules and msgspec copied where any uid can read them (the
+    checkout may live under a private home folder)."""
+    import msgspec
 
+    import rlax_data.verify.sandbox as sandbox_module
+
+    root = Path(tempfile.mkdtemp(prefix="rlax-nonroot-", dir="/tmp"))
+    package = root / "rlax_data" / "verify"
+    package.mkdir(parents=True)
+    for init in (root / "rlax_data" / "__init__.py", package / "__init__.py"):
+        init.write_text("")
+    for source in Path(sandbox_module.__file__).parent.glob("*.py"):
+        if source.name != "__init__.py":
+            shutil.copy(source, package / source.name)
+    shutil.copytree(Path(msgspec.__file__).parent, root / "msgspec")
+    for folder, _, files in os.walk(root):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+    yield root
+    shutil.rmtree(root)
+
+
+def test_without_root_the_job_still_cannot_signal_out_or_outlive_its_run(world_readable_sandbox_code):
     marker = f"rlax-nonroot-{uuid.uuid4().hex}"
-    paths = [
-        str(Path(rlax_data.__file__).parents[1]),
-        str(Path(rlax_protocol.__file__).parents[1]),
-        sysconfig.get_path("purelib"),
-    ]
     program = (
         "import os, signal, sys, time\n"
         "try:\n"
@@ -390,8 +409,8 @@ def test_without_root_the_job_still_cannot_signal_out_or_outlive_its_run():
         "    return 1\n"
     )
     probe = (
-        f"import os, sys\nsys.path[:0] = {paths!r}\n"
-        "from rlax_data.verify import ExecJob, Sandbox, SandboxConfig\n"
+        f"import os, sys\nsys.path[:0] = [{str(world_readable_sandbox_code)!r}]\n"
+        "from rlax_data.verify.sandbox import ExecJob, Sandbox, SandboxConfig\n"
         "sb = Sandbox(SandboxConfig(workers=1, timeout_s=10))\n"
         f"prog = {program!r}.replace('VERIFIER', str(os.getpid()))\n"
         "job = ExecJob(mode='tests', program=prog, entry_point='f', calls=[{'args': [], 'kwargs': {}, 'expected': 1}])\n"
