@@ -25,7 +25,7 @@ CASES = [
 ]
 
 
-def _lowered(backend: str, platform: str, case) -> str:
+def _lowered(backend: str, platform: str, case, sliding_window: int | None = None) -> str:
     batch, chunk, group, kv_heads, head_dim, page_size, dtype = case
     max_pages, total_pages = 7, 40
     ppb, rows = _knobs(
@@ -40,25 +40,28 @@ def _lowered(backend: str, platform: str, case) -> str:
         jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
     )
     traced = _attention_rows.trace(
-        *shapes, backend=backend, scale=0.125, pages_per_block=ppb, block_rows=rows, interpret=False
-    )
+        *shapes, backend=backend, scale=0.125, pages_per_block=ppb, block_rows=rows, interpret=False,
+        sliding_window=sliding_window,
+    )  # fmt: skip
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-c{c[1]}-g{c[2]}-d{c[4]}-p{c[5]}")
-def test_tpu_kernel_lowers_to_mosaic(device_kind: str, case) -> None:
+def test_tpu_kernel_lowers_to_mosaic(device_kind: str, case, sliding_window) -> None:
     # Mosaic lowering asks the current device for its generation; describe a TPU abstractly.
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = _lowered("pallas_tpu", "tpu", case)
+        text = _lowered("pallas_tpu", "tpu", case, sliding_window)
     assert re.findall(r"custom_call @(\S+)\(", text) == ["tpu_custom_call"]
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-c{c[1]}-g{c[2]}-d{c[4]}-p{c[5]}")
-def test_gpu_kernel_lowers_to_triton(case) -> None:
-    text = _lowered("pallas_gpu", "cuda", case)
+def test_gpu_kernel_lowers_to_triton(case, sliding_window) -> None:
+    text = _lowered("pallas_gpu", "cuda", case, sliding_window)
     assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"]
 
 

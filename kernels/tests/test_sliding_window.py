@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_kernels import paged_attention_cpu, paged_attention_reference, paged_attention_xla
+from rlax_kernels import paged_attention, paged_attention_cpu, paged_attention_reference, paged_attention_xla
 from rlax_kernels.paged_attention.testing import make_paged_case
 
 LENGTHS = [1, 16, 33, 64, 5]  # cached tokens: one, a full page, ragged, four pages, short
@@ -54,8 +54,13 @@ def poison_before_window(case, lengths, window, seen):
     return jnp.asarray(k), jnp.asarray(v)
 
 
-# The reference takes no new token; the engine's paths run with one (and without, as a kernel).
-PATHS = [("reference", False), ("xla", False), ("xla", True), ("cpu", False), ("cpu", True)]
+# The reference and the Pallas kernels take no new token (the query's K/V is in the cache);
+# the engine's CPU/XLA paths run with one (and without, as a kernel). The TPU kernel's
+# interpret mode emulates its DMAs step by step: slow on CPU.
+PATHS = [
+    ("reference", False), ("xla", False), ("xla", True), ("cpu", False), ("cpu", True), ("pallas_gpu", False),
+    pytest.param("pallas_tpu", False, marks=pytest.mark.slow),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [1, 3, 17, 1000])
@@ -77,6 +82,17 @@ def test_decode_sees_only_the_window(window, path, with_new):
     extras = {"new_k": jnp.asarray(new_k), "new_v": jnp.asarray(new_v)} if with_new else {}
     if path == "reference":
         out = paged_attention_reference(case.q, k, v, case.seq_lens, case.block_tables, sliding_window=window)
+    elif path.startswith("pallas"):
+        out = paged_attention(
+            case.q,
+            k,
+            v,
+            case.seq_lens,
+            case.block_tables,
+            backend=path,
+            interpret=True,
+            sliding_window=window,
+        )
     else:
         attend = {"xla": paged_attention_xla, "cpu": paged_attention_cpu}[path]
         # Read through a layer axis, as the engine does (layer 1 of 2; layer 0 is all NaN).
@@ -85,7 +101,9 @@ def test_decode_sees_only_the_window(window, path, with_new):
     np.testing.assert_allclose(np.asarray(out), np.stack(expected), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attend", [paged_attention_reference, paged_attention_xla, paged_attention_cpu])
+@pytest.mark.parametrize(
+    "attend", [paged_attention_reference, paged_attention_xla, paged_attention_cpu, paged_attention]
+)
 @pytest.mark.parametrize("window", [0, -2, 2.5, True])
 def test_bad_windows_are_refused(attend, window):
     case = make_paged_case(

@@ -287,14 +287,24 @@ def test_multi_step_programs_compile_once_after_warmup():
 WINDOWED = dataclasses.replace(CONFIG, sliding_window=6)  # Mistral-style, far shorter than the prompts
 
 
-@pytest.mark.parametrize("attention,num_steps", [("cpu", 1), ("cpu", 4), ("xla", 3)])
+@pytest.mark.parametrize(
+    "attention,num_steps",
+    [
+        ("cpu", 1),
+        ("cpu", 4),
+        ("xla", 3),
+        ("pallas_gpu", 1),
+        pytest.param("pallas_tpu", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_sliding_window_model_generates_what_forward_generates(attention, num_steps):
-    """Prefill and decode see only the window, as `forward` does for such a config."""
+    """Prefill and decode see only the window, as `forward` does for such a config, on every decode path."""
     rng = np.random.default_rng(12)
-    ps = prompts(4, rng, 8, 30)
+    ps = prompts(4 if attention in ("cpu", "xla") else 2, rng, 8, 30)
     engine = LLMEngine(WINDOWED, PARAMS, EngineConfig(
         block_size=8, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=128,
-        eos_token_ids=(), attention=attention, num_decode_steps=num_steps,
+        eos_token_ids=(), attention=attention, attention_interpret=attention.startswith("pallas"),
+        num_decode_steps=num_steps,
     ))  # fmt: skip
     outs = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=10))
     differs = False
@@ -306,13 +316,3 @@ def test_sliding_window_model_generates_what_forward_generates(attention, num_st
         )
         differs |= c.tokens != naive_greedy(PARAMS, p, 10)
     assert differs, "the window changes no token here: the test would not notice it being ignored"
-
-
-def test_sliding_window_model_is_refused_by_the_pallas_decode_path():
-    with pytest.raises(
-        ValueError, match="sliding_window=6 is applied by the 'cpu' and 'xla' decode paths only"
-    ):
-        LLMEngine(WINDOWED, PARAMS, EngineConfig(
-            block_size=8, num_blocks=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=64,
-            attention="pallas_gpu", attention_interpret=True,
-        ))  # fmt: skip

@@ -46,6 +46,7 @@ def _kernel(
     page_size: int,
     pages_per_block: int,
     exact_f32: bool,
+    sliding_window: int | None,
 ):
     rb = pl.program_id(2)
     block_rows, head_dim = q_ref.shape
@@ -60,6 +61,11 @@ def _kernel(
     n_iters = jnp.where(first_tok < q_len, (visible + block_tokens - 1) // block_tokens, 0)
     row_tok = (rb * block_rows + jnp.arange(block_rows, dtype=jnp.int32)) // group
     q_pos = length - q_len + row_tok  # [block_rows]
+    # With a window, keys before the first one this row block's first token sees are
+    # neither read (the loop starts at their block) nor weighted.
+    first_key = (
+        0 if sliding_window is None else jnp.maximum(length - q_len + first_tok - sliding_window + 1, 0)
+    )
     q = q_ref[...]
     precision = lax.Precision.HIGHEST if exact_f32 else None
 
@@ -72,8 +78,10 @@ def _kernel(
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         k_pos = it * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        key_valid = k_pos < length
+        key_valid = (k_pos < length) & (k_pos >= first_key)
         allowed = (k_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        if sliding_window is not None:
+            allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
         scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_rows, block_tokens]
         scores = jnp.where(allowed, scores, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
@@ -91,7 +99,7 @@ def _kernel(
         jnp.full((block_rows,), -jnp.inf, jnp.float32),
         jnp.zeros((block_rows,), jnp.float32),
     )
-    acc, _, l_sum = lax.fori_loop(0, n_iters, body, init)
+    acc, _, l_sum = lax.fori_loop(jnp.minimum(first_key // block_tokens, n_iters), n_iters, body, init)
     out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     o_ref[...] = jnp.where((row_tok < q_len)[:, None], out, 0.0).astype(o_ref.dtype)
 
@@ -106,6 +114,7 @@ def _kernel(
         "num_warps",
         "num_stages",
         "interpret",
+        "sliding_window",
     ),
 )
 def paged_attention_rows_gpu(
@@ -123,6 +132,7 @@ def paged_attention_rows_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Run the Pallas Triton kernel on KV-head-grouped query rows (inputs already validated).
 
@@ -141,6 +151,7 @@ def paged_attention_rows_gpu(
       block_rows: query rows per program (a power of two, >= 16).
       num_warps, num_stages: Triton launch parameters.
       interpret: run with Pallas' generic interpreter on the CPU.
+      sliding_window: when given, a query at position ``p`` sees keys ``p - sliding_window < k <= p``.
 
     Returns:
       ``[batch, num_kv_heads, rows, head_dim]`` in ``q_rows``' dtype; padding rows are zero.
@@ -157,6 +168,7 @@ def paged_attention_rows_gpu(
         page_size=page_size,
         pages_per_block=pages_per_block,
         exact_f32=q_rows.dtype == jnp.float32,
+        sliding_window=sliding_window,
     )
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
     page_block = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, r: (h, 0, 0, 0))

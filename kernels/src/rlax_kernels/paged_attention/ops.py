@@ -32,6 +32,7 @@ import numpy as np
 from rlax_kernels.paged_attention.cpu import paged_attention_cpu
 from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
 from rlax_kernels.paged_attention.reference import (
+    check_sliding_window,
     default_scale,
     paged_prefill_attention_reference,
 )
@@ -221,7 +222,7 @@ def _knobs(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("backend", "scale", "pages_per_block", "block_rows", "interpret"),
+    static_argnames=("backend", "scale", "pages_per_block", "block_rows", "interpret", "sliding_window"),
 )
 def _attention_rows(
     q: jax.Array,
@@ -236,6 +237,7 @@ def _attention_rows(
     pages_per_block: int,
     block_rows: int,
     interpret: bool,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """q: [batch, chunk, num_heads, head_dim] -> [batch, chunk, num_heads, head_dim] via a kernel."""
     batch, chunk, num_heads, head_dim = q.shape
@@ -259,6 +261,7 @@ def _attention_rows(
         pages_per_block=pages_per_block,
         block_rows=block_rows,
         interpret=interpret,
+        sliding_window=sliding_window,
     )
     out = out[:, :, :rows].reshape(batch, num_kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, chunk, num_heads, head_dim)
@@ -277,8 +280,8 @@ def _settle(out: jax.Array, backend: str, interpret: bool) -> jax.Array:
     return out
 
 
-_paged_attention_xla = jax.jit(paged_attention_xla, static_argnames=("scale",))
-_paged_attention_cpu = jax.jit(paged_attention_cpu, static_argnames=("scale",))
+_paged_attention_xla = jax.jit(paged_attention_xla, static_argnames=("scale", "sliding_window"))
+_paged_attention_cpu = jax.jit(paged_attention_cpu, static_argnames=("scale", "sliding_window"))
 _paged_prefill_xla = jax.jit(paged_prefill_attention_reference, static_argnames=("scale",))
 
 
@@ -294,6 +297,7 @@ def paged_attention(
     pages_per_compute_block: int | None = None,
     block_rows: int | None = None,
     interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Decode attention (one query token per sequence) over a paged KV cache, grouped-query heads.
 
@@ -311,6 +315,8 @@ def paged_attention(
         ``max_pages_per_seq``; GPU: a power of two); a per-backend default when None.
       block_rows: query rows (query heads of one KV head) per program; default covers the group.
       interpret: run the named Pallas kernel in interpret mode (CPU).
+      sliding_window: when given, each query sees only its last ``sliding_window`` tokens
+        (itself included), on every backend (``ModelConfig.sliding_window``).
 
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype; accumulation in float32.
@@ -330,6 +336,7 @@ def paged_attention(
     _check_lengths(where, "lengths", lengths, batch, report)
     page_size, max_pages = k_pages.shape[2], block_tables.shape[1]
     _check_length_values(where, lengths, max_pages * page_size, None)
+    check_sliding_window(where, sliding_window)
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
     if chosen == "cpu" and k_pages.dtype != jnp.float32:
@@ -338,7 +345,7 @@ def paged_attention(
         chosen = "xla"
     if chosen in ("xla", "cpu"):
         run = _paged_attention_xla if chosen == "xla" else _paged_attention_cpu
-        return run(q, k_pages, v_pages, lengths, block_tables, scale=scale)
+        return run(q, k_pages, v_pages, lengths, block_tables, scale=scale, sliding_window=sliding_window)
     group = num_heads // k_pages.shape[0]
     ppb, br = _knobs(
         where,
@@ -363,6 +370,7 @@ def paged_attention(
         pages_per_block=ppb,
         block_rows=br,
         interpret=interpret,
+        sliding_window=sliding_window,
     )
     return _settle(out[:, 0], chosen, interpret)
 

@@ -57,6 +57,7 @@ def _kernel(
     page_size: int,
     pages_per_block: int,
     max_pages: int,
+    sliding_window: int | None,
 ):
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -73,6 +74,13 @@ def _kernel(
     last_tok = jnp.minimum(((rb + 1) * block_rows - 1) // group, q_len - 1)
     visible = length - q_len + last_tok + 1
     n_blocks = jnp.where(first_tok < q_len, (visible + block_tokens - 1) // block_tokens, 0)
+    # With a window, the blocks before the first key this row block's first token sees are
+    # skipped: grid step i computes block `first_block + i`.
+    first_key = (
+        0 if sliding_window is None else jnp.maximum(length - q_len + first_tok - sliding_window + 1, 0)
+    )
+    first_block = jnp.minimum(first_key // block_tokens, n_blocks)
+    n_steps = n_blocks - first_block
 
     def block_copies(block, slot):
         copies = []
@@ -90,29 +98,32 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        @pl.when(n_blocks > 0)
+        @pl.when(n_steps > 0)
         def _fetch_first():
-            for copy in block_copies(0, 0):
+            for copy in block_copies(first_block, 0):
                 copy.start()
 
-    @pl.when(i < n_blocks)
+    @pl.when(i < n_steps)
     def _step():
         slot = lax.rem(i, 2)
 
-        @pl.when(i + 1 < n_blocks)
+        @pl.when(i + 1 < n_steps)
         def _prefetch_next():
-            for copy in block_copies(i + 1, 1 - slot):
+            for copy in block_copies(first_block + i + 1, 1 - slot):
                 copy.start()
 
-        for copy in block_copies(i, slot):
+        for copy in block_copies(first_block + i, slot):
             copy.wait()
 
-        start = i * block_tokens
+        start = (first_block + i) * block_tokens
         row_tok = (rb * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)) // group
         q_pos = length - q_len + row_tok  # [block_rows, 1]
         k_pos = start + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        allowed = (k_pos <= q_pos) & (k_pos < length)  # [block_rows, block_tokens]
-        key_valid = start + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
+        allowed = (k_pos <= q_pos) & (k_pos < length) & (k_pos >= first_key)  # [block_rows, block_tokens]
+        if sliding_window is not None:
+            allowed &= q_pos - k_pos < sliding_window
+        key_pos = start + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+        key_valid = (key_pos < length) & (key_pos >= first_key)
 
         scores = lax.dot_general(
             q_ref[...], k_buf[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -141,7 +152,10 @@ def _kernel(
         o_ref[...] = jnp.where(row_tok < q_len, out, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "scale", "pages_per_block", "block_rows", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("group", "scale", "pages_per_block", "block_rows", "interpret", "sliding_window"),
+)
 def paged_attention_rows_tpu(
     q_rows: jax.Array,
     k_pages: jax.Array,
@@ -155,6 +169,7 @@ def paged_attention_rows_tpu(
     pages_per_block: int,
     block_rows: int,
     interpret: bool | pltpu.InterpretParams = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Run the Pallas TPU kernel on KV-head-grouped query rows (inputs already validated).
 
@@ -171,6 +186,8 @@ def paged_attention_rows_tpu(
       block_rows: query rows per program.
       interpret: run in Pallas' TPU interpret mode on the CPU; ``True`` uses default
         ``pltpu.InterpretParams``, an instance chooses them (e.g. ``detect_races=True``).
+      sliding_window: when given, a query at position ``p`` sees keys ``p - sliding_window < k <= p``
+        (the blocks before a row block's first visible key are not fetched).
 
     Returns:
       ``[batch, num_kv_heads, rows, head_dim]`` in ``q_rows``' dtype; padding rows are zero.
@@ -204,6 +221,7 @@ def paged_attention_rows_tpu(
         page_size=page_size,
         pages_per_block=pages_per_block,
         max_pages=max_pages,
+        sliding_window=sliding_window,
     )
     return pl.pallas_call(
         kernel,

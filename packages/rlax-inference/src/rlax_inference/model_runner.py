@@ -23,8 +23,8 @@ the current token to the softmax itself; with a Pallas backend the layer's pages
 `rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
 
 A model with `ModelConfig.sliding_window` (Mistral-style) sees only that many tokens in
-prefill (the causal mask) and in decode (the CPU/XLA paths skip the pages before the
-window); the Pallas kernels take no window, so a runner refuses such a model on them.
+prefill (the causal mask) and in decode, on every backend (the decode paths skip the
+pages before the window).
 """
 
 from __future__ import annotations
@@ -140,7 +140,9 @@ def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -
     return {"k": new_k, "v": new_v}
 
 
-def _make_kernel_decode_attention(backend: AttentionBackend, interpret: bool) -> Callable[..., Any]:
+def _make_kernel_decode_attention(
+    backend: AttentionBackend, interpret: bool, sliding_window: int | None
+) -> Callable[..., Any]:
     """Decode attention by `rlax_kernels.paged_attention` (Pallas): the layer's pages go through the scan."""
 
     def attention(q, k, v, layer_cache, ctx: _DecodeContext):  # type: ignore[no-untyped-def]
@@ -153,6 +155,7 @@ def _make_kernel_decode_attention(backend: AttentionBackend, interpret: bool) ->
             ctx.block_tables,
             backend=backend,
             interpret=interpret,
+            sliding_window=sliding_window,
         )
         return out[:, None], new_cache
 
@@ -235,7 +238,7 @@ def _decode_one(
             tokens[:, None],
             positions,
             config=config,
-            attention=_make_kernel_decode_attention(attention, interpret),
+            attention=_make_kernel_decode_attention(attention, interpret, config.sliding_window),
             attention_context=_DecodeContext(slots, lengths, block_tables),
             kv_cache=cache,
         )
@@ -335,12 +338,6 @@ class ModelRunner:
         self.min_width_bucket = min(self.max_pages_per_seq, max(1, 64 // block_size))
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
-        if config.sliding_window is not None and self.attention not in _FUSED_DECODE:
-            raise ValueError(
-                f"ModelConfig.sliding_window={config.sliding_window} is applied by the 'cpu' and 'xla' "
-                f"decode paths only; the Pallas kernels ({self.attention!r}) attend to the whole "
-                "sequence and would generate different tokens than the model: use attention='xla'"
-            )
         self.interpret = interpret
         shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         self.cache: KVCache = {
