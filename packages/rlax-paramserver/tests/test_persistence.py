@@ -94,3 +94,34 @@ def test_flipped_data_byte_names_the_tensor(tmp_path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptStateError, match="tensor 'b'"):
         read_state(path)
+
+
+def test_kill_9_right_after_a_puller_saw_a_version_never_goes_backwards(tmp_path) -> None:
+    import threading
+
+    from rlax_protocol import ProtocolError
+
+    big = {"w": np.full(4 << 20, 2.0, np.float32)}  # 16 MB: its write takes a while
+    with running_server_process(tmp_path) as server:
+        with (
+            ParamClient(server.address, timeout_s=3, retries=0, commit_timeout_s=2) as pusher,
+            ParamClient(server.address, timeout_s=5) as watcher,
+        ):
+            pusher.push({"w": np.ones(4, np.float32)}, 1)
+
+            def push_quietly() -> None:
+                try:
+                    pusher.push(big, 2)
+                except (ProtocolError, OSError):
+                    pass  # the server is killed under it
+
+            thread = threading.Thread(target=push_quietly)
+            thread.start()
+            seen = watcher.wait_for_newer(1, timeout=30)  # woken the moment version 2 is served
+            server.kill()
+            thread.join(30)
+        assert seen == 2
+    with running_server_process(tmp_path) as server, ParamClient(server.address, timeout_s=10) as client:
+        assert client.latest() == seen
+        pulled = client.pull()
+        assert pulled is not None and np.array_equal(pulled.tree["w"], big["w"])
