@@ -220,7 +220,9 @@ class ParamClient:
         """Push `tree` (nested dict of numpy arrays) as `version`; visible atomically on success.
 
         Raises `StaleVersionError` if `version` is not newer than the server's latest,
-        `RemoteError('checksum')` if a frame arrived corrupt, `ProtocolTimeoutError`.
+        `RemoteError('checksum')` if a frame arrived corrupt, `RemoteError('persist_failed')`
+        if the server (with a state dir) could not write it (it is then not visible),
+        `ProtocolTimeoutError`.
         """
         encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes)
         with self._lock:
