@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from rlax_controller import worker_service
 from rlax_controller.config import load_config
 from rlax_controller.links import PeerLink
 from rlax_controller.models import build_model_config
@@ -19,6 +21,7 @@ from rlax_controller.worker_service import WorkerService
 from rlax_model import init_params
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
 from rlax_protocol.messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -30,6 +33,7 @@ from rlax_protocol.messages import (
     decode,
     encode,
 )
+from rlax_protocol.transport import parse_request
 
 
 def wait_reply(worker: WorkerService, link: PeerLink, timeout: float = 120.0) -> Any:
@@ -124,3 +128,79 @@ def test_worker_rejects_a_bad_request_and_keeps_serving(setup: Any) -> None:
     assert isinstance(bad, ErrorReply) and "bad" in bad.message
     good = generate(worker, link, "good")
     assert isinstance(good, GenerateResult)
+
+
+class Pump:
+    """Runs `worker.step()` in a thread (the worker is driven by one thread at a time)."""
+
+    def __init__(self, worker: WorkerService) -> None:
+        self.worker = worker
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.worker.step():
+                    time.sleep(0.001)
+        except BaseException as error:  # surfaced by the test
+            self.error = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive()
+
+
+def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_request(setup: Any) -> None:
+    config, model_config, pusher, worker, link = setup
+    push(pusher, model_config, 0)
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, seed=1)
+    valid = [
+        encode(GenerateRequest(request_id="v", prompt_token_ids=(1, 5, 13), sampling=sampling, n=2)),
+        encode(Hello(protocol_version=PROTOCOL_VERSION)),
+    ]
+    requests = list(hostile_requests(10_000, seed=5, valid=valid))
+    assert any(parts[1:] == [deep_nesting(1000)] for parts in requests)
+    pump = Pump(worker)
+    try:
+        replies = blast(worker.address, requests, settle_s=2.0)
+    finally:
+        pump.stop()
+    assert pump.error is None, repr(pump.error)
+    assert replies > 5_000
+    good = generate(worker, link, "after")
+    assert isinstance(good, GenerateResult) and good.request_id == "after" and len(good.samples) == 4
+
+
+def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, model_config, pusher, worker, link = setup
+    push(pusher, model_config, 0)
+
+    def parse_or_fail(parts: Any) -> Any:
+        if len(parts) > 2 and parts[2].bytes == b"boom":
+            raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+        return parse_request(parts)
+
+    # Whatever the decoder (or a handler) raises on one message, the loop lives on.
+    monkeypatch.setattr(worker_service, "parse_request", parse_or_fail)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(worker.address)
+    try:
+        dealer.send_multipart([(9).to_bytes(8, "little"), b"boom"])
+        deadline = time.monotonic() + 10
+        while not dealer.poll(10):
+            assert time.monotonic() < deadline, "the failing message was not answered"
+            worker.step()
+        error = decode(dealer.recv_multipart()[1])
+        assert (
+            isinstance(error, ErrorReply) and error.code == "internal" and "RecursionError" in error.message
+        )
+    finally:
+        dealer.close(0)
+    assert isinstance(generate(worker, link, "after"), GenerateResult)

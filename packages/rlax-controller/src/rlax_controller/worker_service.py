@@ -151,7 +151,9 @@ class WorkerService:
                 logprobs=s.top_logprobs,
             )
             self.engine.add_request(tag, list(request.prompt_token_ids), params)
-        except (ValueError, TypeError) as error:
+        except Exception as error:  # a request the engine refuses fails alone
+            if not isinstance(error, ValueError | TypeError | OverflowError):
+                log.exception("request %s refused", request.request_id)
             self._reply(
                 identity, request_id, ErrorReply(code="malformed", message=f"{request.request_id}: {error}")
             )
@@ -159,6 +161,7 @@ class WorkerService:
         self.waiting[tag] = (identity, request_id)
 
     def serve_socket(self) -> int:
+        """Read every waiting request; each is answered (or queued) on its own."""
         handled = 0
         while True:
             try:
@@ -166,27 +169,28 @@ class WorkerService:
             except zmq.Again:
                 return handled
             handled += 1
-            request = parse_request(parts)
-            message = request.message
-            if request.error is not None or message is None:
-                self._reply(
-                    request.identity,
-                    request.request_id,
-                    ErrorReply(code="malformed", message=str(request.error)),
-                )
-            elif isinstance(message, Hello):
-                self._reply(
-                    request.identity, request.request_id, welcome_for(message, server_id=self.server_id)
-                )
-            elif isinstance(message, GenerateRequest):
-                self.queued.append((request.identity, request.request_id, message))
-            else:
-                name = type(message).__name__
-                self._reply(
-                    request.identity,
-                    request.request_id,
-                    ErrorReply(code="unknown_message", message=f"worker does not serve {name}"),
-                )
+            try:
+                self._serve_one(parts)
+            except Exception as error:  # whatever one message causes, the worker keeps serving
+                log.exception("error handling a request")
+                identity = parts[0].bytes if parts else b""
+                reply = ErrorReply(code="internal", message=f"{type(error).__name__}: {error}")
+                self._reply(identity, 0, reply)
+
+    def _serve_one(self, parts: list[Any]) -> None:
+        request = parse_request(parts)
+        message = request.message
+        if request.error is not None or message is None:
+            reply: Any = ErrorReply(code="malformed", message=str(request.error))
+        elif isinstance(message, Hello):
+            reply = welcome_for(message, server_id=self.server_id)
+        elif isinstance(message, GenerateRequest):
+            self.queued.append((request.identity, request.request_id, message))
+            return  # answered when generation finishes
+        else:
+            name = type(message).__name__
+            reply = ErrorReply(code="unknown_message", message=f"worker does not serve {name}")
+        self._reply(request.identity, request.request_id, reply)
 
     def _finish(self, output: Any) -> None:
         identity, request_id = self.waiting.pop(output.request_id)
