@@ -188,24 +188,35 @@ def _reconnect(address: str, client_id: str, *messages: rp.Message) -> list[rp.M
     return replies
 
 
-def test_reconnect_churn_keeps_clients_waiters_and_pushes_bounded() -> None:
+def test_reconnect_churn_keeps_clients_waiters_pushes_and_leases_bounded() -> None:
     manifest = rp.encode_tree({"p": np.zeros(300, np.uint8)}, chunk_bytes=64).manifest
-    with (
-        running_server(max_clients=50, max_waiters=40) as address,
-        ParamClient(address, timeout_s=5) as client,
-    ):
-        client.push(SMALL, 1)
+    limits = {"max_clients": 50, "max_waiters": 40, "max_leases": 60}
+    with running_server(**limits) as address, ParamClient(address, timeout_s=5) as client:
+        client.push(SMALL, 1)  # two tensors: a pull that prefetches one frame keeps its lease
         for n in range(300):
             # The same pusher reconnecting: its older push is abandoned, never `busy`.
             (reply,) = _reconnect(address, "trainer", rp.PushBegin(version=2, manifest=manifest))
             assert isinstance(reply, rp.PushReady), reply
-            # A puller reconnecting while it long-polls, and strangers that vanish.
-            _reconnect(address, "puller", rp.WaitNewer(version=1, timeout_ms=60_000))
-            _reconnect(address, f"stranger-{n}", rp.WaitNewer(version=1, timeout_ms=60_000))
+            # A puller reconnecting mid-pull and mid-long-poll: its older lease is ended.
+            (grant,) = _reconnect(
+                address,
+                "puller",
+                rp.PullBegin(prefetch_bytes=1),
+                rp.WaitNewer(version=1, timeout_ms=60_000),
+            )
+            assert isinstance(grant, rp.PullGranted), grant
+            # Strangers that lease, long-poll and vanish.
+            _reconnect(
+                address,
+                f"stranger-{n}",
+                rp.PullBegin(prefetch_bytes=1),
+                rp.WaitNewer(version=1, timeout_ms=60_000),
+            )
         stats = client.stat()
         assert stats.pending_pushes <= 2
         assert stats.clients <= 50
         assert stats.waiters <= 40
-        client.push(SMALL, 3)  # long-polls are woken, pushes still commit
+        assert stats.pulls_in_flight <= 60
+        client.push(SMALL, 3)  # long-polls are woken, pushes and pulls still work
         assert client.stat().waiters == 0
         assert client.pull().version == 3  # type: ignore[union-attr]

@@ -30,6 +30,8 @@ class ServerConfig:
     max_version_bytes: largest total size of one version.
     max_frames: most frames one version may be split into.
     max_pending_pushes / max_pending_per_client: caps on unfinished pushes.
+    max_leases / max_leases_per_client: caps on pulls in flight (a new pull beyond a
+        client's cap ends that client's oldest; beyond the total, the oldest of all).
     max_wait_s: longest a WaitNewer long-poll is held before answering.
     max_waiters: most long-polls held at once (beyond it the oldest is answered early).
     client_idle_timeout_s: a client silent for this long must say Hello again.
@@ -50,6 +52,8 @@ class ServerConfig:
     max_frames: int = 1 << 20
     max_pending_pushes: int = 16
     max_pending_per_client: int = 2
+    max_leases: int = 4096
+    max_leases_per_client: int = 4
     max_wait_s: float = 60.0
     max_waiters: int = 4096
     client_idle_timeout_s: float = 600.0
@@ -76,6 +80,8 @@ class ServerConfig:
             "max_pending_per_client",
             "max_waiters",
             "max_clients",
+            "max_leases",
+            "max_leases_per_client",
         ):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be > 0")

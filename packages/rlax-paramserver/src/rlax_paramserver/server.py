@@ -306,7 +306,9 @@ class ParamServer:
     ) -> tuple[Message, list[Any]] | None:
         store = self.store
         if isinstance(message, PullBegin):
-            granted = store.begin_pull(message.version, message.if_newer_than)
+            granted = store.begin_pull(
+                message.version, message.if_newer_than, self.peers.client_key(request.identity)
+            )
             if granted is None or isinstance(granted, int):
                 return NotNewer(latest=granted), []
             lease, stored = granted

@@ -72,6 +72,7 @@ class Lease:
     expires: float
     sent: bytearray
     unsent: int
+    owner: bytes = b""
 
     def mark_sent(self, first: int, count: int) -> None:
         for index in range(first, first + count):
@@ -312,9 +313,15 @@ class VersionStore:
     # ------------------------------------------------------------------ pull
 
     def begin_pull(
-        self, version: int | None, if_newer_than: int | None
+        self, version: int | None, if_newer_than: int | None, owner: bytes = b""
     ) -> tuple[Lease, StoredVersion] | int | None:
-        """A lease on the requested version, or the latest version number when it is not newer."""
+        """A lease on the requested version, or the latest version number when it is not newer.
+
+        Leases stay bounded under reconnect churn: a client (`owner`, stable across its
+        reconnections) holds at most `max_leases_per_client` (a new one ends its oldest:
+        a client that reconnected abandoned its earlier pulls), and beyond `max_leases`
+        in all a new pull ends the oldest pull in flight of anyone.
+        """
         now = time.monotonic()
         with self._lock:
             self._expire_leases(now)
@@ -327,14 +334,24 @@ class VersionStore:
             stored = self.versions.get(wanted)
             if stored is None:
                 raise StoreError("not_found", f"version {wanted} is not held (held: {sorted(self.versions)})")
+            if owner:
+                mine = [lid for lid, held in self.leases.items() if held.owner == owner]
+                for lid in mine[: max(0, len(mine) - self.config.max_leases_per_client + 1)]:
+                    del self.leases[lid]  # dict order is lease order: the oldest go first
+            while len(self.leases) >= self.config.max_leases:
+                # The oldest pull in flight is most likely a dead client's; a live one
+                # gets `not_found` for its lease and `ParamClient.pull` begins again.
+                del self.leases[next(iter(self.leases))]
             lease = Lease(
                 next(self._ids),
                 wanted,
                 now + self.config.lease_ttl_s,
                 bytearray(len(stored.frames)),
                 len(stored.frames),
+                owner,
             )
             self.leases[lease.lease_id] = lease
+            self._evict(now)  # versions the dropped leases held
             return lease, stored
 
     def prefetch(self, lease: Lease, stored: StoredVersion, budget: int) -> list[memoryview]:
