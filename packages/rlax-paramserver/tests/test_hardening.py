@@ -220,3 +220,38 @@ def test_reconnect_churn_keeps_clients_waiters_pushes_and_leases_bounded() -> No
         client.push(SMALL, 3)  # long-polls are woken, pushes and pulls still work
         assert client.stat().waiters == 0
         assert client.pull().version == 3  # type: ignore[union-attr]
+
+
+def test_any_exception_in_a_worker_or_the_persister_is_answered_and_both_live_on(
+    tmp_path, monkeypatch
+) -> None:
+    from rlax_paramserver.store import VersionStore
+
+    real_answer, real_install = server_module.ParamServer._answer, VersionStore.install
+    broken = {"answer": 1, "install": 1}
+
+    def answer_once_broken(self, socket, request):
+        if isinstance(request.message, rp.LatestQuery) and broken["answer"]:
+            broken["answer"] -= 1
+            raise RuntimeError("a bug reached by one request")
+        return real_answer(self, socket, request)
+
+    def install_once_broken(self, stored):
+        if broken["install"]:
+            broken["install"] -= 1
+            raise RuntimeError("a bug in making a version visible")
+        return real_install(self, stored)
+
+    monkeypatch.setattr(server_module.ParamServer, "_answer", answer_once_broken)
+    monkeypatch.setattr(VersionStore, "install", install_once_broken)
+    with (
+        running_server(tmp_path, workers=1) as address,
+        ParamClient(address, timeout_s=5, retries=0, commit_timeout_s=5) as client,
+    ):
+        with pytest.raises(rp.RemoteError, match="internal.*a bug reached by one request"):
+            client.latest()
+        with pytest.raises(rp.RemoteError, match="internal.*a bug in making a version visible"):
+            client.push(SMALL, 1)
+        assert client.latest() is None  # the single worker still serves
+        assert client.push(SMALL, 1) == rp.Committed(version=1, persisted=True)  # so does the persister
+        assert client.latest() == 1

@@ -264,7 +264,10 @@ class ParamServer:
             except (zmq.ZMQError, TypeError, ValueError) as err:
                 log.error("could not send a reply: %s", err)
                 error = ErrorReply(code="internal", message=f"reply could not be sent: {err}")
-                socket.send_multipart([*head, encode(error)])
+                try:
+                    socket.send_multipart([*head, encode(error)])
+                except zmq.ZMQError:
+                    socket.send(_READY)  # no answer possible, but stay in the idle pool
         try:
             self.store.reap()
         except Exception:
@@ -414,7 +417,12 @@ class ParamServer:
                     job = self._persist_jobs.get(timeout=_POLL_MS / 1000)
                 except queue.Empty:
                     continue
-                reply = self._persist_and_install(socket, job.push)
+                try:
+                    reply = self._persist_and_install(socket, job.push)
+                except Exception as err:  # the last guard: this thread must outlive any commit
+                    log.exception("committing version %d failed", job.push.version)
+                    self.store.release(job.push.version)
+                    reply = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}")
                 try:
                     socket.send_multipart(
                         [_SEND, job.identity, pack_request_id(job.request_id), encode(reply)]
