@@ -12,6 +12,7 @@ import zmq
 import rlax_protocol as rp
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
+from rlax_protocol.fuzzing import deep_nesting
 from rlax_protocol.transport import pack_request_id, unpack_request_id
 
 SMALL = {"w": np.arange(64, dtype=np.float32), "b": np.arange(3, dtype=np.int32)}
@@ -83,7 +84,7 @@ NOT_REQUESTS = [
 
 def fuzz_message(rng: random.Random, push_id: int) -> list[bytes]:
     """One hostile multipart message (after the ROUTER identity)."""
-    kind = rng.randrange(9)
+    kind = rng.randrange(11)
     rid = pack_request_id(rng.randrange(2**64))
     if kind == 0:  # random bytes, random part counts
         return [rng.randbytes(rng.randrange(0, 48)) for _ in range(rng.randrange(1, 5))]
@@ -147,6 +148,18 @@ def fuzz_message(rng: random.Random, push_id: int) -> list[bytes]:
             ]
         )
         return [rid, msgspec.msgpack.encode(bad)]
+    if kind == 9:  # deep nesting, bare or inside a valid push's free-form metadata (issue 12)
+        deep = deep_nesting(rng.choice((33, 3000, 100_000)), header=rng.choice((b"\x91", b"\x81\xa1a")))
+        if rng.random() < 0.5:
+            return [rid, deep]
+        manifest = rp.TensorManifest(protocol_version=1, chunk_bytes=64, tensors=())
+        push = rp.encode(rp.PushBegin(version=10**6, manifest=manifest, metadata={"k": "HOLE"}))
+        return [rid, push.replace(msgspec.msgpack.encode("HOLE"), deep)]
+    if kind == 10:  # a length prefix claiming gigabytes, inside a valid message or alone
+        huge = rng.choice((b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xdf\x7f\xff\xff\xff"))
+        valid = rp.encode(rp.PullBegin(version=None, if_newer_than=10**9))
+        at = rng.randrange(len(valid))
+        return [rid, rng.choice((huge, valid[:at] + huge + valid[at:]))]
     if kind == 7:  # bad request-id frame
         return [rng.randbytes(rng.choice([0, 3, 9])), rp.encode(rp.LatestQuery())]
     return [rid, rp.encode(rp.PullBegin(version=None, if_newer_than=10**9))]  # valid, answered NotNewer
