@@ -114,3 +114,11 @@ def test_ten_thousand_hostile_requests_never_raise_anything_else() -> None:
         assert (request.message is None) == (request.error is not None)
         kinds += request.error is None
     assert 500 < kinds < 5000  # valid requests are mixed in, most are refused
+
+
+def test_non_contiguous_or_non_byte_input_is_malformed() -> None:
+    data = bytearray(rp.encode(rp.LatestQuery()) * 2)
+    with pytest.raises(MalformedMessageError, match="contiguous"):
+        rp.decode(memoryview(data)[::2])
+    with pytest.raises(MalformedMessageError, match="contiguous"):
+        rp.decode("not bytes")  # type: ignore[arg-type]

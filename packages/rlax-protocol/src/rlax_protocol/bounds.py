@@ -84,7 +84,10 @@ def check_msgpack_bounds(
     `data` is anything with the buffer protocol (bytes, memoryview, a frame's buffer).
     Never recurses, whatever the input.
     """
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError) as err:  # not bytes at all, or not contiguous
+        raise MalformedMessageError(f"a message must be one contiguous byte buffer: {err}") from None
     end = view.nbytes
     if end > max_bytes:
         raise MalformedMessageError(f"message of {end} bytes exceeds the limit of {max_bytes}")
