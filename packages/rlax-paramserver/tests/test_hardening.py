@@ -255,3 +255,16 @@ def test_any_exception_in_a_worker_or_the_persister_is_answered_and_both_live_on
         assert client.latest() is None  # the single worker still serves
         assert client.push(SMALL, 1) == rp.Committed(version=1, persisted=True)  # so does the persister
         assert client.latest() == 1
+
+
+def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path, monkeypatch) -> None:
+    from rlax_paramserver import persist
+
+    def failing_fsync(fd: int) -> None:  # what a full disk reports on a delayed write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "fsync", failing_fsync)
+    manifest = rp.encode_tree({"w": np.zeros(4, np.float32)}).manifest
+    with pytest.raises(OSError, match="No space left"):
+        persist.write_state(tmp_path, 1, manifest, {}, [memoryview(bytes(16))])
+    assert list(tmp_path.iterdir()) == []

@@ -95,13 +95,17 @@ def write_state(
     header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
     prefix = MAGIC + len(header).to_bytes(8, "little") + header
     padding = (-len(prefix)) % ALIGN
-    with open(tmp, "wb") as f:
-        f.write(prefix + b"\x00" * padding)
-        for frame in frames:
-            f.write(frame)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(prefix + b"\x00" * padding)
+            for frame in frames:
+                f.write(frame)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (e.g. a full disk) leaves no half file
+        raise
     _fsync_dir(state_dir)
     for other in state_dir.iterdir():
         match = _NAME.match(other.name)
