@@ -4,22 +4,40 @@ from __future__ import annotations
 
 import pathlib
 import threading
+import time
 from typing import Any
 
+import pytest
+import zmq
+
+from rlax_controller import controller as controller_module
 from rlax_controller.config import load_config
 from rlax_controller.controller import Controller
-from rlax_controller.links import ControlClient
+from rlax_controller.links import ControlClient, PeerLink
 from rlax_controller.messages import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
+    RunStatus,
+    StatusQuery,
     TrainBatch,
     decode_control,
     encode_control,
 )
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.scheduling import PromptItem
-from rlax_protocol.errors import ProtocolTimeoutError
+from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError
+from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
+from rlax_protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    ErrorReply,
+    GenerateRequest,
+    GenerateResult,
+    Hello,
+    Sample,
+)
+from rlax_protocol.transport import pack_request_id, parse_request, reply_parts, welcome_for
 
 
 def make_config(tmp_path: pathlib.Path, port: int, **extra: Any) -> Any:
@@ -70,9 +88,14 @@ class ControllerThread:
 
 
 def train(
-    address: str, workers: list[Any], start_step: int = 0, stop_at: int | None = None
+    address: str,
+    workers: list[Any],
+    start_step: int = 0,
+    stop_at: int | None = None,
+    batches: list[TrainBatch] | None = None,
 ) -> dict[int, list[str]]:
-    """A trainer stand-in: asks for batches, 'trains', advances the workers' weights."""
+    """A trainer stand-in: asks for batches, 'trains', advances the workers' weights.
+    `batches`: where to keep every batch received."""
     client = ControlClient(address, encode=encode_control, decode=decode_control, timeout_s=5.0)
     step = start_step
     trained: dict[int, list[str]] = {}
@@ -91,6 +114,8 @@ def train(
             assert isinstance(reply, TrainBatch) and reply.step == step
             assert all(step - r.policy_version <= 1 for r in reply.rollouts)
             trained[step] = list(reply.rollout_ids)
+            if batches is not None:
+                batches.append(reply)
             step += 1
             for w in workers:
                 w.version = step
@@ -195,3 +220,250 @@ def test_trainer_rewind_to_older_checkpoint(tmp_path: pathlib.Path, toy: Any, fa
     consumed = [p for r in records for p in r["consumed_prompt_ids"]]
     assert consumed == [f"p{i}" for i in range(18)]
     assert sorted(again) == [3, 4, 5] and sorted(trained) == [0, 1, 2, 3]
+
+
+class RouterPump:
+    """Serves the controller's trainer-side socket in a thread (nothing else touches it)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.controller._serve_router()
+                self.controller.router.poll(5)
+        except BaseException as error:  # surfaced by the test
+            self.error = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive()
+
+
+def test_controller_survives_ten_thousand_hostile_messages_then_answers_the_trainer(
+    tmp_path: pathlib.Path, toy: Any
+) -> None:
+    config = make_config(tmp_path, toy.port())
+    controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[])
+    valid = [
+        encode_control(StatusQuery()),
+        encode_control(BatchRequest(trainer_step=0, metrics={"loss": 0.5})),
+        encode_control(Hello(protocol_version=PROTOCOL_VERSION)),
+    ]
+    requests = list(hostile_requests(10_000, seed=7, valid=valid))
+    assert any(parts[1:] == [deep_nesting(1000)] for parts in requests)
+    pump = RouterPump(controller)
+    try:
+        replies = 0
+        for start in range(0, len(requests), 2_000):  # in parts, to fail fast once the loop died
+            replies += blast(config.controller.address, requests[start : start + 2_000], settle_s=1.0)
+            assert pump.error is None, repr(pump.error)
+        assert replies > 9_000  # every request is answered, the unreadable ones with an error
+        client = ControlClient(
+            config.controller.address, encode=encode_control, decode=decode_control, timeout_s=10.0
+        )
+        try:
+            status = client.call(StatusQuery())
+            assert isinstance(status, RunStatus) and status.total_steps == 6 and not status.finished
+            assert isinstance(client.call(BatchRequest(trainer_step=0)), NoBatchYet)  # no workers yet
+        finally:
+            client.close()
+    finally:
+        pump.stop()
+        controller.close()
+    assert pump.error is None, repr(pump.error)
+
+
+HOSTILE_TOKEN = 99  # only hostile replies carry it: no trained rollout may
+
+
+class HostileWorker:
+    """A worker whose first replies are hostile or malformed (one of each of `TRICKS`, in
+    order); afterwards it answers like `FakeWorker`. Hostile results carry `HOSTILE_TOKEN`."""
+
+    # Unreadable replies last: the controller then drops the link (and whatever this
+    # worker still answers on it), which would swallow the tricks after them.
+    TRICKS = (
+        "no_logprobs",
+        "negative_version",
+        "negative_token",
+        "not_a_result",
+        "answers_another_request",
+        "deep_nesting",
+        "huge_length",
+        "one_part",
+    )
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.version = 0
+        self.tricks = list(self.TRICKS)
+        self.played: list[str] = []
+        self._held: tuple[bytes, int, GenerateRequest] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _good(self, msg: GenerateRequest) -> GenerateResult:
+        seed = msg.sampling.seed or 0
+        samples = tuple(
+            Sample(token_ids=((seed + i) % 7 + 3, 4), logprobs=(-0.5, -0.25), finish_reason="stop")
+            for i in range(msg.n)
+        )
+        return GenerateResult(request_id=msg.request_id, samples=samples, weight_version=self.version)
+
+    def _hostile(self, trick: str, msg: GenerateRequest) -> list[bytes] | GenerateResult | Ack:
+        def result(token_ids: tuple[int, ...], logprobs: tuple[float, ...], version: int) -> GenerateResult:
+            sample = Sample(token_ids=token_ids, logprobs=logprobs, finish_reason="stop")
+            return GenerateResult(
+                request_id=msg.request_id, samples=(sample,) * msg.n, weight_version=version
+            )
+
+        if trick == "deep_nesting":
+            return [deep_nesting(1000)]
+        if trick == "huge_length":
+            return [b"\xdd\xff\xff\xff\xff"]
+        if trick == "one_part":
+            return []
+        if trick == "no_logprobs":
+            return result((HOSTILE_TOKEN, HOSTILE_TOKEN), (), self.version)
+        if trick == "negative_version":
+            return result((HOSTILE_TOKEN, 4), (-0.5, -0.5), -5)
+        if trick == "negative_token":
+            return result((-1, HOSTILE_TOKEN), (-0.5, -0.5), self.version)
+        return Ack()
+
+    def _serve(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.bind(self.address)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(20):
+                    continue
+                request = parse_request(sock.recv_multipart(copy=False))
+                msg, identity, rid = request.message, request.identity, request.request_id
+                if isinstance(msg, Hello):
+                    sock.send_multipart(reply_parts(identity, rid, welcome_for(msg, server_id="hostile")))
+                    continue
+                if not isinstance(msg, GenerateRequest):
+                    continue
+                if self._held is not None:
+                    # Answer this request with a result for the held one, then the held one itself.
+                    held_identity, held_rid, held = self._held
+                    self._held = None
+                    sample = Sample(token_ids=(HOSTILE_TOKEN, 4), logprobs=(-0.5, -0.5), finish_reason="stop")
+                    swapped = GenerateResult(
+                        request_id=held.request_id, samples=(sample,) * held.n, weight_version=self.version
+                    )
+                    sock.send_multipart(reply_parts(identity, rid, swapped))
+                    sock.send_multipart(reply_parts(held_identity, held_rid, self._good(held)))
+                    continue
+                trick = self.tricks.pop(0) if self.tricks else None
+                if trick is None:
+                    sock.send_multipart(reply_parts(identity, rid, self._good(msg)))
+                    continue
+                self.played.append(trick)
+                if trick == "answers_another_request":
+                    self._held = (identity, rid, msg)
+                    continue
+                reply = self._hostile(trick, msg)
+                if isinstance(reply, list):
+                    sock.send_multipart([identity, pack_request_id(rid), *reply])
+                else:
+                    sock.send_multipart(reply_parts(identity, rid, reply))
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def test_hostile_worker_replies_are_dropped_and_the_run_completes(tmp_path: pathlib.Path, toy: Any) -> None:
+    worker = HostileWorker(f"tcp://127.0.0.1:{toy.port()}")
+    try:
+        config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0, "run.steps": 3})
+        ct = ControllerThread(config, toy, [worker])
+        batches: list[TrainBatch] = []
+        trained = train(config.controller.address, [worker], batches=batches)
+        ct.join()
+    finally:
+        worker.stop()
+    assert ct.code == 0 and sorted(trained) == [0, 1, 2]
+    assert worker.played == list(HostileWorker.TRICKS)
+    for batch in batches:
+        for rollout in batch.rollouts:
+            assert HOSTILE_TOKEN not in rollout.completion_token_ids and rollout.policy_version >= 0
+            assert len(rollout.worker_logprobs) == len(rollout.completion_token_ids)
+    counters = ct.controller.scheduler.counters
+    assert counters["bad_worker_replies"] >= 4 and counters["results_ignored"] >= 1
+    dead = [r for r in read_metrics(config.output_dir / "metrics.jsonl") if r.get("event") == "dead"]
+    assert any("protocol error" in r["why"] for r in dead)  # an unreadable reply drops the link
+
+
+def test_an_exception_from_decoding_one_request_is_answered_and_the_controller_keeps_serving(
+    tmp_path: pathlib.Path, toy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(tmp_path, toy.port())
+    controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[])
+
+    def decode_or_fail(data: Any) -> Any:
+        if bytes(data) == b"boom":
+            raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+        return decode_control(data)
+
+    # Whatever the decoder raises on one message, the loop answers it and lives on.
+    monkeypatch.setattr(controller_module, "decode_control", decode_or_fail)
+    pump = RouterPump(controller)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(config.controller.address)
+    try:
+        dealer.send_multipart([pack_request_id(5), b"boom"])
+        assert dealer.poll(10_000), "the failing message was not answered"
+        error = decode_control(dealer.recv_multipart()[1])
+        assert (
+            isinstance(error, ErrorReply) and error.code == "malformed" and "RecursionError" in error.message
+        )
+        dealer.send_multipart([pack_request_id(6), encode_control(StatusQuery())])
+        assert dealer.poll(10_000), "no answer after the failing message"
+        assert isinstance(decode_control(dealer.recv_multipart()[1]), RunStatus)
+    finally:
+        dealer.close(0)
+        pump.stop()
+        controller.close()
+    assert pump.error is None, repr(pump.error)
+
+
+def test_a_reply_the_decoder_chokes_on_is_a_malformed_message_error(toy: Any) -> None:
+    def choke(data: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded while deserializing an object")
+
+    address = f"tcp://127.0.0.1:{toy.port()}"
+    context = zmq.Context.instance()
+    server = context.socket(zmq.ROUTER)
+    server.linger = 0
+    server.bind(address)
+    link = PeerLink(address, encode=encode_control, decode=choke, context=context)
+    try:
+        deadline = time.monotonic() + 10
+        while link.hello() is None:
+            assert time.monotonic() < deadline, "could not connect"
+            time.sleep(0.01)
+        assert server.poll(10_000)
+        identity, request_id, _ = server.recv_multipart()
+        server.send_multipart([identity, request_id, deep_nesting(1000)])
+        assert link.socket is not None and link.socket.poll(10_000)
+        # The caller's loop (the controller's, the trainer's) gets the error it handles.
+        with pytest.raises(MalformedMessageError, match=f"peer {address}.*RecursionError"):
+            link.receive()
+    finally:
+        link.close()
+        server.close(0)

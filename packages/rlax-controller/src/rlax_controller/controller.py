@@ -102,6 +102,26 @@ class EvalJob:
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, MalformedMessageError) else f"{type(error).__name__}: {error}"
+
+
+def _check_result(result: GenerateResult) -> None:
+    """What the batch built from `result` relies on; a worker that breaks it sent a malformed
+    reply (checked here, where the group can still be generated again, not when the trainer
+    asks for a batch that can then never be built)."""
+    if result.weight_version < 0:
+        raise MalformedMessageError(f"result {result.request_id!r}: weight_version={result.weight_version}")
+    for i, sample in enumerate(result.samples):
+        if len(sample.logprobs) != len(sample.token_ids):
+            raise MalformedMessageError(
+                f"result {result.request_id!r}: sample {i} has {len(sample.logprobs)} logprobs "
+                f"for {len(sample.token_ids)} tokens"
+            )
+        if any(t < 0 for t in sample.token_ids):
+            raise MalformedMessageError(f"result {result.request_id!r}: sample {i} has a negative token id")
+
+
 class Controller:
     """Runs the RL loop's control plane until the last step is trained and evaluated."""
 
@@ -180,20 +200,23 @@ class Controller:
                 parts = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(parts) < 3:
-                continue
             identity = parts[0]
+            if len(parts) < 3:
+                message = f"request has {len(parts) - 1} parts after the identity, needs >= 2"
+                self._reply(identity, 0, ErrorReply(code="malformed", message=message))
+                continue
             try:
                 request_id = unpack_request_id(parts[1])
                 message = decode_control(parts[2])
-            except MalformedMessageError as error:
-                self._reply(identity, 0, ErrorReply(code="malformed", message=str(error)))
+            except Exception as error:  # hostile bytes (any decoder failure) get an error reply
+                self._count("malformed_requests")
+                self._reply(identity, 0, ErrorReply(code="malformed", message=_describe(error)))
                 continue
             try:
                 reply = self._handle(message)
             except Exception as error:  # a bad request must not stop the controller
                 log.exception("error handling %s", type(message).__name__)
-                reply = ErrorReply(code="internal", message=f"{type(error).__name__}: {error}")
+                reply = ErrorReply(code="internal", message=_describe(error))
             self._reply(identity, request_id, reply)
 
     def _handle(self, message: Message) -> Message:
@@ -600,15 +623,46 @@ class Controller:
                 worker.pings.discard(request_id)
                 tag = worker.requests.pop(request_id, None)
                 worker.sent_at.pop(request_id, None)
-                if isinstance(message, Welcome):
-                    self._on_welcome(worker, message, now)
-                elif isinstance(message, GenerateResult):
-                    worker.timeouts = 0
-                    self._on_result(worker, message)
-                elif isinstance(message, ErrorReply):
-                    log.error("%s refused request %s: %s %s", worker.name, tag, message.code, message.message)
+                try:
+                    self._on_reply(worker, tag, message, now)
+                except Exception as error:  # one bad reply must not stop the controller
+                    log.error(
+                        "%s: dropped its %s to request %s: %s",
+                        worker.name,
+                        type(message).__name__,
+                        tag,
+                        _describe(error),
+                        exc_info=not isinstance(error, MalformedMessageError),
+                    )
+                    self._count("bad_worker_replies")
                     if tag is not None:
                         self._release_tag(worker, tag)
+
+    def _on_reply(self, worker: WorkerState, tag: str | None, message: Message, now: float) -> None:
+        """One reply of `worker`; `tag`: the request it answers (None: none we sent or still track)."""
+        if isinstance(message, Welcome):
+            self._on_welcome(worker, message, now)
+        elif isinstance(message, GenerateResult):
+            if message.request_id != tag:
+                # Late (its request timed out and was reassigned) or answering a request it
+                # was never sent: either way it must not complete anyone's group.
+                log.warning("%s: ignored a result for %r on request %s", worker.name, message.request_id, tag)
+                self._count("results_ignored")
+                if tag is not None:
+                    self._release_tag(worker, tag)
+                return
+            _check_result(message)
+            worker.timeouts = 0
+            self._on_result(worker, message)
+        elif isinstance(message, ErrorReply):
+            log.error("%s refused request %s: %s %s", worker.name, tag, message.code, message.message)
+            if tag is not None:
+                self._release_tag(worker, tag)
+        else:
+            raise MalformedMessageError(f"a worker does not answer with {type(message).__name__}")
+
+    def _count(self, name: str) -> None:
+        self.scheduler.counters[name] = self.scheduler.counters.get(name, 0) + 1
 
     def _release_tag(self, worker: WorkerState, tag: str) -> None:
         group = self.scheduler.group_for_request(tag)

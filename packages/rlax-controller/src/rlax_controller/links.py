@@ -82,8 +82,9 @@ class PeerLink:
         return request_id
 
     def receive(self) -> list[tuple[int, Message]]:
-        """Every reply waiting on the socket (non-blocking). Unreadable replies raise
-        `MalformedMessageError`; a refused handshake raises `VersionMismatchError`."""
+        """Every reply waiting on the socket (non-blocking). An unreadable reply, whatever
+        the decoder raised on it, raises `MalformedMessageError`; a refused handshake raises
+        `VersionMismatchError`."""
         out: list[tuple[int, Message]] = []
         if self.socket is None:
             return out
@@ -94,10 +95,21 @@ class PeerLink:
                 return out
             if len(parts) < 2:
                 raise MalformedMessageError(f"peer {self.address} sent a reply of {len(parts)} parts")
-            message = self.decode(parts[1])
+            try:
+                request_id = unpack_request_id(parts[0])
+                message = self.decode(parts[1])
+            except MalformedMessageError as error:
+                raise MalformedMessageError(f"peer {self.address}: {error}") from None
+            except Exception as error:
+                # Whatever the decoder raised on hostile bytes (RecursionError on deep
+                # nesting, ...) is one unreadable reply, not a failure of the caller's loop.
+                raise MalformedMessageError(
+                    f"peer {self.address} sent an unreadable reply ({len(parts[1])} bytes): "
+                    f"{type(error).__name__}: {error}"
+                ) from None
             if isinstance(message, Welcome):
                 check_welcome(message, peer=f"peer {self.address}")
-            out.append((unpack_request_id(parts[0]), message))
+            out.append((request_id, message))
 
 
 class ControlClient:

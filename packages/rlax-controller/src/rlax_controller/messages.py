@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import msgspec
 
+from rlax_protocol.bounds import check_msgpack_bounds
 from rlax_protocol.errors import MalformedMessageError
 from rlax_protocol.messages import Ack, ErrorReply, Hello, Message, Rollout, Welcome
 
@@ -94,6 +95,10 @@ ControlMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object he
     Hello, Welcome, ErrorReply, Ack, BatchRequest, TrainBatch, NoBatchYet, RunComplete, StatusQuery, RunStatus
 ]
 
+# A TrainBatch of a large run (hundreds of rollouts of thousands of tokens, each with its
+# logprob) can pass the protocol's 64 MB default; its nesting depth stays 4.
+_MAX_CONTROL_BYTES = 1 << 30
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ControlMessage)
 
@@ -103,7 +108,9 @@ def encode_control(message: Message) -> bytes:
 
 
 def decode_control(data: bytes | memoryview | bytearray) -> Message:
-    """Decode a controller message; garbage or a wrong field raises `MalformedMessageError`."""
+    """Decode a controller message; garbage or a wrong field raises `MalformedMessageError`.
+    Depth and declared lengths are checked first: msgspec recurses into nested values."""
+    check_msgpack_bounds(data, max_bytes=_MAX_CONTROL_BYTES)
     try:
         message: Message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
