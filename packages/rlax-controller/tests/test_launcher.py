@@ -40,6 +40,8 @@ def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.
         ("trainer.objective={no_such_term: 1}", ["the trainer", "no_such_term"]),
         ("workers.attention=fast", ["workers.*", "EngineConfig.attention", "'fast'"]),
         ("data.task=no_such_task", ["the task (data.*)", "no_such_task"]),
+        # Arithmetic prompts take up to 7 tokens: the engine would refuse them all.
+        ("model.max_seq_len=6", ["model.max_seq_len = 6", "tokens (no room to generate)"]),
     ],
 )
 def test_config_a_component_rejects_stops_the_launch_before_any_process_starts(

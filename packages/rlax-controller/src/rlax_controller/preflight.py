@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from rlax_controller.config import ConfigError, RunConfig
 
 __all__ = [
+    "check_prompts_fit",
     "engine_config",
     "learner_configs",
     "paramserver_config",
@@ -101,9 +102,28 @@ def paramserver_config(config: RunConfig) -> Any:
     )
 
 
+def check_prompts_fit(config: RunConfig, task: Any) -> None:
+    """Every training and evaluation prompt must leave room for one generated token in
+    `model.max_seq_len`: the engine refuses a longer one, and the controller would send
+    its group again and again."""
+    limit = config.model.max_seq_len
+    longest, record_id = 0, ""
+    for record in [*task.train_records(), *task.eval_records()]:
+        length = len(task.encode_prompt(record))
+        if length > longest:
+            longest, record_id = length, record.id
+    if longest >= limit:
+        raise ConfigError(
+            f"model.max_seq_len = {limit}: prompt {record_id!r} alone has {longest} tokens "
+            "(no room to generate); raise model.max_seq_len or filter the data"
+        )
+
+
 def validate_components(config: RunConfig) -> None:
-    """Build the typed config of every component a local launch starts; raises `ConfigError`."""
-    task_and_model(config)
+    """Build the typed config of every component a local launch starts, and check that
+    the data fits the model; raises `ConfigError`."""
+    task, _ = task_and_model(config)
     learner_configs(config)
     engine_config(config)
     paramserver_config(config)
+    check_prompts_fit(config, task)
