@@ -202,8 +202,8 @@ class Controller:
                 return
             identity = parts[0]
             if len(parts) < 3:
-                message = f"request has {len(parts) - 1} parts after the identity, needs >= 2"
-                self._reply(identity, 0, ErrorReply(code="malformed", message=message))
+                why = f"request has {len(parts) - 1} parts after the identity, needs >= 2"
+                self._reply(identity, 0, ErrorReply(code="malformed", message=why))
                 continue
             try:
                 request_id = unpack_request_id(parts[1])

@@ -15,6 +15,7 @@ a `ConfigError` that names the component.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -72,9 +73,10 @@ def learner_configs(config: RunConfig) -> dict[str, Any]:
     from rlax_controller.trainer_service import learner_config
 
     modes = ["rl", "sft"] if config.trainer.sft_steps else ["rl"]
-    return {
-        mode: _rejected_by("the trainer", lambda m=mode: learner_config(config, mode=m)) for mode in modes
-    }
+    configs: dict[str, Any] = {}
+    for mode in modes:
+        configs[mode] = _rejected_by("the trainer", functools.partial(learner_config, config, mode=mode))
+    return configs
 
 
 def engine_config(config: RunConfig) -> Any:
