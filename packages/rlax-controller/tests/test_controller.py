@@ -93,6 +93,7 @@ def train(
     start_step: int = 0,
     stop_at: int | None = None,
     batches: list[TrainBatch] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> dict[int, list[str]]:
     """A trainer stand-in: asks for batches, 'trains', advances the workers' weights.
     `batches`: where to keep every batch received."""
@@ -102,7 +103,7 @@ def train(
     try:
         while stop_at is None or step < stop_at:
             try:
-                reply = client.call(BatchRequest(trainer_step=step, metrics={"loss": 0.5}))
+                reply = client.call(BatchRequest(trainer_step=step, metrics=metrics or {"loss": 0.5}))
             except ProtocolTimeoutError:
                 continue  # a busy controller (it draws the summary plot at the end): ask again
             if isinstance(reply, RunComplete):
@@ -467,3 +468,17 @@ def test_a_reply_the_decoder_chokes_on_is_a_malformed_message_error(toy: Any) ->
     finally:
         link.close()
         server.close(0)
+
+
+def test_trainer_metrics_never_replace_the_controllers_fields(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
+    workers = fake_workers(1)
+    config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0, "run.steps": 2})
+    ct = ControllerThread(config, toy, workers)
+    hostile = {"kind": 1.0, "step": 999.0, "version": -3.0, "loss": float("nan"), "kl": 0.25}
+    train(config.controller.address, workers, metrics=hostile)
+    ct.join()
+    records = [r for r in read_metrics(config.output_dir / "metrics.jsonl") if r.get("kl") == 0.25]
+    assert [(r["kind"], r["step"], r["version"]) for r in records] == [("train", 1, 1), ("train", 2, 2)]
+    assert not any("loss" in r for r in records)  # not a finite number

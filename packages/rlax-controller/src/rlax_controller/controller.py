@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -383,7 +384,13 @@ class Controller:
         self.sent_batch = None
         now = time.monotonic()
         elapsed = max(now - self._rate_since, 1e-9)
+        # The trainer's figures never replace the controller's own fields (a metric named
+        # `step` or `kind` would misfile the record) and only finite numbers are kept.
+        trainer = {
+            k: v for k, v in self.trainer_metrics.items() if isinstance(v, int | float) and math.isfinite(v)
+        }
         record: dict[str, Any] = {
+            **trainer,
             **self._batch_record(batch),
             "gen_tokens_per_s": self._rate_tokens / elapsed,
             "step_time_s": now - self._last_step_time,
@@ -391,7 +398,6 @@ class Controller:
             "inflight_groups": sum(len(w.requests) for w in self.workers.values()),
             "workers_alive": sum(w.alive for w in self.workers.values()),
             **{k: v for k, v in self.scheduler.counters.items()},
-            **{k: v for k, v in self.trainer_metrics.items() if isinstance(v, int | float)},
         }
         self.metrics.write(record)
         self._rate_tokens = 0
