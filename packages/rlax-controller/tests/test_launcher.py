@@ -13,6 +13,7 @@ from rlax_controller.config import EXIT_CONFIG_ERROR, ConfigError, load_config
 from rlax_controller.launcher import build_specs, resolve_addresses
 from rlax_controller.links import ControlClient
 from rlax_controller.messages import BatchRequest, decode_control, encode_control
+from rlax_controller.supervisor import SupervisorReport
 from rlax_protocol.errors import ProtocolTimeoutError
 
 
@@ -175,3 +176,13 @@ def test_worker_with_unreachable_parameter_server_fails_with_a_clear_timeout(
     )
     assert result.returncode == 3, result.stderr[-2000:]
     assert "no answer from the parameter server at tcp://127.0.0.1:" in result.stderr
+
+
+def test_rlax_launch_exits_with_the_config_error_code_when_a_component_rejected_its_config(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def stopped_by_a_config_error(*args: object, **kwargs: object) -> SupervisorReport:
+        return SupervisorReport(False, "trainer rejected its configuration", {}, [], {}, tmp_path, True)
+
+    monkeypatch.setattr(launcher, "launch", stopped_by_a_config_error)
+    assert rlax_main(["launch", str(tmp_path / "run.yaml")]) == EXIT_CONFIG_ERROR
