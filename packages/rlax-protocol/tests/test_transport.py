@@ -260,6 +260,21 @@ def test_rpc_server_survives_ten_thousand_hostile_requests_then_answers() -> Non
             assert client.call(rp.LatestQuery(), expect=rp.LatestVersion).message.version == 7
 
 
+def test_blast_fails_fast_when_the_server_stops_answering() -> None:
+    # A ROUTER that reads but never answers stands for a server whose loop died: the fuzzer
+    # must raise within a few waits, not spend one wait per remaining request (10,000 s).
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    requests = [[rp.fuzzing.request_id_part(n), rp.encode(rp.LatestQuery())] for n in range(10_000)]
+    try:
+        with pytest.raises(TimeoutError, match="answered none"):
+            rp.fuzzing.blast(f"tcp://127.0.0.1:{port}", requests, settle_s=0.05, max_silent_waits=3)
+    finally:
+        router.close(0)
+
+
 def test_peer_registry_stays_bounded_under_reconnect_churn() -> None:
     peers = rp.PeerRegistry(idle_timeout_s=600.0, max_peers=3)
     for n in range(1000):  # every reconnection is a new ZeroMQ identity

@@ -148,6 +148,7 @@ def blast(
     window: int = 200,
     settle_s: float = 1.0,
     timeout_s: float = 60.0,
+    max_silent_waits: int = 5,
     context: zmq.Context[Any] | None = None,
 ) -> int:
     """Send every request from one DEALER (after a `Hello` if `hello`), reading replies as
@@ -155,23 +156,29 @@ def blast(
 
     At most `window` requests are left unanswered before it reads replies (giving up
     after `settle_s` of silence), so that the server's send queue to this client (1000
-    messages by default, beyond which ZeroMQ drops replies) never fills; requests that
-    are never answered only cost that wait. After the last send it reads replies until
-    `settle_s` passes without one.
-    Raises `TimeoutError` if the server stops accepting messages for `timeout_s`.
+    messages by default, beyond which ZeroMQ drops replies) never fills; requests still
+    unanswered after such a wait are written off (a server may rightly leave a frame it
+    cannot attribute unanswered), so each costs that wait once. After the last send it
+    reads replies until `settle_s` passes without one.
+    Raises `TimeoutError` if the server stops accepting messages for `timeout_s`, or
+    answers nothing through `max_silent_waits` such waits in a row: a server whose loop
+    died then fails the caller in seconds, not after one wait per remaining request.
     """
     ctx = context or zmq.Context.instance()
     socket: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     socket.linger = 0
     socket.connect(address)
-    sent = replies = 0
+    sent = replies = written_off = silent_waits = 0
 
-    def drain(wait_ms: int, *, until_outstanding: int = 0) -> None:
-        # Read replies until at most `until_outstanding` remain or none came for `wait_ms`.
+    def drain(wait_ms: int, *, until_outstanding: int = 0) -> int:
+        # Read replies until at most `until_outstanding` remain or none came for `wait_ms`;
+        # returns how many arrived.
         nonlocal replies
-        while sent - replies > until_outstanding and socket.poll(wait_ms, zmq.POLLIN):
+        before = replies
+        while sent - replies - written_off > until_outstanding and socket.poll(wait_ms, zmq.POLLIN):
             socket.recv_multipart()
             replies += 1
+        return replies - before
 
     try:
         if hello:
@@ -183,8 +190,17 @@ def blast(
             socket.send_multipart(list(parts))
             sent += 1
             drain(0)
-            if sent - replies > window:
-                drain(int(settle_s * 1000), until_outstanding=window // 2)
+            if sent - replies - written_off > window:
+                if drain(int(settle_s * 1000), until_outstanding=window // 2) == 0:
+                    silent_waits += 1
+                    if silent_waits >= max_silent_waits:
+                        raise TimeoutError(
+                            f"{address} answered none of its last {sent - replies} requests "
+                            f"through {silent_waits} waits of {settle_s}s: its loop stopped"
+                        )
+                else:
+                    silent_waits = 0
+                written_off = max(written_off, sent - replies - window // 2)
         drain(int(settle_s * 1000))
     finally:
         socket.close(0)
