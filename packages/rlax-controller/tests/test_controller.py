@@ -223,32 +223,14 @@ def test_trainer_rewind_to_older_checkpoint(tmp_path: pathlib.Path, toy: Any, fa
     assert sorted(again) == [3, 4, 5] and sorted(trained) == [0, 1, 2, 3]
 
 
-class RouterPump:
-    """Serves the controller's trainer-side socket in a thread (nothing else touches it)."""
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.controller._serve_router()
-                self.controller.router.poll(5)
-        except BaseException as error:  # surfaced by the test
-            self.error = error
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive()
+def serve_trainer_side(controller: Controller) -> None:
+    """One turn of the controller's trainer-side socket (a test thread drives it alone)."""
+    controller._serve_router()
+    controller.router.poll(5)
 
 
 def test_controller_survives_ten_thousand_hostile_messages_then_answers_the_trainer(
-    tmp_path: pathlib.Path, toy: Any
+    tmp_path: pathlib.Path, toy: Any, loop_thread: Any
 ) -> None:
     config = make_config(tmp_path, toy.port())
     controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[])
@@ -259,7 +241,7 @@ def test_controller_survives_ten_thousand_hostile_messages_then_answers_the_trai
     ]
     requests = list(hostile_requests(10_000, seed=7, valid=valid))
     assert any(parts[1:] == [deep_nesting(1000)] for parts in requests)
-    pump = RouterPump(controller)
+    pump = loop_thread(lambda: serve_trainer_side(controller))
     try:
         replies = 0
         for start in range(0, len(requests), 2_000):  # in parts, to fail fast once the loop died
@@ -410,7 +392,7 @@ def test_hostile_worker_replies_are_dropped_and_the_run_completes(tmp_path: path
 
 
 def test_an_exception_from_decoding_one_request_is_answered_and_the_controller_keeps_serving(
-    tmp_path: pathlib.Path, toy: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, toy: Any, monkeypatch: pytest.MonkeyPatch, loop_thread: Any
 ) -> None:
     config = make_config(tmp_path, toy.port())
     controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[])
@@ -422,7 +404,7 @@ def test_an_exception_from_decoding_one_request_is_answered_and_the_controller_k
 
     # Whatever the decoder raises on one message, the loop answers it and lives on.
     monkeypatch.setattr(controller_module, "decode_control", decode_or_fail)
-    pump = RouterPump(controller)
+    pump = loop_thread(lambda: serve_trainer_side(controller))
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.linger = 0
     dealer.connect(config.controller.address)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import threading
 import time
 from typing import Any
 
@@ -130,31 +129,9 @@ def test_worker_rejects_a_bad_request_and_keeps_serving(setup: Any) -> None:
     assert isinstance(good, GenerateResult)
 
 
-class Pump:
-    """Runs `worker.step()` in a thread (the worker is driven by one thread at a time)."""
-
-    def __init__(self, worker: WorkerService) -> None:
-        self.worker = worker
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self.worker.step():
-                    time.sleep(0.001)
-        except BaseException as error:  # surfaced by the test
-            self.error = error
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive()
-
-
-def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_request(setup: Any) -> None:
+def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_request(
+    setup: Any, loop_thread: Any
+) -> None:
     config, model_config, pusher, worker, link = setup
     push(pusher, model_config, 0)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, seed=1)
@@ -164,7 +141,7 @@ def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_re
     ]
     requests = list(hostile_requests(10_000, seed=5, valid=valid))
     assert any(parts[1:] == [deep_nesting(1000)] for parts in requests)
-    pump = Pump(worker)
+    pump = loop_thread(lambda: worker.step() or time.sleep(0.001))
     replies = 0
     try:
         for start in range(0, len(requests), 2_000):  # in parts, to fail fast once the loop died

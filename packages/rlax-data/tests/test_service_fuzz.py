@@ -193,6 +193,17 @@ def _simulate_unguarded_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rp, "parse_request", parse_request)
 
 
+def assert_a_fresh_client_is_served(svc: VerifierService) -> None:
+    """A new client's correct request is answered, and answered right."""
+    remote = RemoteVerifier(client=rp.RpcClient(svc.bound_address, timeout_s=10), timeout_s=10)
+    try:
+        record = Record(id="after", prompt="6*7=", answer="42", task="arithmetic")
+        (result,) = remote.verify([("42", record)])
+    finally:
+        remote.close()
+    assert result.correct and result.reward == 1.0
+
+
 @pytest.mark.parametrize("protocol", ["bounded", "raising"])
 def test_service_survives_hostile_messages_and_still_answers(monkeypatch, protocol):
     if protocol == "raising":
@@ -250,14 +261,7 @@ def test_service_survives_hostile_messages_and_still_answers(monkeypatch, protoc
         assert {"malformed", "bad_request", "unknown_message", "not_found", "internal"} <= set(codes), codes
         assert verdicts == expected  # every valid request scored, and scored right
         assert thread.is_alive()
-        # A fresh client with a correct request is still served.
-        remote = RemoteVerifier(client=rp.RpcClient(svc.bound_address, timeout_s=10), timeout_s=10)
-        try:
-            record = Record(id="after", prompt="6*7=", answer="42", task="arithmetic")
-            (result,) = remote.verify([("42", record)])
-        finally:
-            remote.close()
-        assert result.correct and result.reward == 1.0
+        assert_a_fresh_client_is_served(svc)
     finally:
         svc.stop()
         thread.join(timeout=10)
@@ -278,13 +282,7 @@ def test_service_survives_the_hostile_requests_every_server_faces():
         replies = blast(svc.bound_address, hostile_requests(MESSAGES, seed=3, valid=valid), settle_s=2.0)
         assert replies == MESSAGES + 1  # each request answered, and the Hello
         assert thread.is_alive()
-        remote = RemoteVerifier(client=rp.RpcClient(svc.bound_address, timeout_s=10), timeout_s=10)
-        try:
-            record = Record(id="after", prompt="6*7=", answer="42", task="arithmetic")
-            (result,) = remote.verify([("42", record)])
-        finally:
-            remote.close()
-        assert result.correct
+        assert_a_fresh_client_is_served(svc)
     finally:
         svc.stop()
         thread.join(timeout=10)
