@@ -1,7 +1,9 @@
 """Sandboxed code execution vs the same programs run as bare subprocesses (no isolation).
 
-The ratio is the price of isolation (limits, uid switch, network namespace, audit hook,
-private directory, result pipe) per HumanEval problem, measured side by side.
+The ratio is the price of isolation per HumanEval problem, measured side by side: two
+bubblewrap jobs per problem (the program's and the check script's, each with its own user,
+pid, network and mount namespaces, a private uid, limits and a private tmpfs), the calls of
+the entry point relayed between them as plain values, and the verdict taken outside both.
 """
 
 from __future__ import annotations
