@@ -3,6 +3,11 @@
     rlax convert to-hf --config RUN.yaml --out DIR [--step N]   a run's RL checkpoint -> HF folder
     rlax convert gguf-to-hf --out DIR [--gguf FILE]              a GGUF model (SmolLM2 by default) -> HF folder
 
+Both write a folder that `transformers.AutoTokenizer` and `AutoModelForCausalLM` load as it
+is: weights and config.json, tokenizer.json, tokenizer_config.json (with the chat template),
+special_tokens_map.json and generation_config.json. It is built under a temp name next to
+DIR and renamed into place.
+
 The other direction needs no conversion: a run starts from an HF folder with
 `model.source=hf model.path=DIR`, or from a GGUF file with `model.source=gguf`.
 """
@@ -39,14 +44,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from rlax_model import save_hf_checkpoint
+    from rlax_model.hf_export import save_hf_folder
 
     out = pathlib.Path(args.out)
     if args.command == "gguf-to-hf":
-        from rlax_model.gguf_import import find_smollm2_gguf, load_gguf
+        from rlax_model.gguf_import import GGUFFile, find_smollm2_gguf, load_gguf
+        from rlax_model.hf_export import gguf_sampling_defaults
+        from rlax_model.tokenizer import Tokenizer
 
-        model_config, params = load_gguf(args.gguf or find_smollm2_gguf())
-        save_hf_checkpoint(out, model_config, jax.tree.map(np.asarray, params))
+        file = GGUFFile(args.gguf or find_smollm2_gguf())
+        model_config, params = load_gguf(file)
+        tokenizer = Tokenizer.from_gguf(file)
+        save_hf_folder(
+            out,
+            model_config,
+            jax.tree.map(np.asarray, params),
+            tokenizer,
+            sampling=gguf_sampling_defaults(file),
+        )
         print(f"wrote {out} ({model_config.num_params():,} parameters)")
         return 0
     from rlax_controller.config import load_config
@@ -58,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_config, params, step = load_run_params(config, task.tokenizer, step=args.step)
     if step < 0:
         raise SystemExit(f"rlax convert to-hf: {config.output_dir} has no RL checkpoint yet")
-    save_hf_checkpoint(out, model_config, jax.tree.map(np.asarray, params))
+    # The run's own tokenizer goes with the weights, so the folder encodes prompts as the run did.
+    save_hf_folder(out, model_config, jax.tree.map(np.asarray, params), task.tokenizer)
     print(f"wrote {out} from checkpoint step {step}")
     return 0

@@ -50,6 +50,41 @@ def _token_text(value: Any) -> str | None:
     raise TokenizerError(f"special token {value!r} is neither a string nor a {{'content': ...}} mapping")
 
 
+def write_hf_tokenizer_files(
+    directory: str | os.PathLike[str],
+    backend: tokenizers.Tokenizer,
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    pad_token: str | None,
+    chat_template: str | None,
+    model_max_length: int | None = None,
+) -> None:
+    """The three files of an HF tokenizer folder, each written atomically.
+
+    `tokenizer_class` is the generic `PreTrainedTokenizerFast` so that transformers uses
+    tokenizer.json as it is (a model-specific class may rebuild the pre-tokenizer), and
+    no BOS is added on encode: the chat template places it, as in RLAX.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(directory / "tokenizer.json", backend.to_str().encode())
+    specials = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    if model_max_length is not None:
+        cfg["model_max_length"] = int(model_max_length)
+    atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(cfg, indent=2).encode())
+    present = {k: v for k, v in specials.items() if v is not None}
+    atomic_write_bytes(directory / "special_tokens_map.json", json.dumps(present, indent=2).encode())
+
+
 class _ChatRendering:
     """Chat rendering shared by both tokenizers: a `chat_template` plus `encode`."""
 
@@ -186,19 +221,18 @@ class Tokenizer(_ChatRendering):
             chat_template=file.value("tokenizer.chat_template", None),
         )
 
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write tokenizer.json and tokenizer_config.json (with the chat template)."""
-        directory = pathlib.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode())
-        cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "pad_token": self.pad_token,
-            "chat_template": None if self.chat_template is None else self.chat_template.source,
-        }
-        atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(cfg, indent=2).encode())
+    def save(self, directory: str | os.PathLike[str], *, model_max_length: int | None = None) -> None:
+        """Write tokenizer.json, tokenizer_config.json (with the chat template) and
+        special_tokens_map.json: a folder `transformers.AutoTokenizer` loads as it is."""
+        write_hf_tokenizer_files(
+            directory,
+            self.backend,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            pad_token=self.pad_token,
+            chat_template=None if self.chat_template is None else self.chat_template.source,
+            model_max_length=model_max_length,
+        )
 
     # -- use ------------------------------------------------------------------------
 
@@ -266,6 +300,30 @@ class CharTokenizer(_ChatRendering):
             None
             if chat_template is None
             else ChatTemplate(chat_template, bos_token=self.BOS, eos_token=self.EOS)
+        )
+
+    def hf_backend(self) -> tokenizers.Tokenizer:
+        """The same ids as an HF `tokenizers` tokenizer: one word-level token per
+        character, the three specials matched as whole tokens first. A character outside
+        the alphabet has no id and fails there too (no unk token)."""
+        core = tokenizers.Tokenizer(models.WordLevel({t: i for i, t in enumerate(self._char)}))
+        core.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+        core.decoder = decoders.Fuse()
+        core.add_special_tokens(
+            [tokenizers.AddedToken(s, special=True, normalized=False) for s in self.specials]
+        )
+        return core
+
+    def save(self, directory: str | os.PathLike[str], *, model_max_length: int | None = None) -> None:
+        """Write an HF tokenizer folder over the same ids (see `hf_backend`)."""
+        write_hf_tokenizer_files(
+            directory,
+            self.hf_backend(),
+            bos_token=self.BOS,
+            eos_token=self.EOS,
+            pad_token=self.PAD,
+            chat_template=None if self.chat_template is None else self.chat_template.source,
+            model_max_length=model_max_length,
         )
 
     @property
