@@ -56,15 +56,14 @@ def run_rlax(out: pathlib.Path, cache: pathlib.Path) -> dict[str, Any]:
     return {"curve": curve}
 
 
-def hf_tokenizer(vocab: list[str], eos: str, pad: str, bos: str) -> Any:
-    """`CharTokenizer`'s ids as a `PreTrainedTokenizerFast`: one token per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def hf_tokenizer(ctok: Any) -> Any:
+    """`CharTokenizer`'s ids as a `PreTrainedTokenizerFast` (its `hf_backend`: one token per
+    character, the same one `rlax convert to-hf` writes to tokenizer.json)."""
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=pad))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=bos, eos_token=eos, pad_token=pad)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=ctok.hf_backend(), bos_token=ctok.BOS, eos_token=ctok.EOS, pad_token=ctok.PAD
+    )
     tok.padding_side = "left"
     return tok
 
@@ -82,8 +81,7 @@ def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) 
     config = load_config(config_path, [])
     task = build_task(config)
     ctok = task.tokenizer
-    vocab = [*ctok.specials, *ctok.alphabet]
-    tok = hf_tokenizer(vocab, ctok.EOS, ctok.PAD, ctok.BOS)
+    tok = hf_tokenizer(ctok)
     check = task.train_records()[0]
     ours = task.encode_prompt(check)
     theirs = tok(ctok.BOS + check.prompt_text(), add_special_tokens=False)["input_ids"]
