@@ -3,6 +3,7 @@ transformers' own GGUF loader."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import gguf
@@ -269,7 +270,14 @@ def test_gguf_tokenizer_exports_to_hf_files(smollm2_tokenizer, tmp_path):
     messages = [{"role": "user", "content": PROMPTS[1]}]
     assert again.apply_chat_template(messages) == smollm2_tokenizer.apply_chat_template(messages)
     assert (again.bos_id, again.eos_id, again.pad_id) == (1, 2, 2)
-    ref = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    # AutoTokenizer (not a named class) reads the folder as it is, specials included.
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert json.loads((tmp_path / "special_tokens_map.json").read_text()) == {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+    }
+    assert (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id) == (1, 2, 2)
     for text, ids in PINNED_IDS.items():
         assert ref(text, add_special_tokens=False).input_ids == ids
     assert ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == again.render_chat(
