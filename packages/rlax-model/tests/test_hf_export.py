@@ -12,21 +12,34 @@ import pytest
 import torch
 import transformers
 from rlax_model_greedy import greedy_generate
+from test_tokenizer import CHATML, _tiny_bpe
 
 from rlax_model import ModelConfig, init_params
 from rlax_model.checkpoint_hf import CheckpointError, load_hf_checkpoint
 from rlax_model.gguf_import import GGUFFile
 from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder
-from rlax_model.tokenizer import CharTokenizer
+from rlax_model.tokenizer import CharTokenizer, Tokenizer
 
 TEXTS = ["12+34=46", "what is 7*8? 56.", "<bos>1-1=0<eos><pad>", "(2+3)*4 = 20"]
 MESSAGES = [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "(9-2)*3="}]]
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    tokenizer = CharTokenizer()
-    config = ModelConfig.tiny(vocab_size=64, bos_token_id=None, eos_token_id=None)
+def _bpe() -> Tokenizer:
+    # Specials first: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2, as the char ids go.
+    return Tokenizer(
+        _tiny_bpe(),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+
+
+@pytest.fixture(scope="module", params=["char", "bpe"])
+def tiny_folder(request, tmp_path_factory):
+    tokenizer = CharTokenizer() if request.param == "char" else _bpe()
+    # bos/eos left unset in the model config: the export takes them from the tokenizer.
+    config = ModelConfig.tiny(vocab_size=320, bos_token_id=None, eos_token_id=None)
     params = jax.tree.map(np.asarray, init_params(config, jax.random.key(3), std=0.4))
     out = tmp_path_factory.mktemp("export") / "hf"
     save_hf_folder(out, config, params, tokenizer)
@@ -79,7 +92,7 @@ def test_export_replaces_whole_folder_and_leaves_nothing_half_written(tiny_folde
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temp or old folder left
 
     # A failing export (tokenizer larger than the model's vocabulary) keeps the old folder.
-    small = ModelConfig.tiny(vocab_size=16)
+    small = ModelConfig.tiny(vocab_size=tokenizer.vocab_size - 1)
     with pytest.raises(CheckpointError, match="tokenizer has"):
         save_hf_folder(out, small, jax.tree.map(np.asarray, init_params(small, jax.random.key(0))), tokenizer)
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
