@@ -198,6 +198,19 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
             a, b = same[0]["logprob_mismatch_p95"], same[-1]["logprob_mismatch_p95"]
             label = f"train logprob_mismatch_p95 ({len(same)} same-version steps)"
             rows.append((label, f"{a:.1e}", f"{b:.1e}", f"{b - a:+.1e}"))
+        # The trainer's peak memory (host RSS; device memory on accelerators): the first
+        # step's figure (after compiling) and the highest any step reported.
+        for key in ("trainer_peak_rss_mb", "trainer_peak_device_mb"):
+            seen = [r[key] for r in train if isinstance(r.get(key), int | float)]
+            if seen:
+                rows.append(
+                    (
+                        f"train {key} (max)",
+                        f"{seen[0]:.0f}",
+                        f"{max(seen):.0f}",
+                        f"{max(seen) - seen[0]:+.0f}",
+                    )
+                )
         rows.append(
             ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
         )

@@ -37,6 +37,45 @@ def _head_logprobs(
     return token_logprobs_from_logits(logits, targets, temperature=temperature)
 
 
+def head_logprobs(
+    hidden: jax.Array,
+    targets: jax.Array,
+    w: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each target and the entropy under softmax(hidden @ w / temperature).
+
+    hidden: [batch, seq, hidden]; targets: [batch, seq] int; w: [hidden, vocab].
+    chunk_size: when set, the projection and softmax run over `chunk_size` tokens (of the
+    flattened batch x seq) at a time and are recomputed in the backward pass, so neither
+    the forward nor the backward ever holds the full [batch, seq, vocab] float32 logits,
+    only a few [chunk_size, vocab] ones.
+    Returns (logprobs [batch, seq] float32, entropy [batch, seq] float32).
+    """
+    if chunk_size is None:
+        return _head_logprobs(hidden, targets, w, temperature)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r}: must be a positive int or None")
+    # Chunks run over the flattened batch x seq tokens, so a chunk's logits are
+    # [chunk_size, vocab] whatever the batch size (a per-row chunk would still be [B, c, V]).
+    lead = targets.shape
+    hid = hidden.reshape(-1, hidden.shape[-1])
+    tgt = targets.reshape(-1)
+    total = tgt.shape[0]
+    n = -(-total // chunk_size)
+    pad = n * chunk_size - total
+    hid = jnp.pad(hid, ((0, pad), (0, 0))).reshape(n, chunk_size, hid.shape[-1])
+    tgt = jnp.pad(tgt, (0, pad)).reshape(n, chunk_size)
+    # checkpoint: the backward recomputes each chunk's logits instead of keeping all n of them.
+    step = jax.checkpoint(lambda xs: _head_logprobs(xs[0], xs[1], w, temperature))
+    lp, ent = jax.lax.map(step, (hid, tgt))
+    lp = lp.reshape(-1)[:total].reshape(lead)
+    ent = ent.reshape(-1)[:total].reshape(lead)
+    return lp, ent
+
+
 @overload
 def logprobs(
     params: Params,
@@ -88,7 +127,7 @@ def logprobs(
     `positions_from_valid(attention_context.valid)` for a `DenseContext`, else 0..seq-1.
     temperature: logits are divided by it before the softmax (match the sampler's).
     chunk_size: when set, the vocabulary projection and softmax run over `chunk_size`
-    positions at a time and are recomputed in the backward pass, so the full
+    tokens (of batch x seq) at a time and are recomputed in the backward pass, so the full
     [batch, seq, vocab] float32 logits are never held in memory.
 
     Returns logprobs [batch, seq-1] float32, and with return_entropy=True also the entropy
@@ -113,20 +152,6 @@ def logprobs(
         attention_context=attention_context,
         remat=remat,
     )
-    hidden, targets = hidden[:, :-1], tokens[:, 1:]
     w = lm_head_weight(params, config).astype(hidden.dtype)
-    if chunk_size is None:
-        lp, ent = _head_logprobs(hidden, targets, w, temperature)
-    else:
-        if chunk_size <= 0:
-            raise ValueError(f"chunk_size={chunk_size!r}: must be a positive int or None")
-        b, s, h = hidden.shape
-        n = -(-s // chunk_size)
-        pad = n * chunk_size - s
-        hid = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, h).swapaxes(0, 1)
-        tgt = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
-        step = jax.checkpoint(lambda xs: _head_logprobs(xs[0], xs[1], w, temperature))
-        lp, ent = jax.lax.map(step, (hid, tgt))
-        lp = lp.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :s]
-        ent = ent.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :s]
+    lp, ent = head_logprobs(hidden[:, :-1], tokens[:, 1:], w, temperature=temperature, chunk_size=chunk_size)
     return (lp, ent) if return_entropy else lp

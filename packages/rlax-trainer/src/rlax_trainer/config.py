@@ -93,6 +93,11 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       master weights.
     - `remat`: rematerialisation of each layer; `nothing_saveable` is the "aligned" mode.
     - `temperature`: the sampler's temperature (logprobs of the same distribution).
+    - `logprob_chunk_size`: tokens (of batch x seq) per chunk of the vocabulary projection + softmax,
+      recomputed in the backward pass (never a full [B, S, V] float32 logits tensor).
+      None: dense.
+    - `trim_padding`: run the update at the batch's longest real sequence rounded up to a
+      bucket (`rlax_trainer.padding`), not at the length the batch was padded to.
     """
 
     objective: ObjectiveConfig | None = None
@@ -103,7 +108,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     minibatches: int = 1
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Remat = "none"
-    logprob_chunk_size: int | None = None
+    logprob_chunk_size: int | None = 256
+    trim_padding: bool = True
     temperature: float = 1.0
     optimizer: OptimizerConfig = OptimizerConfig()
 

@@ -20,10 +20,13 @@ import optax
 from jax.sharding import Mesh
 
 import rlax_model
+from rlax_model.logprobs import head_logprobs
 from rlax_trainer.buffer import RolloutBatch
 from rlax_trainer.config import LearnerConfig, make_optimizer
 from rlax_trainer.config import learning_rate_schedule as _lr_schedule
+from rlax_trainer.memory import peak_memory_metrics
 from rlax_trainer.objective import objective_loss, prepare_batch
+from rlax_trainer.padding import trim_to_bucket
 from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
 
 __all__ = ["Learner", "TrainState", "batch_arrays"]
@@ -111,8 +114,10 @@ def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Arra
         policy, tokens, positions, config=mc, attention_context=ctx, remat=remat_mode
     )
     hidden = hidden[:, :-1]
-    logits = rlax_model.project_logits(hidden, policy, mc)
-    lp, ent = rlax_model.token_logprobs_from_logits(logits, tokens[:, 1:], temperature=cfg.temperature)
+    w = rlax_model.lm_head_weight(policy, mc).astype(hidden.dtype)
+    lp, ent = head_logprobs(
+        hidden, tokens[:, 1:], w, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size
+    )
     values = hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"]
     return lp, ent, values
 
@@ -322,6 +327,7 @@ class Learner:
             self._ref_sh = None if ref is None else param_sharding(ref, mesh)
             self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
         self._update_fn = self._compile_update()
+        self.last_seq_len: int | None = None  # padded length the last update ran at
 
     def _compile_update(self):
         spec = _Spec(self.model_config, self.config)
@@ -353,10 +359,38 @@ class Learner:
         ):
             if arrays[name].shape != want:
                 raise ValueError(f"batch field {name} has shape {arrays[name].shape}, expected {want}")
+        if self.config.trim_padding:
+            arrays = trim_to_bucket(arrays)
+        self.last_seq_len = int(arrays["tokens"].shape[1])
         if self.mesh is not None:
             arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
         self.state, metrics = self._update_fn(self.state, self.reference_params, arrays)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        out["seq_len"] = float(self.last_seq_len)
+        out.update(peak_memory_metrics())
+        return out
+
+    def compiled_memory(self, batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, int]:
+        """XLA's memory analysis of the update compiled for this batch's shapes (nothing runs).
+
+        Returns {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"}: temp is
+        the scratch the program needs beyond its inputs and outputs (activations, logits).
+        """
+        arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
+        arrays.setdefault("versions", np.full((arrays["tokens"].shape[0],), -1, np.int32))
+        fn = self._update_fn
+        lowered = (
+            _update_jit.lower(fn.args[0], self.state, self.reference_params, arrays)
+            if isinstance(fn, functools.partial) and fn.func is _update_jit
+            else fn.lower(self.state, self.reference_params, arrays)
+        )
+        m = lowered.compile().memory_analysis()
+        return {
+            "argument_bytes": int(m.argument_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes),
+            "alias_bytes": int(m.alias_size_in_bytes),
+        }
 
     @property
     def step(self) -> int:
