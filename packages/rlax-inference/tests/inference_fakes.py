@@ -35,6 +35,7 @@ class PagedFakeRunner:
         self.num_steps = num_steps
         self.block_size = scheduler.kv.block_size
         self.cache: dict[int, int] = {}
+        self.shared_tokens_read = 0  # prefill tokens found already in blocks shared with a sibling
 
     def _read(self, seq_blocks: list[int], n: int) -> list[int]:
         bs = self.block_size
@@ -62,7 +63,13 @@ class PagedFakeRunner:
                 self._append(seq, next_token(ctx, seq.sample_index))
         for job in out.prefills:
             for i, tok in enumerate(job.tokens):
-                self.cache[job.table.blocks[i // bs] * bs + i % bs] = tok
+                slot = job.table.blocks[i // bs] * bs + i % bs
+                if i < job.num_shared_tokens:
+                    # Shared with a running sibling: already written, and must hold this very token.
+                    assert self.cache[slot] == tok, (slot, self.cache.get(slot), tok)
+                    self.shared_tokens_read += 1
+                    continue
+                self.cache[slot] = tok
             sched.start_running(job)
             for seq in job.seqs:
                 ctx = self._read(seq.table.blocks, len(job.tokens))

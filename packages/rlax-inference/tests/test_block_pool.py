@@ -100,3 +100,20 @@ def test_append_slots_equals_appending_one_slot_at_a_time():
             bulk.free(tb)
             single.free(ts)
         assert bulk.num_free == single.num_free == 400
+
+
+def test_allocate_shares_leading_full_blocks():
+    kv = KVCacheManager(8, 4)
+    sibling = kv.allocate(10)  # blocks 1, 2 (full) and 3 (partial)
+    table = kv.allocate(15, shared=sibling.blocks[:2])  # 15 tokens: 4 blocks, 2 of them shared
+    assert table.blocks == [1, 2, 4, 5] and table.num_tokens == 15
+    assert [kv.pool.refcount(b) for b in range(1, 6)] == [2, 2, 1, 1, 1]
+    assert kv.num_free == 3
+    with pytest.raises(ValueError, match="shared blocks hold more"):
+        kv.allocate(7, shared=sibling.blocks[:2])  # 2 full blocks are 8 tokens
+    with pytest.raises(NoFreeBlocksError):
+        kv.allocate(30, shared=sibling.blocks[:2])  # 8 blocks, 6 new, 3 free
+    assert kv.num_free == 3  # a failed allocation takes no references
+    kv.free(sibling)
+    kv.free(table)
+    assert kv.num_free == 8

@@ -112,6 +112,26 @@ def test_blocks_running_out_preempts_and_still_matches():
     assert engine.num_free_blocks == 96
 
 
+def test_recompute_shares_the_groups_prompt_blocks_and_matches_an_unpreempted_run():
+    """Preempted samples come back on their running siblings' prompt blocks (not rewritten by
+    their prefill) and produce what a pool large enough to never preempt produces."""
+    rng = np.random.default_rng(5)
+    ps = prompts(6, rng, 20, 30)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=7)
+    roomy = make_engine(num_blocks=400)
+    refs = roomy.generate(ps, params)
+    assert roomy.scheduler.num_preemptions == 0
+    engine = make_engine(num_blocks=40)  # 24 samples of up to 54 tokens (7 blocks each) in 40 blocks
+    outs = engine.generate(ps, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_recompute_shared_blocks > 0
+    for out, ref in zip(outs, refs, strict=True):
+        for c, r in zip(out.outputs, ref.outputs, strict=True):
+            assert c.tokens == r.tokens
+            np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-5)
+    assert engine.num_free_blocks == 40
+
+
 def test_bad_requests_get_errors_and_others_are_served():
     engine = make_engine()
     good = [5, 6, 7, 8]

@@ -106,12 +106,17 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, num_tokens: int) -> BlockTable:
-        """A fresh table with room for `num_tokens` tokens (all blocks exclusive)."""
-        need = self.blocks_for(num_tokens)
+    def allocate(self, num_tokens: int, shared: list[int] | tuple[int, ...] = ()) -> BlockTable:
+        """A table with room for `num_tokens` tokens whose first blocks are `shared` (live, full
+        blocks of another table, reference counts + 1) and whose other blocks are fresh."""
+        if len(shared) * self.block_size > num_tokens:
+            raise ValueError(f"{len(shared)} shared blocks hold more than the table's {num_tokens} tokens")
+        need = self.blocks_for(num_tokens) - len(shared)
         if need > self.pool.num_free:
             raise NoFreeBlocksError(f"need {need} blocks for {num_tokens} tokens, {self.pool.num_free} free")
-        return BlockTable([self.pool.allocate() for _ in range(need)], num_tokens)
+        for block in shared:
+            self.pool.incref(block)
+        return BlockTable([*shared, *(self.pool.allocate() for _ in range(need))], num_tokens)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table that shares every block of `table` (reference counts + 1)."""

@@ -51,6 +51,8 @@ class EngineConfig:
       schedules, transfers and checks stop conditions once per call). Outputs are the same
       as with single steps; a sequence that stops inside a call wastes the rest of it, and
       waiting requests join only between calls.
+    watermark: fraction of the KV blocks that admission keeps free beyond what the next
+      decode step needs (`SchedulerConfig.watermark`; `int(watermark * num_blocks)` blocks).
     """
 
     block_size: int = 16
@@ -64,6 +66,7 @@ class EngineConfig:
     attention: AttentionBackend = "auto"
     attention_interpret: bool = False
     num_decode_steps: int = 1
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
@@ -78,7 +81,9 @@ class EngineConfig:
         self.scheduler_config()  # validates the scheduler limits
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, watermark=self.watermark
+        )
 
 
 @dataclass
@@ -322,9 +327,12 @@ class LLMEngine:
 
     # -- internals ------------------------------------------------------------------
     def _slots(self, job: PrefillJob) -> list[int]:
+        """Where the prefill writes each token's K/V; -1 (not written) for tokens whose K/V sit in
+        blocks shared with a running sibling, which reads them."""
         bs = self.config.block_size
         blocks = job.table.blocks  # type: ignore[union-attr]
-        return [blocks[i // bs] * bs + i % bs for i in range(len(job.tokens))]
+        shared = job.num_shared_tokens
+        return [-1] * shared + [blocks[i // bs] * bs + i % bs for i in range(shared, len(job.tokens))]
 
     def _append(self, seqs: list[Seq], res) -> None:  # type: ignore[no-untyped-def]
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()

@@ -7,6 +7,18 @@ tokens, which reproduces the same continuation because sampling keys depend only
 (seed, sample, step)). Then, unless something was preempted, it admits waiting prefill
 jobs in FIFO order while the token budget, the running-sequence cap and the free
 blocks allow. A fresh request is prefilled once and forked into its `n` samples.
+
+Admission reserves more than the prompt: the blocks every running sequence and every
+admitted job needs for its next decode token (for a group of `n` with a partly filled last
+prompt block, the `n - 1` copy-on-write copies of that block; with a full one, `n` new
+blocks), plus a watermark of `int(watermark * num_blocks)` blocks kept free. So a sequence
+admitted in one step is never preempted in the next. When nothing runs, the head of the
+queue is admitted on its prompt blocks alone, so a group too large for the pool still makes
+progress (by preempting its own samples, as before).
+
+A preempted sample that still has a running sibling shares that sibling's full prompt
+blocks again (reference counts + 1) instead of a private copy: its recompute allocates only
+its tail, and its prefill leaves the shared tokens' K/V as they are (`PrefillJob.num_shared_tokens`).
 """
 
 from __future__ import annotations
@@ -26,17 +38,23 @@ class SchedulerConfig:
     max_num_seqs: cap on sequences running (decoding) at once.
     max_num_batched_tokens: token budget of one step (decode tokens + prefill tokens).
     max_model_len: context length; prompt + generated tokens never exceed it.
+    watermark: fraction of the pool's blocks admission keeps free beyond the next step's
+      needs (vLLM's watermark); `int(watermark * num_blocks)` blocks, so 0 for pools under
+      `1 / watermark` blocks.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1024
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.watermark, int | float) or not 0 <= self.watermark < 1:
+            raise ValueError(f"SchedulerConfig.watermark must be a number in [0, 1), got {self.watermark!r}")
         # Without chunked prefill, the longest sequence must fit one step's budget.
         if self.max_num_batched_tokens < max(self.max_model_len, self.max_num_seqs):
             raise ValueError(
@@ -47,12 +65,17 @@ class SchedulerConfig:
 
 @dataclass(eq=False)
 class PrefillJob:
-    """Tokens to prefill once, then fork into `seqs` (n samples, or one preempted sample)."""
+    """Tokens to prefill once, then fork into `seqs` (n samples, or one preempted sample).
+
+    num_shared_tokens: the leading tokens whose K/V already sit in the table's first blocks,
+    shared with a running sibling; the prefill must not write them (other samples read them).
+    """
 
     request: Request
     seqs: list[Sequence]
     tokens: list[int]
     table: BlockTable | None = None
+    num_shared_tokens: int = 0
 
 
 @dataclass
@@ -84,6 +107,11 @@ class Scheduler:
         self.waiting: collections.deque[PrefillJob] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Admissions made on the prompt's blocks alone because nothing ran (see the module docstring).
+        self.num_forced_admissions = 0
+        # Blocks that recomputes of preempted samples shared with a running sibling instead of copying.
+        self.num_recompute_shared_blocks = 0
+        self.watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._next_seq_id = 0
 
     # -- admission ---------------------------------------------------------------
@@ -212,24 +240,77 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _schedule_prefills(self, out: SchedulerOutput, *, admit_new: bool) -> None:
+        kv = self.kv
         budget = self.config.max_num_batched_tokens - len(out.decodes)
         num_running = len(self.running)
+        if not self.waiting:
+            return
+        reserved = self._next_decode_blocks(out)
         while self.waiting:
             job = self.waiting[0]
             if not admit_new and job.seqs[0].num_generated == 0:
                 break
-            need_blocks = self.kv.blocks_for(len(job.tokens))
+            shared = self._live_prompt_blocks(job)
+            alloc = kv.blocks_for(len(job.tokens)) - len(shared)
+            next_step = self._first_decode_blocks(len(job.tokens), len(job.seqs))
+            fits = alloc + next_step + reserved + self.watermark_blocks <= kv.num_free
+            # Liveness: with nothing running or admitted, the head only needs its prompt's blocks.
+            forced = not fits and not self.running and not out.prefills and alloc <= kv.num_free
             if (
                 len(job.tokens) > budget
                 or num_running + len(job.seqs) > self.config.max_num_seqs
-                or need_blocks > self.kv.num_free
+                or not (fits or forced)
             ):
                 break  # strict FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
-            job.table = self.kv.allocate(len(job.tokens))
+            job.table = kv.allocate(len(job.tokens), shared)
+            job.num_shared_tokens = len(shared) * kv.block_size
+            self.num_forced_admissions += int(forced)
+            self.num_recompute_shared_blocks += len(shared)
             budget -= len(job.tokens)
             num_running += len(job.seqs)
+            reserved += next_step
             out.prefills.append(job)
+
+    def _next_decode_blocks(self, out: SchedulerOutput) -> int:
+        """Blocks the next step's decode token of every running sequence will take.
+
+        An upper bound: a shared tail counts once per sharer (its last sharer writes in place),
+        and a sample may stop early on EOS. A sequence whose tokens of this step reach its
+        max_tokens or the context finishes in this step and needs nothing more.
+        """
+        kv, max_len = self.kv, self.config.max_model_len
+        return sum(
+            kv.blocks_needed_to_append(seq.table)  # type: ignore[arg-type]
+            for seq, slots in zip(out.decodes, out.decode_slots, strict=True)
+            if seq.num_generated + len(slots) < seq.request.params.max_tokens
+            and len(seq.tokens) + len(slots) < max_len
+        )
+
+    def _first_decode_blocks(self, num_tokens: int, n: int) -> int:
+        """Blocks the first decode step of a job's `n` samples takes after a prefill of `num_tokens`.
+
+        The samples share every prompt block. A partly filled last block is copied for each
+        sample but the last to write (which then owns it): n - 1 copies. A full last block
+        leaves each sample to start a new one: n blocks.
+        """
+        return n if num_tokens % self.kv.block_size == 0 else n - 1
+
+    def _live_prompt_blocks(self, job: PrefillJob) -> list[int]:
+        """The full prompt blocks a preempted sample can share with a running sibling ([] if none).
+
+        Full prompt blocks are never written after the group's prefill (copy-on-write only ever
+        copies a partly filled last block), so a running sibling's first `prompt_len // block_size`
+        blocks hold exactly the K/V the recompute would produce. Only running siblings count:
+        their K/V are already in the cache, whatever order this step's prefills run in.
+        """
+        if len(job.seqs) != 1 or job.seqs[0].num_generated == 0:
+            return []  # a fresh group: nothing of it is in the cache yet
+        seq = job.seqs[0]
+        for sibling in seq.request.sequences:
+            if sibling is not seq and sibling.status is SequenceStatus.RUNNING and sibling.table is not None:
+                return sibling.table.blocks[: seq.prompt_len // self.kv.block_size]
+        return []
 
     # -- results of a step -------------------------------------------------------
     def start_running(self, job: PrefillJob) -> None:
