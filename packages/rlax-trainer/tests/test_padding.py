@@ -55,7 +55,7 @@ def test_update_runs_at_the_bucket_and_matches_the_padded_update(model_config, m
     batch = pad(make_batch(3, s=12), 64)  # as if collated to max_seq_len=64
     trimmed = Learner(model_config, cfg, model_params)
     m = trimmed.update(batch)
-    assert trimmed.last_seq_len == 16 and m["seq_len"] == 16.0
+    assert trimmed.last_seq_len == 16 and m["trainer_seq_len"] == 16.0
     full = Learner(model_config, LearnerConfig(**{**_fields(cfg), "trim_padding": False}), model_params)
     m_full = full.update(batch)
     assert full.last_seq_len == 64

@@ -366,7 +366,7 @@ class Learner:
             arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
         self.state, metrics = self._update_fn(self.state, self.reference_params, arrays)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        out["seq_len"] = float(self.last_seq_len)
+        out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
         out.update(peak_memory_metrics())
         return out
 
