@@ -114,7 +114,11 @@ class TrainerLoop:
         reference_store = CheckpointManager(
             self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False
         )
+        uses_reference = template.uses_reference
         if restored is None:
+            # The template's float32 params and optimizer state (3x the model) would otherwise
+            # still be alive while the learner below allocates its own: free them first.
+            del template
             params = self.sft_warm_start(init) if config.trainer.sft_steps else init
             self.learner = Learner(self.model_config, self.rl_config, params, seed=config.run.seed)
             if self.learner.uses_reference:
@@ -126,18 +130,19 @@ class TrainerLoop:
         else:
             state, info = restored
             reference = None
-            if template.uses_reference:
+            if uses_reference:
                 found = reference_store.restore(template.state)
                 if found is None:
                     raise RuntimeError(f"{reference_store.directory}: the KL reference weights are missing")
                 reference = found[0].params["policy"]
+                del found
+            del template
             self.learner = Learner(
                 self.model_config, self.rl_config, init, reference_params=reference, seed=config.run.seed
             )
             self.learner.load_state(state)
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
         reference_store.close()
-        del template
         jax.clear_caches()
         self.step = self.learner.step
 
