@@ -93,3 +93,15 @@ def run_to_completion(runner: PagedFakeRunner, max_steps: int = 100_000) -> None
 
 def expected(req: Request, max_len: int) -> list[list[int]]:
     return [reference_completion(req.prompt, i, req.params.max_tokens, max_len) for i in range(req.params.n)]
+
+
+def check_unaborted_outputs(requests: list[Request], max_len: int) -> int:
+    """Assert that every request none of whose samples was aborted generated the reference
+    completions; returns how many were checked."""
+    checked = 0
+    for r in requests:
+        if any(s.finish_reason is FinishReason.ABORT for s in r.sequences):
+            continue
+        assert [s.output_tokens for s in r.sequences] == expected(r, max_len)
+        checked += 1
+    return checked
