@@ -13,6 +13,7 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -204,76 +205,80 @@ def assert_a_fresh_client_is_served(svc: VerifierService) -> None:
     assert result.correct and result.reward == 1.0
 
 
-@pytest.mark.parametrize("protocol", ["bounded", "raising"])
-def test_service_survives_hostile_messages_and_still_answers(monkeypatch, protocol):
-    if protocol == "raising":
-        _simulate_unguarded_decode(monkeypatch)
+@contextmanager
+def running_service() -> Iterator[tuple[VerifierService, threading.Thread]]:
+    """A verifier service serving in a thread of its own; stopped, joined and closed on exit."""
     svc = VerifierService(_routes(), address="tcp://127.0.0.1:*", batch_window_s=0.002, poll_s=0.05)
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(svc.bound_address)
-    codes: Counter[str] = Counter()
-    verdicts: dict[str, bool] = {}
-    expected: dict[str, bool] = {}
-
-    def read_one() -> None:
-        frames = rp.recv_within(sock, timeout_s=10, peer="verifier", operation="fuzz reply")
-        reply = rp.decode(frames[1].buffer)
-        if isinstance(reply, rp.ErrorReply):
-            codes[reply.code] += 1
-        elif isinstance(reply, rp.VerifyResult):
-            codes["result"] += 1
-            if reply.request_id.startswith("ok-"):
-                verdicts[reply.request_id] = reply.correct
-        else:
-            codes[type(reply).__name__] += 1
-
     try:
-        # Unannounced clients are told to say Hello, hostile bytes or not.
-        for parts, _ in hostile(24, seed=1):
-            sock.send_multipart(parts)
-        for _ in range(24):
-            read_one()
-        assert codes["handshake_required"] > 0
-        codes.clear()
-        hello = rp.Hello(protocol_version=rp.PROTOCOL_VERSION, client_id="fuzz", role="test")
-        sock.send_multipart([pack_request_id(0), rp.encode(hello)])
-        read_one()
-        outstanding = 0
-        for parts, correct in hostile(MESSAGES, seed=0):
-            if correct is not None:
-                expected[msgspec.msgpack.decode(parts[1])["request_id"]] = correct
-            sock.send_multipart(parts)
-            outstanding += 1
-            if outstanding == 100:  # keep both queues short: read what was answered
-                for _ in range(outstanding):
-                    read_one()
-                outstanding = 0
-        for _ in range(outstanding):
-            read_one()
-    finally:
-        sock.close(linger=0)
-    try:
-        # Every message got exactly one answer (the Hello's Welcome counted apart).
-        assert sum(codes.values()) == MESSAGES + 1, codes
-        assert {"malformed", "bad_request", "unknown_message", "not_found", "internal"} <= set(codes), codes
-        assert verdicts == expected  # every valid request scored, and scored right
-        assert thread.is_alive()
-        assert_a_fresh_client_is_served(svc)
+        yield svc, thread
     finally:
         svc.stop()
         thread.join(timeout=10)
         svc.close()
 
 
+@pytest.mark.parametrize("protocol", ["bounded", "raising"])
+def test_service_survives_hostile_messages_and_still_answers(monkeypatch, protocol):
+    if protocol == "raising":
+        _simulate_unguarded_decode(monkeypatch)
+    with running_service() as (svc, thread):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(svc.bound_address)
+        codes: Counter[str] = Counter()
+        verdicts: dict[str, bool] = {}
+        expected: dict[str, bool] = {}
+
+        def read_one() -> None:
+            frames = rp.recv_within(sock, timeout_s=10, peer="verifier", operation="fuzz reply")
+            reply = rp.decode(frames[1].buffer)
+            if isinstance(reply, rp.ErrorReply):
+                codes[reply.code] += 1
+            elif isinstance(reply, rp.VerifyResult):
+                codes["result"] += 1
+                if reply.request_id.startswith("ok-"):
+                    verdicts[reply.request_id] = reply.correct
+            else:
+                codes[type(reply).__name__] += 1
+
+        try:
+            # Unannounced clients are told to say Hello, hostile bytes or not.
+            for parts, _ in hostile(24, seed=1):
+                sock.send_multipart(parts)
+            for _ in range(24):
+                read_one()
+            assert codes["handshake_required"] > 0
+            codes.clear()
+            hello = rp.Hello(protocol_version=rp.PROTOCOL_VERSION, client_id="fuzz", role="test")
+            sock.send_multipart([pack_request_id(0), rp.encode(hello)])
+            read_one()
+            outstanding = 0
+            for parts, correct in hostile(MESSAGES, seed=0):
+                if correct is not None:
+                    expected[msgspec.msgpack.decode(parts[1])["request_id"]] = correct
+                sock.send_multipart(parts)
+                outstanding += 1
+                if outstanding == 100:  # keep both queues short: read what was answered
+                    for _ in range(outstanding):
+                        read_one()
+                    outstanding = 0
+            for _ in range(outstanding):
+                read_one()
+        finally:
+            sock.close(linger=0)
+        # Every message got exactly one answer (the Hello's Welcome counted apart).
+        assert sum(codes.values()) == MESSAGES + 1, codes
+        assert {"malformed", "bad_request", "unknown_message", "not_found", "internal"} <= set(codes), codes
+        assert verdicts == expected  # every valid request scored, and scored right
+        assert thread.is_alive()
+        assert_a_fresh_client_is_served(svc)
+
+
 def test_service_survives_the_hostile_requests_every_server_faces():
     """The shared generator (`rlax_protocol.fuzzing`), mutating this service's own requests."""
-    svc = VerifierService(_routes(), address="tcp://127.0.0.1:*", batch_window_s=0.002, poll_s=0.05)
-    thread = threading.Thread(target=svc.serve, daemon=True)
-    thread.start()
-    try:
+    with running_service() as (svc, thread):
         valid = [
             rp.encode(_good("v", True)),
             rp.encode(_countdown("c")),
@@ -283,7 +288,3 @@ def test_service_survives_the_hostile_requests_every_server_faces():
         assert replies == MESSAGES + 1  # each request answered, and the Hello
         assert thread.is_alive()
         assert_a_fresh_client_is_served(svc)
-    finally:
-        svc.stop()
-        thread.join(timeout=10)
-        svc.close()
