@@ -226,7 +226,15 @@ def test_cpu_decode_paths_match_reference(
     )
 
 
-@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def _attend_beside(path):  # type: ignore[no-untyped-def]
+    if path in CPU_PATHS:
+        return jax.jit(CPU_PATHS[path])
+    return lambda *args, **kw: paged_attention(*args, backend=path, interpret=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "path", [*sorted(CPU_PATHS), "pallas_gpu", pytest.param("pallas_tpu", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("layer_axis", [False, True])
 def test_newest_token_beside_the_cache_equals_writing_it_first(path, layer_axis):
     """Attending to (cache + new K/V) equals writing the token with write_kv and attending to the cache."""
@@ -250,7 +258,7 @@ def test_newest_token_beside_the_cache_equals_writing_it_first(path, layer_axis)
         k_pages = jnp.stack([jnp.full_like(case.k_pages, jnp.nan), case.k_pages])
         v_pages = jnp.stack([jnp.full_like(case.v_pages, jnp.nan), case.v_pages])
         layer = jnp.int32(1)
-    out = jax.jit(CPU_PATHS[path])(
+    out = _attend_beside(path)(
         case.q, k_pages, v_pages, cached, case.block_tables, new_k=new_k, new_v=new_v, layer=layer
     )
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
@@ -261,7 +269,7 @@ def test_only_the_new_token_when_nothing_is_cached(path):
     q = jnp.ones((2, 4, 8))
     pages = jnp.full((2, 3, 4, 8), jnp.nan)
     new_v = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8)
-    out = CPU_PATHS[path](
+    out = _attend_beside(path)(
         q,
         pages,
         pages,

@@ -25,43 +25,54 @@ CASES = [
 ]
 
 
-def _lowered(backend: str, platform: str, case, sliding_window: int | None = None) -> str:
+def _lowered(
+    backend: str, platform: str, case, sliding_window: int | None = None, engine_decode: bool = False
+) -> str:
+    """Lower `case`; `engine_decode`: as the engine decodes (5-D cache, traced layer, new K/V)."""
     batch, chunk, group, kv_heads, head_dim, page_size, dtype = case
     max_pages, total_pages = 7, 40
+    layers = (3,) if engine_decode else ()
     ppb, rows = _knobs(
         "test", backend, chunk * group, page_size, head_dim, max_pages, 2, None, jnp.dtype(dtype).itemsize
     )
     shapes = (
         jax.ShapeDtypeStruct((batch, chunk, group * kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((kv_heads, total_pages, page_size, head_dim), dtype),
-        jax.ShapeDtypeStruct((kv_heads, total_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((*layers, kv_heads, total_pages, page_size, head_dim), dtype),
+        jax.ShapeDtypeStruct((*layers, kv_heads, total_pages, page_size, head_dim), dtype),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
         jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
     )
+    extras = {}
+    if engine_decode:
+        new = jax.ShapeDtypeStruct((batch, kv_heads, head_dim), dtype)
+        extras = {"layer": jax.ShapeDtypeStruct((), jnp.int32), "new_k": new, "new_v": new}
     traced = _attention_rows.trace(
         *shapes, backend=backend, scale=0.125, pages_per_block=ppb, block_rows=rows, interpret=False,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, **extras,
     )  # fmt: skip
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-@pytest.mark.parametrize("sliding_window", [None, 20])
+ENGINE_DECODE = [(c, w, True) for c in CASES if c[1] == 1 for w in (None, 20)]
+GRID = [(c, w, False) for c in CASES for w in (None, 20)] + ENGINE_DECODE
+IDS = [f"b{c[0]}-c{c[1]}-g{c[2]}-d{c[4]}-p{c[5]}-w{w}{'-engine' if e else ''}" for c, w, e in GRID]
+
+
 @pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-c{c[1]}-g{c[2]}-d{c[4]}-p{c[5]}")
-def test_tpu_kernel_lowers_to_mosaic(device_kind: str, case, sliding_window) -> None:
+@pytest.mark.parametrize("case,sliding_window,engine_decode", GRID, ids=IDS)
+def test_tpu_kernel_lowers_to_mosaic(device_kind: str, case, sliding_window, engine_decode) -> None:
     # Mosaic lowering asks the current device for its generation; describe a TPU abstractly.
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = _lowered("pallas_tpu", "tpu", case, sliding_window)
+        text = _lowered("pallas_tpu", "tpu", case, sliding_window, engine_decode)
     assert re.findall(r"custom_call @(\S+)\(", text) == ["tpu_custom_call"]
 
 
-@pytest.mark.parametrize("sliding_window", [None, 20])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-c{c[1]}-g{c[2]}-d{c[4]}-p{c[5]}")
-def test_gpu_kernel_lowers_to_triton(case, sliding_window) -> None:
-    text = _lowered("pallas_gpu", "cuda", case, sliding_window)
+@pytest.mark.parametrize("case,sliding_window,engine_decode", GRID, ids=IDS)
+def test_gpu_kernel_lowers_to_triton(case, sliding_window, engine_decode) -> None:
+    text = _lowered("pallas_gpu", "cuda", case, sliding_window, engine_decode)
     assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"]
 
 

@@ -58,7 +58,7 @@ def poison_before_window(case, lengths, window, seen):
 # the engine's CPU/XLA paths run with one (and without, as a kernel). The TPU kernel's
 # interpret mode emulates its DMAs step by step: slow on CPU.
 PATHS = [
-    ("reference", False), ("xla", False), ("xla", True), ("cpu", False), ("cpu", True), ("pallas_gpu", False),
+    ("reference", False), ("xla", False), ("xla", True), ("cpu", False), ("cpu", True), ("pallas_gpu", False), ("pallas_gpu", True),
     pytest.param("pallas_tpu", False, marks=pytest.mark.slow),
 ]  # fmt: skip
 
@@ -83,6 +83,9 @@ def test_decode_sees_only_the_window(window, path, with_new):
     if path == "reference":
         out = paged_attention_reference(case.q, k, v, case.seq_lens, case.block_tables, sliding_window=window)
     elif path.startswith("pallas"):
+        if with_new:  # through a layer axis too, as the engine reads it
+            k, v = jnp.stack([jnp.full_like(k, jnp.nan), k]), jnp.stack([jnp.full_like(v, jnp.nan), v])
+            extras["layer"] = 1
         out = paged_attention(
             case.q,
             k,
@@ -92,6 +95,7 @@ def test_decode_sees_only_the_window(window, path, with_new):
             backend=path,
             interpret=True,
             sliding_window=window,
+            **extras,
         )
     else:
         attend = {"xla": paged_attention_xla, "cpu": paged_attention_cpu}[path]

@@ -36,19 +36,28 @@ def _kernel(
     seq_lens_ref,  # [1] int32
     q_lens_ref,  # [1] int32
     tables_ref,  # [padded_max_pages] int32
+    layer_ref,  # [1] int32
     q_ref,  # [block_rows, head_dim]
-    k_ref,  # [total_pages, page_size, head_dim]
-    v_ref,  # [total_pages, page_size, head_dim]
-    o_ref,  # [block_rows, head_dim]
-    *,
+    k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]: the whole cache
+    v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
+    *refs,  # (new_k_ref, new_v_ref: [1, head_dim], with has_new), o_ref
     group: int,
     scale: float,
     page_size: int,
     pages_per_block: int,
     exact_f32: bool,
     sliding_window: int | None,
+    num_kv_heads: int,
+    total_pages: int,
+    has_new: bool,
 ):
+    if has_new:
+        new_k_ref, new_v_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     rb = pl.program_id(2)
+    # This (layer, KV head)'s pages start here in the flattened cache.
+    base = (layer_ref[0] * num_kv_heads + pl.program_id(1)) * total_pages
     block_rows, head_dim = q_ref.shape
     block_tokens = pages_per_block * page_size
     length = seq_lens_ref[0]
@@ -74,7 +83,7 @@ def _kernel(
         first_page = it * pages_per_block
         page_ids = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
         pages = tables_ref[pl.ds(first_page, pages_per_block)]
-        pages = jnp.where(page_ids < n_pages, pages, 0)
+        pages = base + jnp.where(page_ids < n_pages, pages, 0)
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         k_pos = it * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
@@ -99,7 +108,14 @@ def _kernel(
         jnp.full((block_rows,), -jnp.inf, jnp.float32),
         jnp.zeros((block_rows,), jnp.float32),
     )
-    acc, _, l_sum = lax.fori_loop(jnp.minimum(first_key // block_tokens, n_iters), n_iters, body, init)
+    acc, m, l_sum = lax.fori_loop(jnp.minimum(first_key // block_tokens, n_iters), n_iters, body, init)
+    if has_new:  # the newest token, not in the cache, joins the softmax last
+        s_new = jnp.sum(q.astype(jnp.float32) * new_k_ref[...].astype(jnp.float32), axis=1) * scale
+        m_next = jnp.maximum(m, s_new)  # finite: s_new is
+        alpha = jnp.exp(m - m_next)
+        p_new = jnp.exp(s_new - m_next)
+        l_sum = alpha * l_sum + p_new
+        acc = alpha[:, None] * acc + p_new[:, None] * new_v_ref[...].astype(jnp.float32)
     out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     o_ref[...] = jnp.where((row_tok < q_len)[:, None], out, 0.0).astype(o_ref.dtype)
 
@@ -133,6 +149,9 @@ def paged_attention_rows_gpu(
     num_stages: int = 2,
     interpret: bool = False,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    new_k: jax.Array | None = None,
+    new_v: jax.Array | None = None,
 ) -> jax.Array:
     """Run the Pallas Triton kernel on KV-head-grouped query rows (inputs already validated).
 
@@ -152,12 +171,30 @@ def paged_attention_rows_gpu(
       num_warps, num_stages: Triton launch parameters.
       interpret: run with Pallas' generic interpreter on the CPU.
       sliding_window: when given, a query at position ``p`` sees keys ``p - sliding_window < k <= p``.
+      layer: int32 scalar: ``k_pages``/``v_pages`` carry a leading layer axis
+        (``[num_layers, num_kv_heads, total_pages, page_size, head_dim]``); the kernel gets the
+        whole cache (a free reshape) and addresses this layer's pages itself: nothing is sliced
+        or copied.
+      new_k, new_v: ``[batch, num_kv_heads, head_dim]``, the newest token of each sequence
+        (decode only), not in the cache: ``seq_lens`` counts the cached tokens only (>= 0,
+        ``q_lens`` 1) and the token joins the softmax last; its position is ``seq_lens``, so a
+        window counts it.
 
     Returns:
       ``[batch, num_kv_heads, rows, head_dim]`` in ``q_rows``' dtype; padding rows are zero.
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
-    total_pages, page_size = k_pages.shape[1:3]
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    total_pages, page_size = k_pages.shape[2:4]
+    # One flat page axis over (layer, KV head, page): a reshape, free for a contiguous cache.
+    k_flat = k_pages.reshape(-1, page_size, head_dim)
+    v_flat = v_pages.reshape(-1, page_size, head_dim)
+    has_new = new_k is not None
+    if has_new and sliding_window is not None:
+        # The kernel's query position is seq_lens - 1, one before the new token's: the new
+        # token's window of w (itself included) holds w - 1 cached tokens.
+        sliding_window -= 1
     max_pages = block_tables.shape[1]
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
@@ -169,10 +206,18 @@ def paged_attention_rows_gpu(
         pages_per_block=pages_per_block,
         exact_f32=q_rows.dtype == jnp.float32,
         sliding_window=sliding_window,
+        num_kv_heads=num_kv_heads,
+        total_pages=total_pages,
+        has_new=has_new,
     )
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
-    page_block = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda b, h, r: (h, 0, 0, 0))
+    page_block = pl.BlockSpec(k_flat.shape, lambda b, h, r: (0, 0, 0))
     per_seq = pl.BlockSpec((1,), lambda b, h, r: (b,))
+    new_specs, new_args = [], []
+    if has_new:
+        new_block = pl.BlockSpec((None, None, 1, head_dim), lambda b, h, r: (b, h, 0, 0))
+        new_specs = [new_block, new_block]
+        new_args = [new_k[:, :, None, :], new_v[:, :, None, :]]
     return pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // block_rows),
@@ -180,13 +225,24 @@ def paged_attention_rows_gpu(
             per_seq,
             per_seq,
             pl.BlockSpec((None, padded_pages), lambda b, h, r: (b, 0)),
+            pl.BlockSpec((1,), lambda b, h, r: (0,)),
             row_block,
             page_block,
             page_block,
+            *new_specs,
         ],
         out_specs=row_block,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="rlax_paged_attention_gpu",
-    )(seq_lens.astype(jnp.int32), q_lens.astype(jnp.int32), tables, q_rows, k_pages, v_pages)
+    )(
+        seq_lens.astype(jnp.int32),
+        q_lens.astype(jnp.int32),
+        tables,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        q_rows,
+        k_flat,
+        v_flat,
+        *new_args,
+    )

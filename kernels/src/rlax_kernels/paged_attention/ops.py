@@ -32,6 +32,7 @@ import numpy as np
 from rlax_kernels.paged_attention.cpu import paged_attention_cpu
 from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
 from rlax_kernels.paged_attention.reference import (
+    check_decode_extras,
     check_sliding_window,
     default_scale,
     paged_prefill_attention_reference,
@@ -146,11 +147,13 @@ def _concrete(x: jax.Array) -> np.ndarray | None:
     return np.asarray(x)
 
 
-def _check_length_values(where: str, seq_lens: jax.Array, capacity: int, q_lens: jax.Array | None) -> None:
+def _check_length_values(
+    where: str, seq_lens: jax.Array, capacity: int, q_lens: jax.Array | None, minimum: int = 1
+) -> None:
     lens = _concrete(seq_lens)
-    if lens is not None and lens.size and (lens.min() < 1 or lens.max() > capacity):
+    if lens is not None and lens.size and (lens.min() < minimum or lens.max() > capacity):
         raise ValueError(
-            f"{where}: every sequence length must be in [1, max_pages_per_seq * page_size = {capacity}], "
+            f"{where}: every sequence length must be in [{minimum}, max_pages_per_seq * page_size = {capacity}], "
             f"got {lens.tolist()}"
         )
     if q_lens is None:
@@ -238,10 +241,18 @@ def _attention_rows(
     block_rows: int,
     interpret: bool,
     sliding_window: int | None = None,
+    layer: jax.Array | None = None,
+    new_k: jax.Array | None = None,
+    new_v: jax.Array | None = None,
 ) -> jax.Array:
-    """q: [batch, chunk, num_heads, head_dim] -> [batch, chunk, num_heads, head_dim] via a kernel."""
+    """q: [batch, chunk, num_heads, head_dim] -> [batch, chunk, num_heads, head_dim] via a kernel.
+
+    With ``layer``, the pages carry a leading layer axis that the kernel indexes itself; with
+    ``new_k``/``new_v`` (decode, chunk 1), ``seq_lens`` counts cached tokens and the newest
+    token joins the softmax beside them.
+    """
     batch, chunk, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = k_pages.shape[-4]
     group = num_heads // num_kv_heads
     rows = chunk * group
     q_rows = q.reshape(batch, chunk, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -262,6 +273,9 @@ def _attention_rows(
         block_rows=block_rows,
         interpret=interpret,
         sliding_window=sliding_window,
+        layer=layer,
+        new_k=new_k,
+        new_v=new_v,
     )
     out = out[:, :, :rows].reshape(batch, num_kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, chunk, num_heads, head_dim)
@@ -298,15 +312,20 @@ def paged_attention(
     block_rows: int | None = None,
     interpret: bool = False,
     sliding_window: int | None = None,
+    new_k: jax.Array | None = None,
+    new_v: jax.Array | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Decode attention (one query token per sequence) over a paged KV cache, grouped-query heads.
 
     Args:
       q: ``[batch, num_heads, head_dim]``, the query of each sequence's newest token.
-      k_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
-      v_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``.
+      k_pages: ``[num_kv_heads, total_pages, page_size, head_dim]``, or
+        ``[num_layers, num_kv_heads, total_pages, page_size, head_dim]`` with ``layer`` given.
+      v_pages: like ``k_pages``.
       lengths: ``[batch] int32``, tokens in the cache per sequence (>= 1), including the
-        newest token, whose K/V must already be written (``write_kv``).
+        newest token, whose K/V must already be written (``write_kv``); without that token
+        (>= 0) when ``new_k``/``new_v`` are given.
       block_tables: ``[batch, max_pages_per_seq] int32``; entries past a sequence's last page
         are never read.
       scale: softmax temperature; ``1 / sqrt(head_dim)`` when None.
@@ -317,6 +336,12 @@ def paged_attention(
       interpret: run the named Pallas kernel in interpret mode (CPU).
       sliding_window: when given, each query sees only its last ``sliding_window`` tokens
         (itself included), on every backend (``ModelConfig.sliding_window``).
+      new_k, new_v: ``[batch, num_kv_heads, head_dim]``, the newest token's K/V, not in the
+        cache: it joins the softmax directly, and the caller writes it afterwards (the engine
+        writes every layer's at once, outside its layer scan).
+      layer: int32 scalar (traced is fine) choosing the layer of a 5-D cache; every backend
+        reads that layer's pages in place (the Pallas kernels address them themselves), so
+        a layer is never sliced out, which would copy it.
 
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype; accumulation in float32.
@@ -326,16 +351,29 @@ def paged_attention(
         backend that cannot run here; lengths out of range when they are concrete.
     """
     where = "paged_attention"
-    report = _shape_report(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, block_tables=block_tables)
+    extras = {"new_k": new_k, "new_v": new_v} if new_k is not None and new_v is not None else {}
+    report = _shape_report(
+        q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, block_tables=block_tables, **extras
+    )
     if q.ndim != 3:
         raise ValueError(f"{where}: q must be [batch, num_heads, head_dim] (got {report})")
     batch, num_heads, head_dim = q.shape
-    _check_cache_and_tables(
-        where, num_heads, head_dim, q.dtype, k_pages, v_pages, batch, block_tables, report
-    )
+    # A 5-D cache (with `layer`) is checked as one layer of it.
+    per_layer = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) if p.ndim == 5 else p for p in (k_pages, v_pages)]
+    _check_cache_and_tables(where, num_heads, head_dim, q.dtype, *per_layer, batch, block_tables, report)
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{where}: v_pages must have the shape of k_pages (got {report})")
+    check_decode_extras(where, k_pages, layer, new_k, new_v)
     _check_lengths(where, "lengths", lengths, batch, report)
-    page_size, max_pages = k_pages.shape[2], block_tables.shape[1]
-    _check_length_values(where, lengths, max_pages * page_size, None)
+    num_kv_heads, page_size, max_pages = k_pages.shape[-4], k_pages.shape[-2], block_tables.shape[1]
+    if extras and any(
+        x.shape != (batch, num_kv_heads, head_dim) or x.dtype != q.dtype for x in extras.values()
+    ):
+        raise ValueError(
+            f"{where}: new_k and new_v must be [batch={batch}, num_kv_heads={num_kv_heads}, "
+            f"head_dim={head_dim}] in q's dtype (got {report})"
+        )
+    _check_length_values(where, lengths, max_pages * page_size, None, minimum=0 if extras else 1)
     check_sliding_window(where, sliding_window)
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
@@ -345,8 +383,11 @@ def paged_attention(
         chosen = "xla"
     if chosen in ("xla", "cpu"):
         run = _paged_attention_xla if chosen == "xla" else _paged_attention_cpu
-        return run(q, k_pages, v_pages, lengths, block_tables, scale=scale, sliding_window=sliding_window)
-    group = num_heads // k_pages.shape[0]
+        return run(
+            q, k_pages, v_pages, lengths, block_tables, scale=scale, sliding_window=sliding_window,
+            new_k=new_k, new_v=new_v, layer=layer,
+        )  # fmt: skip
+    group = num_heads // num_kv_heads
     ppb, br = _knobs(
         where,
         chosen,
@@ -371,6 +412,9 @@ def paged_attention(
         block_rows=br,
         interpret=interpret,
         sliding_window=sliding_window,
+        layer=None if layer is None else jnp.asarray(layer, jnp.int32),
+        new_k=new_k,
+        new_v=new_v,
     )
     return _settle(out[:, 0], chosen, interpret)
 

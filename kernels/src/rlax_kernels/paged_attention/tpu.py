@@ -40,25 +40,32 @@ def _kernel(
     seq_lens_ref,  # SMEM [batch] int32
     q_lens_ref,  # SMEM [batch] int32
     tables_ref,  # SMEM [batch * max_pages] int32
+    layer_ref,  # SMEM [1] int32, the layer of the cache to read
     q_ref,  # VMEM [block_rows, head_dim]
-    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
-    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
-    o_ref,  # VMEM [block_rows, head_dim]
-    k_buf,  # VMEM [2, block_tokens, head_dim]
-    v_buf,  # VMEM [2, block_tokens, head_dim]
-    k_sem,  # DMA semaphores [2]
-    v_sem,  # DMA semaphores [2]
-    m_ref,  # VMEM [block_rows, 1] float32, running max
-    l_ref,  # VMEM [block_rows, 1] float32, running sum
-    acc_ref,  # VMEM [block_rows, head_dim] float32
-    *,
+    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
+    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
+    *refs,  # (new_k_ref, new_v_ref: VMEM [1, head_dim], with has_new), o_ref, scratch...
     group: int,
     scale: float,
     page_size: int,
     pages_per_block: int,
     max_pages: int,
     sliding_window: int | None,
+    has_new: bool,
 ):
+    if has_new:
+        new_k_ref, new_v_ref, *refs = refs
+    (
+        o_ref,  # VMEM [block_rows, head_dim]
+        k_buf,  # VMEM [2, block_tokens, head_dim]
+        v_buf,  # VMEM [2, block_tokens, head_dim]
+        k_sem,  # DMA semaphores [2]
+        v_sem,  # DMA semaphores [2]
+        m_ref,  # VMEM [block_rows, 1] float32, running max
+        l_ref,  # VMEM [block_rows, 1] float32, running sum
+        acc_ref,  # VMEM [block_rows, head_dim] float32
+    ) = refs
+    layer = layer_ref[0]
     b = pl.program_id(0)
     h = pl.program_id(1)
     rb = pl.program_id(2)
@@ -88,8 +95,12 @@ def _kernel(
             page_in_seq = jnp.minimum(block * pages_per_block + j, last_page)
             page = tables_ref[b * max_pages + page_in_seq]
             rows = pl.ds(j * page_size, page_size)
-            copies.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, rows], k_sem.at[slot]))
-            copies.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, rows], v_sem.at[slot]))
+            copies.append(
+                pltpu.make_async_copy(k_hbm.at[layer, h, page], k_buf.at[slot, rows], k_sem.at[slot])
+            )
+            copies.append(
+                pltpu.make_async_copy(v_hbm.at[layer, h, page], v_buf.at[slot, rows], v_sem.at[slot])
+            )
         return copies
 
     @pl.when(i == 0)
@@ -147,8 +158,17 @@ def _kernel(
     @pl.when(i == pl.num_programs(3) - 1)
     def _finish():
         row_tok = (rb * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)) // group
-        l_sum = l_ref[...]
-        out = acc_ref[...] / jnp.where(l_sum == 0.0, 1.0, l_sum)
+        l_sum, acc = l_ref[...], acc_ref[...]
+        if has_new:  # the newest token, not in the cache, joins the softmax last
+            q = q_ref[...].astype(jnp.float32)
+            s_new = jnp.sum(q * new_k_ref[...].astype(jnp.float32), axis=1, keepdims=True) * scale
+            m_prev = m_ref[...]
+            m_next = jnp.maximum(m_prev, s_new)  # finite: s_new is
+            alpha = jnp.exp(m_prev - m_next)
+            p_new = jnp.exp(s_new - m_next)
+            l_sum = alpha * l_sum + p_new
+            acc = alpha * acc + p_new * new_v_ref[...].astype(jnp.float32)
+        out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)
         o_ref[...] = jnp.where(row_tok < q_len, out, 0.0).astype(o_ref.dtype)
 
 
@@ -170,6 +190,9 @@ def paged_attention_rows_tpu(
     block_rows: int,
     interpret: bool | pltpu.InterpretParams = False,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    new_k: jax.Array | None = None,
+    new_v: jax.Array | None = None,
 ) -> jax.Array:
     """Run the Pallas TPU kernel on KV-head-grouped query rows (inputs already validated).
 
@@ -188,21 +211,45 @@ def paged_attention_rows_tpu(
         ``pltpu.InterpretParams``, an instance chooses them (e.g. ``detect_races=True``).
       sliding_window: when given, a query at position ``p`` sees keys ``p - sliding_window < k <= p``
         (the blocks before a row block's first visible key are not fetched).
+      layer: int32 scalar: ``k_pages``/``v_pages`` carry a leading layer axis
+        (``[num_layers, num_kv_heads, total_pages, page_size, head_dim]``) and the kernel's
+        DMAs read this layer's pages in place (scalar-prefetched; nothing is sliced or copied).
+      new_k, new_v: ``[batch, num_kv_heads, head_dim]``, the newest token of each sequence
+        (decode only, ``rows == block_rows``), not in the cache: ``seq_lens`` then counts the
+        cached tokens only (>= 0, ``q_lens`` 1) and the token joins the softmax last; its
+        position is ``seq_lens``, so a window counts it.
 
     Returns:
       ``[batch, num_kv_heads, rows, head_dim]`` in ``q_rows``' dtype; padding rows are zero.
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
-    page_size = k_pages.shape[2]
+    if layer is None:  # a free reshape: one layer
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    page_size = k_pages.shape[3]
     max_pages = block_tables.shape[1]
     kv_blocks = pl.cdiv(max_pages, pages_per_block)
     block_tokens = pages_per_block * page_size
+    has_new = new_k is not None
+    if has_new and sliding_window is not None:
+        # The kernel's query position is seq_lens - 1, one before the new token's: the new
+        # token's window of w (itself included) holds w - 1 cached tokens.
+        sliding_window -= 1
 
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r, i, *_: (b, h, r, 0))
+    new_specs, new_args = [], []
+    if has_new:
+        new_block = pl.BlockSpec((None, None, 1, head_dim), lambda b, h, r, i, *_: (b, h, 0, 0))
+        new_specs = [new_block, new_block]
+        new_args = [new_k[:, :, None, :], new_v[:, :, None, :]]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(batch, num_kv_heads, rows // block_rows, kv_blocks),
-        in_specs=[row_block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[
+            row_block,
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+            *new_specs,
+        ],
         out_specs=row_block,
         scratch_shapes=[
             pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
@@ -222,6 +269,7 @@ def paged_attention_rows_tpu(
         pages_per_block=pages_per_block,
         max_pages=max_pages,
         sliding_window=sliding_window,
+        has_new=has_new,
     )
     return pl.pallas_call(
         kernel,
@@ -238,7 +286,9 @@ def paged_attention_rows_tpu(
         seq_lens.astype(jnp.int32),
         q_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),
+        jnp.asarray(layer, jnp.int32).reshape(1),
         q_rows,
         k_pages,
         v_pages,
+        *new_args,
     )

@@ -3,7 +3,7 @@
 The cache is `{"k": ..., "v": ...}`, each `[num_layers, num_kv_heads, num_pages, page_size,
 head_dim]`: per layer, the layout of `rlax_kernels`
 (`[num_kv_heads, total_pages, page_size, head_dim]`). K/V are written with
-`rlax_kernels.write_kv` (padding rows carry slot -1 and are skipped) and decode attention is
+one scatter after the layer scan (padding rows carry slot -1 and are skipped) and decode attention is
 `rlax_kernels.paged_attention` on TPU/GPU (Pallas) and the native `rlax_kernels.paged_attention_cpu`
 on CPU (`attention="xla"` runs `rlax_kernels.paged_attention_xla` instead; see below). Page 0
 is never handed out by the block pool: padded decode rows point their block table at it.
@@ -13,14 +13,16 @@ is compiled per (row bucket, block-table width bucket, steps per call: 1 or the 
 `num_decode_steps`), prefill per (prompt-row bucket, length bucket, sample-row bucket). Each jitted function counts its traces in
 `ModelRunner.num_compilations`.
 
-The cache never travels through the model's layer scan on the CPU/XLA paths: each layer's
-attention hands its new K/V out of the scan and one scatter writes all layers into the
-donated cache afterwards (threading the cache through the scan copies all of it every step
-on CPU). Prefill starts every sequence from an empty cache (prefix sharing happens by forking
+The cache never travels through the model's layer scan, on any backend: each layer's
+attention reads the whole (read-only) cache in place through its layer index and block
+tables, adds the current token to the softmax itself, and hands the token's new K/V out of
+the scan; one scatter writes all layers into the donated cache afterwards (threading the
+cache through the scan copies all of it every step). The Pallas kernels take the 5-D cache
+and a traced layer index (scalar-prefetched on TPU, an address offset on GPU); on XLA:CPU in
+interpret mode their decode step compiles to 0.18 MiB of temporaries for an 8 MiB cache
+(it was 12-17 MiB, 1.5-2.1x the cache, when the layer's pages went through the scan).
+Prefill starts every sequence from an empty cache (prefix sharing happens by forking
 block tables after the prefill), so it is dense causal attention over the padded prompt rows.
-Decode on these paths reads the cached tokens in place through the block tables and adds
-the current token to the softmax itself; with a Pallas backend the layer's pages go through the scan,
-`rlax_kernels.write_kv` writes the token and `rlax_kernels.paged_attention` attends.
 
 A model with `ModelConfig.sliding_window` (Mistral-style) sees only that many tokens in
 prefill (the causal mask) and in decode, on every backend (the decode paths skip the
@@ -50,8 +52,8 @@ from rlax_model import (
 )
 
 AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
-# Backends whose decode attention reads the cache in place beside the newest token (fused path).
-_FUSED_DECODE = {"cpu": rlax_kernels.paged_attention_cpu, "xla": rlax_kernels.paged_attention_xla}
+# Backends that keep a float32 cache (see `ModelRunner.cache_dtype`).
+_FLOAT32_CACHE = ("cpu", "xla")
 KVCache = dict[str, jax.Array]
 
 
@@ -68,12 +70,6 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
 class _PrefillContext(NamedTuple):
     valid: jax.Array  # [batch, seq] bool
     sliding_window: int | None  # ModelConfig.sliding_window (static)
-
-
-class _DecodeContext(NamedTuple):
-    slots: jax.Array  # [batch] int32
-    lengths: jax.Array  # [batch] int32, tokens in the cache including this one
-    block_tables: jax.Array  # [batch, width] int32
 
 
 class _FusedDecodeContext(NamedTuple):
@@ -106,15 +102,26 @@ def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ign
     return dense_attention_reference(q, k, v, mask), {"k": k, "v": v}
 
 
+def _decode_attend(backend: str, interpret: bool) -> Callable[..., jax.Array]:
+    """The decode attention of `backend`: `paged_attention_cpu`/`_xla` or the Pallas kernel of
+    `rlax_kernels.paged_attention`; each takes the 5-D cache, a layer index and the new K/V."""
+    if backend == "cpu":
+        return rlax_kernels.paged_attention_cpu
+    if backend == "xla":
+        return rlax_kernels.paged_attention_xla
+    return functools.partial(rlax_kernels.paged_attention, backend=backend, interpret=interpret)
+
+
 def _make_fused_decode_attention(
     attend: Callable[..., jax.Array], sliding_window: int | None
 ) -> Callable[..., Any]:
-    """CPU/XLA decode attention: cached tokens (read in place through the block tables) plus the current token.
+    """Decode attention: cached tokens (read in place through the block tables) plus the current token.
 
-    The current token's K/V join the softmax directly (`attend` is
-    `rlax_kernels.paged_attention_cpu` or `paged_attention_xla`) and leave as this layer's
-    output, to be written into the cache once after the layer scan. Threading the cache
-    through the scan instead would copy all of it every step on CPU.
+    The current token's K/V join the softmax directly (`attend` is `_decode_attend`'s: the
+    CPU/XLA paths or a Pallas kernel, which reads layer `layer` of the 5-D cache through a
+    scalar-prefetched index) and leave as this layer's output, to be written into the cache
+    once after the layer scan. Threading the cache through the scan instead would copy all
+    of it every step (measured: 1.5-2.1x the cache in temporaries with the Pallas kernels).
     """
 
     def attention(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
@@ -131,33 +138,6 @@ def _make_fused_decode_attention(
             sliding_window=sliding_window,
         )
         return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
-
-    return attention
-
-
-def _write(layer_cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
-    new_k, new_v = rlax_kernels.write_kv(layer_cache["k"], layer_cache["v"], k, v, slots)
-    return {"k": new_k, "v": new_v}
-
-
-def _make_kernel_decode_attention(
-    backend: AttentionBackend, interpret: bool, sliding_window: int | None
-) -> Callable[..., Any]:
-    """Decode attention by `rlax_kernels.paged_attention` (Pallas): the layer's pages go through the scan."""
-
-    def attention(q, k, v, layer_cache, ctx: _DecodeContext):  # type: ignore[no-untyped-def]
-        new_cache = _write(layer_cache, k[:, 0], v[:, 0], ctx.slots)
-        out = rlax_kernels.paged_attention(
-            q[:, 0],
-            new_cache["k"],
-            new_cache["v"],
-            ctx.lengths,
-            ctx.block_tables,
-            backend=backend,
-            interpret=interpret,
-            sliding_window=sliding_window,
-        )
-        return out[:, None], new_cache
 
     return attention
 
@@ -221,27 +201,16 @@ def _decode_one(
 ):  # type: ignore[no-untyped-def]
     """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
-    if attention in _FUSED_DECODE:
-        hidden, new = hidden_states(
-            params,
-            tokens[:, None],
-            positions,
-            config=config,
-            attention=_make_fused_decode_attention(_FUSED_DECODE[attention], config.sliding_window),
-            attention_context=_FusedDecodeContext(cache, lengths, block_tables),
-            kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
-        )
-        cache = _write_all_layers(cache, new["k"], new["v"], slots)
-    else:
-        hidden, cache = hidden_states(
-            params,
-            tokens[:, None],
-            positions,
-            config=config,
-            attention=_make_kernel_decode_attention(attention, interpret, config.sliding_window),
-            attention_context=_DecodeContext(slots, lengths, block_tables),
-            kv_cache=cache,
-        )
+    hidden, new = hidden_states(
+        params,
+        tokens[:, None],
+        positions,
+        config=config,
+        attention=_make_fused_decode_attention(_decode_attend(attention, interpret), config.sliding_window),
+        attention_context=_FusedDecodeContext(cache, lengths, block_tables),
+        kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
+    )
+    cache = _write_all_layers(cache, new["k"], new["v"], slots)
     logits = project_logits(hidden[:, 0], params, config)
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
 
@@ -353,7 +322,7 @@ class ModelRunner:
         than 32-bit ones; a float32 cache holds bfloat16 K/V exactly (the attention math is
         float32 either way), at twice the memory.
         """
-        return jnp.dtype(jnp.float32 if self.attention in _FUSED_DECODE else self.config.compute_jnp_dtype)
+        return jnp.dtype(jnp.float32 if self.attention in _FLOAT32_CACHE else self.config.compute_jnp_dtype)
 
     @property
     def num_compilations(self) -> collections.Counter[str]:
