@@ -40,15 +40,19 @@ log = logging.getLogger("rlax.trainer")
 
 def learner_config(config: RunConfig, *, mode: str) -> Any:
     """`rlax_trainer.LearnerConfig` for RL (the preset plus overrides) or the SFT warm start."""
+    from rlax_model import resolve_dtypes
     from rlax_trainer import learner_config_from_dict
 
     t = config.trainer
+    # The forward pass's dtype after rlax_model's dtype policy (float32 for bfloat16 on a CPU),
+    # the same rule the workers apply, so trainer and engine compute alike.
+    param_dtype = resolve_dtypes(config.model.param_dtype)[0]
     if mode == "sft":
         data: dict[str, Any] = {
             "mode": "sft",
             "group_size": 1,
             "global_batch": t.sft_batch,
-            "param_dtype": config.model.param_dtype,
+            "param_dtype": param_dtype,
             "optimizer": {"lr": t.sft_lr, "max_grad_norm": t.max_grad_norm},
         }
     else:
@@ -59,7 +63,7 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "global_batch": config.batch_size,
             "micro_batch": t.micro_batch,
             "minibatches": t.minibatches,
-            "param_dtype": config.model.param_dtype,
+            "param_dtype": param_dtype,
             "remat": t.remat,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
             "optimizer": {
@@ -91,6 +95,7 @@ class TrainerLoop:
 
         from rlax_controller.models import initial_params
         from rlax_controller.tasks import build_task
+        from rlax_model import dtype_policy
         from rlax_paramserver import ParamClient
         from rlax_trainer import Learner
         from rlax_trainer.checkpoint import CheckpointManager
@@ -100,7 +105,8 @@ class TrainerLoop:
         self.task = build_task(config)
         self.pad_id = int(self.task.tokenizer.pad_id)
         self.seq_len = config.model.max_seq_len
-        self.model_config, init = initial_params(config, self.task.tokenizer)
+        model_config, init = initial_params(config, self.task.tokenizer)
+        self.model_config = dtype_policy(model_config)  # the workers apply the same policy
         self.rl_config = learner_config(config, mode="rl")
         self.checkpoints = CheckpointManager(
             self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True

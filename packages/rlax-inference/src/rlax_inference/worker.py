@@ -37,7 +37,7 @@ import zmq
 import rlax_protocol as rp
 from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput, SwapPolicy
 from rlax_inference.sequence import FinishReason, SamplingParams
-from rlax_model import ModelConfig, Params
+from rlax_model import ModelConfig, Params, dtype_policy
 from rlax_paramserver import ParamClient
 
 log = logging.getLogger("rlax_inference.worker")
@@ -125,9 +125,10 @@ def to_result(request_id: str, out: RequestOutput, *, with_logprobs: bool) -> rp
     )
 
 
-def params_from_tree(tree: dict[str, Any]) -> Params:
-    """Pulled numpy tree -> device arrays (copies: pulled arrays are read-only views of frames)."""
-    return jax.tree_util.tree_map(lambda a: jax.device_put(np.array(a)), tree)
+def params_from_tree(tree: dict[str, Any], dtype: Any = None) -> Params:
+    """Pulled numpy tree -> device arrays (copies: pulled arrays are read-only views of frames),
+    cast to `dtype` when given (the model config's `param_jnp_dtype` after `dtype_policy`)."""
+    return jax.tree_util.tree_map(lambda a: jax.device_put(np.array(a, dtype=dtype)), tree)
 
 
 @dataclass
@@ -182,9 +183,9 @@ class Worker:
         finally:
             client.close()
         try:
-            model_config = self.model_config or _model_config_from(pulled.metadata)
+            model_config = dtype_policy(self.model_config or _model_config_from(pulled.metadata))
             self.engine = LLMEngine(
-                model_config, params_from_tree(pulled.tree), self.engine_config,
+                model_config, params_from_tree(pulled.tree, model_config.param_jnp_dtype), self.engine_config,
                 weight_version=pulled.version, detokenize=self.detokenize,
             )  # fmt: skip
         except ValueError as e:  # e.g. max_model_len beyond the model's positions: a restart cannot help
@@ -352,7 +353,7 @@ class Worker:
                 pulled = client.pull(if_newer_than=self._version_seen)
                 if pulled is None:
                     continue
-                params = params_from_tree(pulled.tree)
+                params = params_from_tree(pulled.tree, self.model_config.param_jnp_dtype)
                 while not self._stop.is_set():
                     try:
                         self._weights.put((params, pulled.version), timeout=0.1)

@@ -24,6 +24,7 @@ from rlax_model.config import (
     ModelConfig,
     RopeScaling,
 )
+from rlax_model.dtype_policy import BF16_ON_CPU_ENV, dtype_policy, resolve_dtypes
 from rlax_model.gguf_import import GGUFError, GGUFFile, find_smollm2_gguf, gguf_config, load_gguf
 from rlax_model.logprobs import logprobs, token_logprobs_from_logits
 from rlax_model.tokenizer import CharTokenizer, Tokenizer, TokenizerError, TokenizerLike
@@ -39,6 +40,7 @@ from rlax_model.transformer import (
 )
 
 __all__ = [
+    "BF16_ON_CPU_ENV",
     "AttentionFn",
     "CharTokenizer",
     "ChatTemplate",
@@ -62,6 +64,7 @@ __all__ = [
     "config_to_hf",
     "dense_attention_reference",
     "dense_causal_attention",
+    "dtype_policy",
     "find_smollm2_gguf",
     "forward",
     "gguf_config",
@@ -75,6 +78,7 @@ __all__ = [
     "param_shapes",
     "positions_from_valid",
     "project_logits",
+    "resolve_dtypes",
     "save_hf_checkpoint",
     "token_logprobs_from_logits",
 ]

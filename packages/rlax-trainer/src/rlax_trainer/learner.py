@@ -88,7 +88,8 @@ class _Spec:
 
 # ------------------------------------------------------------------ model passes
 def _dtype(cfg: LearnerConfig) -> jnp.dtype:
-    return jnp.bfloat16 if cfg.param_dtype == "bfloat16" else jnp.float32
+    """The forward pass's parameter dtype after `rlax_model.dtype_policy` (float32 for bfloat16 on a CPU)."""
+    return jnp.bfloat16 if rlax_model.resolve_dtypes(cfg.param_dtype)[0] == "bfloat16" else jnp.float32
 
 
 def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array, *, remat: bool = True):
@@ -282,7 +283,8 @@ class Learner:
         mesh: Mesh | None = None,
         seed: int = 0,
     ) -> None:
-        self.model_config = model_config
+        # The same dtype policy as the inference engine's (a float32 copy for bfloat16 on a CPU).
+        self.model_config = rlax_model.dtype_policy(model_config)
         self.config = config
         self.mesh = mesh
         self.optimizer = make_optimizer(config.optimizer)
