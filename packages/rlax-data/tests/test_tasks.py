@@ -66,3 +66,38 @@ def test_bad_task_config_names_field():
         CountdownTask(ops="+^")
     with pytest.raises(ValueError, match="difficulty"):
         make_task("sorting", "legendary")
+
+
+def test_arithmetic_sentence_style_poses_the_bare_problems_and_checks_format_and_value():
+    bare = ArithmeticTask(digits=1).generate(100, seed=4)
+    task = ArithmeticTask(digits=1, style="sentence")
+    recs = task.generate(100, seed=4)
+    assert recs == task.generate(100, seed=4) and task.generate(10, seed=4) == recs[:10]
+    alphabet = set(task.format.alphabet)
+    for b, r in zip(bare, recs, strict=True):
+        a, c = b.prompt.rstrip("=").split("+")
+        assert r.prompt == f'What is {a} + {c}? Start your reply with "The answer is".'
+        assert r.answer == f"The answer is {b.answer}." and r.metadata["value"] == int(b.answer)
+        assert set(r.prompt) <= alphabet and set(r.answer) <= alphabet
+    assert len({r.id for r in recs}) == 100 and not {r.id for r in recs} & {b.id for b in bare}
+    r = recs[0]
+    value = r.metadata["value"]
+    replies = [
+        f"The answer is {value}.",  # the reference
+        f"the answer is {value}\nBecause I added them.",  # only the first line counts
+        f"{value}",  # right value, wrong format
+        f"The answer is {value + 1}.",  # right format, wrong value
+        f"The answer is {value}. I added them.",  # more on the first line
+    ]
+    got = [x.correct for x in task.verifier().verify([(reply, r) for reply in replies])]
+    assert got == [True, True, False, False, False]
+    with pytest.raises(ValueError, match="field `style`"):
+        ArithmeticTask(style="prose")  # type: ignore[arg-type]
+
+
+def test_arithmetic_sentence_style_spaces_every_operator():
+    for r in ArithmeticTask(digits=2, operands=3, ops="+-*", style="sentence").generate(50, seed=1):
+        expression = r.prompt.removeprefix("What is ").split("?")[0]
+        value, _ = evaluate_countdown(expression.replace(" ", ""))
+        assert value == r.metadata["value"] and "  " not in expression
+        assert all(f" {op} " in expression for op in "+-*" if op in expression)

@@ -1,9 +1,10 @@
-"""Multi-digit arithmetic: "12+7=" -> "19"."""
+"""Multi-digit arithmetic: "12+7=" -> "19", or as a question answered in one sentence."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from rlax_data.datasets import Record
 from rlax_data.tasks.base import TaskFormat, check_count, record_rng
@@ -17,6 +18,10 @@ _PRESETS = {
     "hard": dict(digits=4, operands=3, ops="+-*"),
 }
 
+# The "sentence" style: a chat model's question, and the one-line reply the verifier wants.
+_QUESTION = 'What is {expression}? Start your reply with "The answer is".'
+_REPLY = "The answer is {value}."
+
 
 @dataclass(frozen=True)
 class ArithmeticTask:
@@ -25,6 +30,12 @@ class ArithmeticTask:
     Results are never negative (`allow_negative=False` reorders operands of a
     subtraction), so answers are plain digit strings. Evaluation is left to right with
     the usual precedence of * over + and -.
+
+    style: "bare" writes "12+7=" -> "19" (for a character-level model); "sentence" asks a
+    chat model 'What is 12 + 7? Start your reply with "The answer is".' and the answer is
+    "The answer is 19." — the exact-match verifier checks the first line of the reply, so
+    the reward needs both the format and the value (the value is in `metadata`). Both
+    styles draw the same numbers for the same (config, seed, index).
     """
 
     digits: int = 2
@@ -32,6 +43,7 @@ class ArithmeticTask:
     ops: str = "+"
     allow_negative: bool = False
     name: str = "arithmetic"
+    style: Literal["bare", "sentence"] = "bare"
 
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 18:
@@ -40,6 +52,8 @@ class ArithmeticTask:
             raise ValueError(f"field `operands`: must be in [2, 8], got {self.operands}")
         if not self.ops or set(self.ops) - set("+-*"):
             raise ValueError(f"field `ops`: must be a non-empty subset of '+-*', got {self.ops!r}")
+        if self.style not in ("bare", "sentence"):
+            raise ValueError(f"field `style`: must be 'bare' or 'sentence', got {self.style!r}")
 
     @classmethod
     def preset(cls, difficulty: str) -> ArithmeticTask:
@@ -49,12 +63,15 @@ class ArithmeticTask:
 
     @property
     def format(self) -> TaskFormat:
-        return TaskFormat(
-            "{expression}=", "{answer}", "0123456789" + self.ops + "=" + ("-" if self.allow_negative else "")
-        )
+        signs = self.ops + ("-" if self.allow_negative else "")
+        if self.style == "sentence":
+            fixed = _QUESTION.replace("{expression}", "") + _REPLY.replace("{value}", "")
+            return TaskFormat(_QUESTION, "{answer}", "".join(sorted(set(fixed + "0123456789 " + signs))))
+        return TaskFormat("{expression}=", "{answer}", "0123456789" + signs + "=")
 
     def _one(self, seed: int, i: int) -> Record:
-        cfg = dataclasses.astuple(self)
+        # The style is left out of the RNG's key, so both styles pose the same problems.
+        cfg = dataclasses.astuple(self)[:-1]
         rng = record_rng(self.name, cfg, seed, i)
         for _ in range(1000):
             nums = [rng.randint(0, 10**self.digits - 1) for _ in range(self.operands)]
@@ -70,13 +87,24 @@ class ArithmeticTask:
                 break
         else:  # pragma: no cover - needs 1000 negative draws in a row
             raise RuntimeError(f"arithmetic: no non-negative expression for seed {seed}, index {i}")
-        answer = str(value)
+        difficulty = {"digits": self.digits, "operands": self.operands, "ops": self.ops}
+        if self.style == "sentence":
+            # Spaced operators: SmolLM2-135M-Instruct answered "6 + 9" right twice as often
+            # as "6+9" (12 vs 6 of 64 replies at temperature 0.7).
+            spaced = "".join(f" {c} " if c in "+-*" else c for c in expr)
+            return Record(
+                id=f"{self.name}-{self.style}-{seed}-{i}",
+                prompt=_QUESTION.format(expression=spaced),
+                answer=_REPLY.format(value=value),
+                task=self.name,
+                metadata={"difficulty": difficulty, "value": value, "style": self.style},
+            )
         return Record(
             id=f"{self.name}-{seed}-{i}",
             prompt=self.format.prompt_template.format(expression=expr),
-            answer=answer,
+            answer=str(value),
             task=self.name,
-            metadata={"difficulty": {"digits": self.digits, "operands": self.operands, "ops": self.ops}},
+            metadata={"difficulty": difficulty},
         )
 
     def generate(self, n: int, *, seed: int) -> list[Record]:
