@@ -76,7 +76,8 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
     """Masked multi-head attention with grouped-query heads, softmax in float32.
 
     q: [batch, seq_q, num_heads, head_dim]; k, v: [batch, seq_k, num_kv_heads, head_dim];
-    mask: broadcastable to [batch, num_heads, seq_q, seq_k] bool.
+    mask: broadcastable to [batch, num_heads, seq_q, seq_k] bool. Scores, softmax and the
+    weighted sum of V are float32.
     Returns [batch, seq_q, num_heads, head_dim] in q.dtype. A query with no visible key
     gets the mean of v instead of NaN (its output is padding and must stay finite).
     """
@@ -90,7 +91,9 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
     # A large finite negative (not -inf) keeps fully masked rows finite.
     scores = jnp.where(mask, scores, jnp.float32(-1e30))
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    # float32 probabilities times float32 values (V upcast exactly), as the engine's decode
+    # kernels compute: rounding the probabilities to a 16-bit V dtype would misalign them.
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32), preferred_element_type=jnp.float32)
     return out.reshape(b, sq, nh, d).astype(q.dtype)
 
 

@@ -12,16 +12,14 @@ import numpy as np
 from rlax_model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis; statistics in float32, result in `x.dtype`.
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, dtype: Any = None) -> jax.Array:
+    """RMSNorm over the last axis: statistics and scale in float32, one rounding to `dtype`.
 
-    x: [..., dim]; weight: [dim]. Returns [..., dim] in x.dtype.
+    x: [..., dim]; weight: [dim]. Returns [..., dim] in `dtype` (default x.dtype).
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    # Cast back before the scale, matching the reference implementations bit for bit in fp32
-    # and keeping the bf16 rounding point identical across trainer and engine.
-    return normed.astype(x.dtype) * weight.astype(x.dtype)
+    return (normed * weight.astype(jnp.float32)).astype(dtype or x.dtype)
 
 
 def rope_inv_frequencies(config: ModelConfig) -> np.ndarray:
@@ -74,16 +72,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w (+ b) in x.dtype with float32 accumulation. x: [..., in]; w: [in, out]."""
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, dtype: Any = None) -> jax.Array:
+    """x @ w (+ b): operands in x.dtype, float32 accumulation, result in `dtype` (default x.dtype).
+
+    x: [..., in]; w: [in, out].
+    """
     y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(dtype or x.dtype)
 
 
 def swiglu_mlp(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). x: [batch, seq, hidden]."""
-    gate = linear(x, layer["gate_proj"])
-    up = linear(x, layer["up_proj"])
-    return linear(jax.nn.silu(gate) * up, layer["down_proj"])
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). x: [batch, seq, hidden] (compute dtype).
+
+    The matmuls take x.dtype operands; gate, up and their product stay float32 and are
+    rounded once, as the input of `down`. Returns float32 (the residual stream's dtype).
+    """
+    gate = linear(x, layer["gate_proj"], dtype=jnp.float32)
+    up = linear(x, layer["up_proj"], dtype=jnp.float32)
+    return linear((jax.nn.silu(gate) * up).astype(x.dtype), layer["down_proj"], dtype=jnp.float32)

@@ -111,20 +111,24 @@ def _decoder_layer(
 ) -> tuple[jax.Array, Any]:
     b, s, _ = x.shape
     nh, nkv, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps
-    h = rms_norm(x, layer["attn_norm"], eps)
-    q = linear(h, layer["q_proj"], layer.get("q_bias")).reshape(b, s, nh, d)
-    k = linear(h, layer["k_proj"], layer.get("k_bias")).reshape(b, s, nkv, d)
-    v = linear(h, layer["v_proj"], layer.get("v_bias")).reshape(b, s, nkv, d)
+    cdt, f32 = config.compute_jnp_dtype, jnp.float32
+    # x (the residual stream) is float32. Values are rounded to the compute dtype only where
+    # they enter a matmul or the attention (whose K/V the engine caches in that dtype):
+    # projections accumulate and leave in float32, RoPE, norms and residual adds run in float32.
+    h = rms_norm(x, layer["attn_norm"], eps, dtype=cdt)
+    q = linear(h, layer["q_proj"], layer.get("q_bias"), dtype=f32).reshape(b, s, nh, d)
+    k = linear(h, layer["k_proj"], layer.get("k_bias"), dtype=f32).reshape(b, s, nkv, d)
+    v = linear(h, layer["v_proj"], layer.get("v_bias"), dtype=cdt).reshape(b, s, nkv, d)
     if config.qk_norm:
         q = rms_norm(q, layer["q_norm"], eps)
         k = rms_norm(k, layer["k_norm"], eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    q = apply_rope(q, cos, sin).astype(cdt)
+    k = apply_rope(k, cos, sin).astype(cdt)
     attn, new_cache = attention(q, k, v, layer_cache, attention_context)
     if attn.shape != (b, s, nh, d):
         raise ValueError(f"attention returned shape {attn.shape}, expected {(b, s, nh, d)}")
-    x = x + linear(attn.astype(x.dtype).reshape(b, s, nh * d), layer["o_proj"])
-    x = x + swiglu_mlp(rms_norm(x, layer["mlp_norm"], eps), layer)
+    x = x + linear(attn.astype(cdt).reshape(b, s, nh * d), layer["o_proj"], dtype=f32)
+    x = x + swiglu_mlp(rms_norm(x, layer["mlp_norm"], eps, dtype=cdt), layer)
     return x, new_cache
 
 
@@ -147,8 +151,8 @@ def hidden_states(
     _check_inputs(tokens, positions)
     if attention is None:
         attention = functools.partial(dense_causal_attention, sliding_window=config.sliding_window)
-    dtype = config.compute_jnp_dtype
-    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+    # The residual stream is float32 whatever the compute dtype (see `_decoder_layer`).
+    x = jnp.take(params["embed"], tokens, axis=0).astype(config.compute_jnp_dtype).astype(jnp.float32)
     cos, sin = rope_tables(positions, config)
 
     def body(carry: jax.Array, xs: tuple[Params, Any]) -> tuple[jax.Array, Any]:
@@ -162,7 +166,7 @@ def hidden_states(
             raise ValueError(f"remat={remat!r}: must be None or one of {sorted(_REMAT_POLICIES)}")
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
     x, new_cache = jax.lax.scan(body, x, (params["layers"], kv_cache))
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps, dtype=config.compute_jnp_dtype), new_cache
 
 
 def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
