@@ -32,3 +32,19 @@ def test_demo_is_the_documented_shape() -> None:
     assert demo.model.source == "tiny" and demo.workers.count == 2
     assert (demo.workers.j, demo.trainer.k) == (1, 2)
     assert demo.trainer.sft_steps > 0 and demo.trainer.preset == "grpo"
+
+
+def test_smollm2_configs_share_the_measured_task() -> None:
+    """Both SmolLM2 configs train the task whose starting pass rate README.md reports, and
+    the CPU one keeps to the CPU sizes its comments measure (float32, <= 2 x 8 x 64, remat)."""
+    cpu = load_config(CONFIGS / "smollm2-cpu.yaml")
+    accelerator = load_config(CONFIGS / "smollm2-accelerator.yaml")
+    for config in (cpu, accelerator):
+        assert config.model.source == "gguf"
+        assert (config.data.task, config.data.task_args) == ("arithmetic", {"digits": 1, "style": "sentence"})
+        assert config.data.temperature == 0.7  # the temperature the starting pass rate was measured at
+    assert cpu.model.param_dtype == "float32" and cpu.trainer.remat == "full"
+    assert cpu.data.prompts_per_step <= 2 and cpu.data.group_size == 8 and cpu.data.max_new_tokens <= 64
+    assert cpu.workers.platform == cpu.trainer.platform == "cpu" and cpu.trainer.k <= 2
+    assert accelerator.model.param_dtype == "bfloat16" and accelerator.trainer.publish_dtype == "bfloat16"
+    assert accelerator.data.prompts_per_step * accelerator.data.group_size > 2 * 8
