@@ -53,6 +53,19 @@ def test_bad_values_name_field_and_value(override: str, needles: list[str]) -> N
         assert needle in message, message
 
 
+def test_reload_staleness_beyond_k_plus_one_is_refused() -> None:
+    # k=0 with j=4 used to launch and then regenerate stale groups forever (no step after
+    # the first); the bound is j <= k + 1 (batch s needs version >= s - k, the newest is s).
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["workers.j=4", "trainer.k=0"])
+    message = str(info.value)
+    assert "workers.j = 4" in message and "trainer.k + 1 = 1" in message and "{" not in message
+    with pytest.raises(ConfigError, match="workers.j = 3"):
+        load_config(None, ["workers.j=3", "trainer.k=1"])
+    assert load_config(None, ["workers.j=2", "trainer.k=1"]).workers.j == 2
+    assert load_config(None, ["workers.j=1", "trainer.k=0"]).trainer.k == 0
+
+
 def test_bad_yaml_file_and_types(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("run: [unclosed\n")

@@ -9,12 +9,14 @@ from rich.console import Console
 from rlax_controller.metrics import (
     MetricsWriter,
     ProgressDisplay,
+    generation_record,
     latest_per_step,
     plot_run,
     read_metrics,
     summary_rows,
     summary_table,
 )
+from rlax_protocol.messages import WorkerStats
 
 
 def fill(writer: MetricsWriter) -> None:
@@ -88,3 +90,27 @@ def test_progress_live_table_on_a_terminal() -> None:
     display.update({"kind": "train", "step": 4, "reward_mean": 0.25})
     display.close()
     assert "step 4/10" in out.getvalue() and "0.250" in out.getvalue()
+
+
+def test_generation_record_differences_worker_totals_and_survives_a_restart() -> None:
+    before = {
+        "worker0": WorkerStats(
+            generated_tokens=1000, active_s=10.0, engine_s=8.0, compile_s=30.0, reload_s=1.0
+        ),
+        "worker1": WorkerStats(generated_tokens=500, active_s=20.0, engine_s=15.0, compile_s=30.0),
+    }
+    after = {
+        # 600 tokens in 4 busy seconds (3 in engine steps), 0.5 s reloading
+        "worker0": WorkerStats(
+            generated_tokens=1600, active_s=14.0, engine_s=11.0, compile_s=30.0, reload_s=1.5
+        ),
+        # restarted: totals went down, so they count from zero (200 tokens, 1 s, 5 s compiling)
+        "worker1": WorkerStats(generated_tokens=200, active_s=1.0, engine_s=1.0, compile_s=5.0),
+        "worker2": None,  # no result yet
+    }
+    record = generation_record(before, after)
+    assert record["worker_gen_tokens_per_s"] == pytest.approx(800 / 5.0)
+    assert record["worker_engine_tokens_per_s"] == pytest.approx(800 / 4.0)
+    assert record["worker_compile_s"] == pytest.approx(5.0)
+    assert record["worker_reload_s"] == pytest.approx(0.5)
+    assert generation_record(after, after) == {}  # nothing generated in between: no rate

@@ -120,6 +120,26 @@ def test_worker_generates_with_one_version_and_reloads_only_j_behind(setup: Any)
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in generate(worker, link, "e").samples]
 
 
+def test_warm_up_covers_the_runs_shapes_and_results_carry_running_totals(setup: Any) -> None:
+    config, model_config, pusher, worker, link = setup
+    push(pusher, model_config, 0)
+    first = generate(worker, link, "a")  # the first weights: engine, then warm-up
+    assert first.stats is not None and first.stats.compile_s > 0.0
+    compiled = sum(worker.engine.runner.num_compilations.values())
+    second = generate(worker, link, "b")
+    # The run's shapes (one group's rows, the task's prompt lengths) were compiled at start.
+    assert sum(worker.engine.runner.num_compilations.values()) == compiled
+    a, b = first.stats, second.stats
+    assert b is not None
+    assert b.generated_tokens - a.generated_tokens == sum(len(s.token_ids) for s in second.samples)
+    assert b.compile_s == a.compile_s and b.engine_s > a.engine_s
+    assert b.active_s - a.active_s >= b.engine_s - a.engine_s > 0.0
+    push(pusher, model_config, 2)  # j=2 behind: the next request reloads first
+    third = generate(worker, link, "c")
+    assert third.weight_version == 2 and third.stats is not None
+    assert third.stats.reloads == 1 and third.stats.reload_s > b.reload_s
+
+
 def test_worker_rejects_a_bad_request_and_keeps_serving(setup: Any) -> None:
     config, model_config, pusher, worker, link = setup
     push(pusher, model_config, 0)
@@ -134,6 +154,9 @@ def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_re
 ) -> None:
     config, model_config, pusher, worker, link = setup
     push(pusher, model_config, 0)
+    # Weights loaded and the run's shapes compiled first: the loop is not answering while
+    # it compiles, which is start-up, not what this test attacks.
+    assert isinstance(generate(worker, link, "warm"), GenerateResult)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, seed=1)
     valid = [
         encode(GenerateRequest(request_id="v", prompt_token_ids=(1, 5, 13), sampling=sampling, n=1)),
@@ -145,7 +168,11 @@ def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_re
     replies = 0
     try:
         for start in range(0, len(requests), 2_000):  # in parts, to fail fast once the loop died
-            replies += blast(worker.address, requests[start : start + 2_000], settle_s=1.0)
+            # Hostile requests of new shapes compile mid-blast: on a loaded machine a step can
+            # stay silent for seconds, so a dead loop is declared only after 10 silent waits.
+            replies += blast(
+                worker.address, requests[start : start + 2_000], settle_s=1.0, max_silent_waits=10
+            )
             assert pump.error is None, repr(pump.error)
     finally:
         pump.stop()

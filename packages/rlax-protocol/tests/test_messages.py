@@ -67,7 +67,9 @@ EXAMPLES: list[rp.Message] = [
             ),
         ),
         weight_version=7,
+        stats=rp.WorkerStats(generated_tokens=512, active_s=8.5, engine_s=8.0, compile_s=31.0, reloads=2),
     ),
+    rp.WorkerStats(),
     rp.Rollout(
         prompt_id="p1",
         group_index=2,
@@ -179,3 +181,19 @@ def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: i
 def test_validation_names_field(build, field: str) -> None:
     with pytest.raises(ValueError, match=rf"\.{field}="):
         build()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("generated_tokens", -1),
+        ("reloads", -3),
+        ("active_s", -0.5),
+        ("engine_s", float("nan")),
+        ("compile_s", float("inf")),
+    ],
+)
+def test_worker_stats_refuse_negative_or_non_finite_totals(field: str, value: float) -> None:
+    forged = msgspec.msgpack.encode({"type": "WorkerStats", field: value})  # a hostile worker's totals
+    with pytest.raises(MalformedMessageError, match=f"WorkerStats.{field}"):
+        decode(forged)

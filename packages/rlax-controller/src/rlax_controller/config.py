@@ -377,6 +377,20 @@ class RunConfig(_Section):
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     addresses: AddressesConfig = msgspec.field(default_factory=AddressesConfig)
 
+    def __post_init__(self) -> None:
+        # Batch s needs rollouts of version >= s - k while the newest version is s; a worker
+        # reloads only once it is j behind, so it may generate with version s - j + 1. With
+        # j > k + 1 every group it returns is too stale, is regenerated with the same
+        # weights, and the run stops making progress without an error.
+        j, k = self.workers.j, self.trainer.k
+        _check(
+            j <= k + 1,
+            "workers.j",
+            j,
+            f"must be <= trainer.k + 1 = {k + 1}: a worker {j} versions behind generates rollouts the "
+            f"trainer (k={k}) rejects forever; lower workers.j or raise trainer.k",
+        )
+
     @property
     def output_dir(self) -> pathlib.Path:
         return self.run.resolved_output_dir
@@ -409,7 +423,7 @@ def _explain(error: msgspec.ValidationError, raw: dict[str, Any], source: str) -
     if unknown:
         field = f"{path}.{unknown.group('key')}" if path else unknown.group("key")
         return ConfigError(f"{source}: unknown config field `{field}`")
-    if re.match(r"^[A-Za-z_]\w*(\[\d+\])? = ", detail):
+    if re.match(r"^[A-Za-z_][\w.]*(\[\d+\])? = ", detail):
         # Raised by a section's own check: it already names its field and value.
         return ConfigError(f"{source}: {path}.{detail}" if path else f"{source}: {detail}")
     found, value = _lookup(raw, "." + path if path and not path.startswith("[") else path)

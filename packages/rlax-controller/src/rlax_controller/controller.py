@@ -37,7 +37,7 @@ from rlax_controller.messages import (
     decode_control,
     encode_control,
 )
-from rlax_controller.metrics import MetricsWriter, plot_run, read_metrics, summary_rows
+from rlax_controller.metrics import MetricsWriter, generation_record, plot_run, read_metrics, summary_rows
 from rlax_controller.scheduling import (
     Batch,
     BatchNotReady,
@@ -61,6 +61,7 @@ from rlax_protocol.messages import (
     Rollout,
     SamplingParams,
     Welcome,
+    WorkerStats,
 )
 from rlax_protocol.messages import decode as decode_protocol
 from rlax_protocol.messages import encode as encode_protocol
@@ -91,6 +92,7 @@ class WorkerState:
     quarantine_until: float = 0.0
     version: int | None = None
     reloads: int = 0
+    stats: WorkerStats | None = None  # the totals its latest result carried
 
 
 @dataclasses.dataclass
@@ -184,6 +186,7 @@ class Controller:
         self.complete_replied = False
         self._rate_tokens = 0
         self._rate_since = time.monotonic()
+        self._stats_at_commit: dict[str, WorkerStats | None] = {}
         self._last_step_time = time.monotonic()
 
     # ------------------------------------------------------------------ trainer side
@@ -399,6 +402,9 @@ class Controller:
             "workers_alive": sum(w.alive for w in self.workers.values()),
             **{k: v for k, v in self.scheduler.counters.items()},
         }
+        stats = {name: w.stats for name, w in self.workers.items()}
+        record.update(generation_record(self._stats_at_commit, stats))
+        self._stats_at_commit = stats
         self.metrics.write(record)
         self._rate_tokens = 0
         self._rate_since = now
@@ -693,6 +699,7 @@ class Controller:
                 }
             )
         worker.version = result.weight_version
+        worker.stats = result.stats or worker.stats
         lag = self.scheduler.step - result.weight_version
         if lag > self.config.workers.j + self.config.trainer.k + 1:
             # It should have reloaded long ago (its weight puller is stuck): keep work away.

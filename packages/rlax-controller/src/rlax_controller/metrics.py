@@ -23,6 +23,7 @@ from rlax_controller.fsutil import append_line_durable
 
 __all__ = [
     "MetricsWriter",
+    "generation_record",
     "ProgressDisplay",
     "latest_per_step",
     "plot_run",
@@ -93,6 +94,36 @@ def latest_per_step(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for record in records:
         by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def generation_record(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Generation figures between two readings of every worker's `WorkerStats` totals.
+
+    before/after: worker name -> WorkerStats (or None). `worker_gen_tokens_per_s` is the
+    tokens the workers delivered per second that they were busy (summed over workers, so it
+    is a per-worker rate); compile and reload seconds are summed. A worker whose totals went
+    down restarted: its new totals count from zero.
+    """
+    fields = ("generated_tokens", "active_s", "engine_s", "compile_s", "reload_s")
+    total = dict.fromkeys(fields, 0.0)
+    for name, now in after.items():
+        if now is None:
+            continue
+        then = before.get(name)
+        restarted = (
+            then is None or now.generated_tokens < then.generated_tokens or now.active_s < then.active_s
+        )
+        for field in fields:
+            total[field] += getattr(now, field) - (0.0 if restarted else getattr(then, field))
+    if total["active_s"] <= 0.0:
+        return {}
+    return {
+        "worker_gen_tokens_per_s": total["generated_tokens"] / total["active_s"],
+        "worker_engine_tokens_per_s": total["generated_tokens"] / max(total["engine_s"], 1e-9),
+        "worker_active_s": total["active_s"],
+        "worker_compile_s": total["compile_s"],
+        "worker_reload_s": total["reload_s"],
+    }
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -187,7 +218,15 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
     train = latest_per_step(r for r in records if r.get("kind") == "train")
     if train:
         first, last = train[0], train[-1]
-        for key in ("reward_mean", "pass_rate", "staleness_max", "logprob_delta_p95", "gen_tokens_per_s"):
+        keys = (
+            "reward_mean",
+            "pass_rate",
+            "staleness_max",
+            "logprob_delta_p95",
+            "gen_tokens_per_s",
+            "worker_gen_tokens_per_s",
+        )
+        for key in keys:
             if key in last:
                 a, b = first.get(key), last.get(key)
                 change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
@@ -211,6 +250,14 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                         f"{max(seen) - seen[0]:+.0f}",
                     )
                 )
+        # Start-up compilation of the workers and any compile during the run (total seconds).
+        compile_s = [
+            r["worker_compile_s"] for r in train if isinstance(r.get("worker_compile_s"), int | float)
+        ]
+        if compile_s:
+            rows.append(
+                ("train worker_compile_s (total)", f"{compile_s[0]:.1f}", f"{sum(compile_s):.1f}", "-")
+            )
         rows.append(
             ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
         )

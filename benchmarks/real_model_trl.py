@@ -1,0 +1,115 @@
+"""TRL's `GRPOTrainer` side of `bench_real_model.py`, run in a process of its own.
+
+    python benchmarks/real_model_trl.py CONFIG.json
+
+CONFIG.json: {"rlax_config": path, "overrides": [...], "hf_dir": path, "out": path,
+"steps": N}. Trains the HF export of the run's initial weights on the run's prompts (in
+stream order), with the run's verifier as the reward, one generation batch of one prompt
+x group_size completions per optimizer step, and writes `out/trl.json`: per step the
+seconds (generation, scoring and old log-probs vs the rest), the mean reward, and this
+process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import sys
+import time
+from typing import Any
+
+
+def main(spec_path: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlax_controller.config import load_config
+    from rlax_controller.tasks import build_task
+
+    spec = json.loads(pathlib.Path(spec_path).read_text())
+    config = load_config(spec["rlax_config"], spec["overrides"])
+    steps, out = int(spec["steps"]), pathlib.Path(spec["out"])
+    torch.manual_seed(config.run.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    task = build_task(config)
+    tok = AutoTokenizer.from_pretrained(spec["hf_dir"])
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32)
+
+    source = task.prompt_source()
+    records: dict[str, Any] = {}
+    rows = []
+    for _ in range(steps * config.data.prompts_per_step):
+        item = source.next_prompt()
+        records[item.record.id] = item.record
+        rows.append(
+            {"prompt": [{"role": "user", "content": item.record.prompt_text()}], "record_id": item.record.id}
+        )
+    first = records[rows[0]["record_id"]]
+    theirs = tok.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs  # a BatchEncoding in transformers 5
+    ours = task.encode_prompt(first)
+    assert list(theirs) == list(ours), f"TRL's prompt ids {theirs} != RLAX's {ours}"
+
+    rewards: list[float] = []
+
+    def reward(completions: list[Any], record_id: list[str], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        results = task.verifier.verify([(t, records[r]) for t, r in zip(texts, record_id, strict=True)])
+        values = [float(r.reward) for r in results]
+        rewards.append(sum(values) / len(values))
+        return values
+
+    clock: dict[str, Any] = {"generation": [], "step": [], "begin": 0.0}
+
+    class TimedGRPO(GRPOTrainer):  # type: ignore[misc]
+        def _generate_and_score_completions(self, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = super()._generate_and_score_completions(*args, **kwargs)
+            clock["generation"].append(time.perf_counter() - started)
+            return result
+
+    class StepClock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            clock["begin"] = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            clock["step"].append(time.perf_counter() - clock["begin"])
+
+    group = config.data.group_size
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, report_to="none", save_strategy="no", logging_steps=steps,
+        learning_rate=config.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=config.trainer.max_grad_norm, weight_decay=config.trainer.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        num_generations=group, per_device_train_batch_size=config.data.prompts_per_step * group,
+        steps_per_generation=1, gradient_accumulation_steps=1, max_steps=steps, num_train_epochs=1,
+        max_completion_length=config.data.max_new_tokens, temperature=config.data.temperature,
+        top_p=config.data.top_p, top_k=config.data.top_k, beta=0.0, epsilon=0.2, loss_type="grpo",
+        shuffle_dataset=False, seed=config.run.seed, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = TimedGRPO(
+        model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+        processing_class=tok, callbacks=[StepClock()],
+    )  # fmt: skip
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    result = {
+        "steps": [
+            {"step": i + 1, "seconds": s, "generation_s": g, "train_s": s - g, "reward_mean": r}
+            for i, (s, g, r) in enumerate(zip(clock["step"], clock["generation"], rewards, strict=False))
+        ],
+        "wall_s": wall,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    tmp = out / "trl.json.tmp"
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out / "trl.json")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
