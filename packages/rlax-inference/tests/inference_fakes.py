@@ -52,7 +52,9 @@ class PagedFakeRunner:
                     self.cache[dst * bs + o] = self.cache[src * bs + o]
         # Freed blocks lose their contents, so reading one later fails loudly.
         live = {b for s in sched.running for b in (s.table.blocks if s.table else [])}
-        live |= {b for j in out.prefills for b in (j.table.blocks if j.table else [])}
+        live |= {b for j in sched.prefilling for b in (j.table.blocks if j.table else [])}
+        # Prefix-cached blocks keep their K/V after their last reader lets go.
+        live |= set(sched.kv.pool._key_of)
         self.cache = {k: v for k, v in self.cache.items() if k // bs in live}
         for seq, slots in zip(out.decodes, out.decode_slots):
             for slot in slots:
@@ -62,15 +64,20 @@ class PagedFakeRunner:
                 ctx = self._read(seq.table.blocks, len(seq.tokens))
                 self._append(seq, next_token(ctx, seq.sample_index))
         for job in out.prefills:
-            for i, tok in enumerate(job.tokens):
-                slot = job.table.blocks[i // bs] * bs + i % bs
-                if i < job.num_shared_tokens:
-                    # Shared with a running sibling: already written, and must hold this very token.
-                    assert self.cache[slot] == tok, (slot, self.cache.get(slot), tok)
+            if job.chunk_start == job.num_shared_tokens:  # the first chunk: check what it reuses
+                for i in range(job.num_shared_tokens):
+                    # Shared with a sibling or the prefix cache: already written, and must hold this very token.
+                    slot = job.table.blocks[i // bs] * bs + i % bs
+                    assert self.cache[slot] == job.tokens[i], (slot, self.cache.get(slot), job.tokens[i])
                     self.shared_tokens_read += 1
-                    continue
-                self.cache[slot] = tok
-            sched.start_running(job)
+            for i in range(job.chunk_start, job.chunk_end):
+                # Earlier tokens must already be in the cache (chunks run in order).
+                assert all(
+                    self.cache.get(job.table.blocks[t // bs] * bs + t % bs) == job.tokens[t] for t in range(i)
+                )
+                self.cache[job.table.blocks[i // bs] * bs + i % bs] = job.tokens[i]
+            if not sched.finish_chunk(job):
+                continue
             for seq in job.seqs:
                 ctx = self._read(seq.table.blocks, len(job.tokens))
                 self._append(seq, next_token(ctx, seq.sample_index))

@@ -8,9 +8,9 @@ from rlax_inference.scheduler import Scheduler, SchedulerConfig
 from rlax_inference.sequence import Request, SamplingParams
 
 
-def make(num_blocks=64, block_size=4, num_steps=1, **cfg):
+def make(num_blocks=64, block_size=4, num_steps=1, prefix_caching=False, **cfg):
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 48, **cfg})
-    sched = Scheduler(config, KVCacheManager(num_blocks, block_size))
+    sched = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
     return sched, PagedFakeRunner(sched, num_steps)
 
 

@@ -8,10 +8,20 @@ blocks stay stored once.
 
 Physical page 0 of the device cache is never handed out: padded rows of a batch write
 their throw-away K/V there, so block ids run from 1 to `num_blocks`.
+
+Automatic prefix cache (vLLM's): once a full block's K/V are computed, the block is keyed
+by the hash of (its parent block's key, its token ids), so a key names the whole prefix up
+to the block's end. A block whose reference count drops to zero keeps its key and contents
+and waits in an LRU list; it counts as free, and allocation evicts the least recently used
+one (dropping its key) only when no plain free block is left. A new sequence whose tokens
+start with keyed blocks takes them (reference count + 1) instead of computing them. New
+weights make every key stale: `reset_prefix_cache` drops them all.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
@@ -35,24 +45,40 @@ class BlockPool:
         # Popping from the end hands out low ids first, which keeps tests readable.
         self._free = list(range(num_blocks, 0, -1))
         self.peak_used = 0
+        # Prefix cache: key -> block, block -> key, and the unreferenced keyed blocks in LRU order.
+        self._block_of: dict[int, int] = {}
+        self._key_of: dict[int, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: plain free ones plus unreferenced cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a prefix-cache key (referenced or not)."""
+        return len(self._key_of)
 
     def refcount(self, block: int) -> int:
         self._check_id(block)
         return self._refcount[block]
 
     def allocate(self) -> int:
-        """Take one free block; its reference count becomes 1."""
-        if not self._free:
+        """Take one free block (else evict the least recently used cached one); its reference count becomes 1."""
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.num_evictions += 1
+        else:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self._free.pop()
         self._refcount[block] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return block
@@ -62,11 +88,50 @@ class BlockPool:
         self._refcount[block] += 1
 
     def decref(self, block: int) -> None:
-        """Drop one reference; the block returns to the free list at zero."""
+        """Drop one reference; at zero a cached block waits in the LRU list, any other is free."""
         self._check_live(block)
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._evictable[block] = None  # most recently used last
+            else:
+                self._free.append(block)
+
+    # -- prefix cache ---------------------------------------------------------------
+    def cached_block(self, key: int) -> int | None:
+        """The block holding the prefix keyed `key`, if any (nothing changes)."""
+        return self._block_of.get(key)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def share(self, block: int) -> None:
+        """One more reference to a live block, or revive an unreferenced cached one."""
+        self._check_id(block)
+        if self._refcount[block] == 0:
+            if block not in self._evictable:
+                raise ValueError(f"block {block} is free (reference count 0)")
+            del self._evictable[block]
+            self.peak_used = max(self.peak_used, self.num_used)
+        self._refcount[block] += 1
+
+    def set_key(self, block: int, key: int) -> bool:
+        """Key a live, full block by its prefix; False (nothing changes) when the block or the key is taken."""
+        self._check_live(block)
+        if block in self._key_of or key in self._block_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every key (the weights changed); unreferenced cached blocks become free. Returns the count."""
+        dropped = len(self._key_of)
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
+        return dropped
 
     def _check_id(self, block: int) -> None:
         if not 1 <= block <= self.num_blocks:
@@ -95,28 +160,76 @@ class SlotAssignment:
     copy_to: int | None = None
 
 
-class KVCacheManager:
-    """Allocates, forks, extends and frees block tables over one `BlockPool`."""
+def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+    """Prefix-cache keys of the first `num_blocks` full blocks of `tokens`: each hashes its
+    parent's key and its own token ids, so equal keys mean equal prefixes."""
+    keys: list[int] = []
+    parent = 0
+    for i in range(num_blocks):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        keys.append(parent)
+    return keys
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class KVCacheManager:
+    """Allocates, forks, extends and frees block tables over one `BlockPool`.
+
+    With `enable_prefix_caching`, `cached_prefix` finds the keyed blocks a new sequence can
+    start from and `cache_full_blocks` keys a table's blocks once their K/V are computed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.num_cow_copies = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The keyed blocks that hold the longest cached prefix of `tokens`, in order.
+
+        At most `(len(tokens) - 1) // block_size` blocks: the last token is always computed
+        (its logits give the first sample).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for key in block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+            block = self.pool.cached_block(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> int:
+        """Key the full blocks of `table` among its first `num_computed` tokens (`tokens`); returns
+        how many got a new key (a block already keyed, or a prefix keyed in another block, is left)."""
+        if not self.enable_prefix_caching:
+            return 0
+        full = min(num_computed // self.block_size, len(table.blocks))
+        keys = block_keys(tokens, self.block_size, full)
+        return sum(self.pool.set_key(block, key) for block, key in zip(table.blocks, keys, strict=False))
+
+    def blocks_to_allocate(self, num_tokens: int, shared: Sequence[int] = ()) -> int:
+        """Free blocks `allocate(num_tokens, shared)` takes: its fresh blocks plus the shared
+        blocks it revives from the prefix cache's LRU list."""
+        revived = sum(self.pool.is_evictable(b) for b in shared)
+        return self.blocks_for(num_tokens) - len(shared) + revived
+
     def allocate(self, num_tokens: int, shared: list[int] | tuple[int, ...] = ()) -> BlockTable:
-        """A table with room for `num_tokens` tokens whose first blocks are `shared` (live, full
-        blocks of another table, reference counts + 1) and whose other blocks are fresh."""
+        """A table with room for `num_tokens` tokens whose first blocks are `shared` (full blocks
+        of another table or of the prefix cache, reference counts + 1) and whose other blocks are fresh."""
         if len(shared) * self.block_size > num_tokens:
             raise ValueError(f"{len(shared)} shared blocks hold more than the table's {num_tokens} tokens")
-        need = self.blocks_for(num_tokens) - len(shared)
+        need = self.blocks_to_allocate(num_tokens, shared)
         if need > self.pool.num_free:
             raise NoFreeBlocksError(f"need {need} blocks for {num_tokens} tokens, {self.pool.num_free} free")
         for block in shared:
-            self.pool.incref(block)
-        return BlockTable([*shared, *(self.pool.allocate() for _ in range(need))], num_tokens)
+            self.pool.share(block)
+        fresh = self.blocks_for(num_tokens) - len(shared)
+        return BlockTable([*shared, *(self.pool.allocate() for _ in range(fresh))], num_tokens)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table that shares every block of `table` (reference counts + 1)."""

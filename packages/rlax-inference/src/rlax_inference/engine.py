@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from rlax_inference.block_pool import KVCacheManager
-from rlax_inference.model_runner import AttentionBackend, ModelRunner
+from rlax_inference.model_runner import AttentionBackend, ModelRunner, PrefillChunk
 from rlax_inference.scheduler import PrefillJob, Scheduler, SchedulerConfig
 from rlax_inference.sequence import FinishReason, Request, SamplingParams, SequenceStatus
 from rlax_inference.sequence import Sequence as Seq
@@ -53,6 +53,15 @@ class EngineConfig:
       waiting requests join only between calls.
     watermark: fraction of the KV blocks that admission keeps free beyond what the next
       decode step needs (`SchedulerConfig.watermark`; `int(watermark * num_blocks)` blocks).
+    enable_chunked_prefill: prefill prompts in chunks of at most `prefill_chunk_size` tokens
+      (None: the step's token budget, `max_num_batched_tokens` minus the decode tokens), each
+      chunk attending to the earlier ones through the paged cache; a step mixes decode
+      tokens and prefill chunks. Off: a prompt is prefilled in one step, and
+      `max_num_batched_tokens` must hold `max_model_len`.
+    enable_prefix_caching: key full prompt blocks by their prefix's hash and let a new
+      request start from the cached blocks of its longest cached prefix (computing only the
+      rest); unreferenced cached blocks are evicted LRU when the pool runs short, and new
+      weights drop every key.
     """
 
     block_size: int = 16
@@ -67,6 +76,9 @@ class EngineConfig:
     attention_interpret: bool = False
     num_decode_steps: int = 1
     watermark: float = 0.01
+    enable_chunked_prefill: bool = True
+    prefill_chunk_size: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
@@ -82,7 +94,12 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, watermark=self.watermark
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            watermark=self.watermark,
+            chunked_prefill=self.enable_chunked_prefill,
+            prefill_chunk_size=self.prefill_chunk_size,
         )
 
 
@@ -135,7 +152,9 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_config.max_position_embeddings}"
             )
-        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.runner = ModelRunner(
             model_config,
@@ -208,16 +227,20 @@ class LLMEngine:
         self._apply_weights(params, version)
 
     def _apply_weights(self, params: Params, version: int) -> None:
+        # Cached K/V were computed by the old weights: no new request may start from them.
+        self.kv.pool.reset_prefix_cache()
         self.runner.params = params
         self.weight_version = version
         self._pending_weights = None
 
     def _started_sequences(self) -> list[Seq]:
+        """Samples with tokens or K/V of the current weights: generating, or in the middle of a prefill."""
+        prefilling = {id(s) for j in self.scheduler.prefilling for s in j.seqs}
         return [
             s
             for r in self._requests.values()
             for s in r.sequences
-            if s.status is not SequenceStatus.FINISHED and s.num_generated > 0
+            if s.status is not SequenceStatus.FINISHED and (s.num_generated > 0 or id(s) in prefilling)
         ]
 
     def _restart_started(self) -> None:
@@ -227,11 +250,18 @@ class LLMEngine:
         weight version.
         """
         sched = self.scheduler
-        restart = [r for r in self._requests.values() if any(s.num_generated > 0 for s in r.sequences)]
+        prefilling = {id(j.request) for j in sched.prefilling}
+        restart = [
+            r
+            for r in self._requests.values()
+            if id(r) in prefilling or any(s.num_generated > 0 for s in r.sequences)
+        ]
         jobs = []
         for request in restart:
             for job in [j for j in sched.waiting if j.request is request]:
                 sched.waiting.remove(job)
+            for job in [j for j in sched.prefilling if j.request is request]:
+                sched.drop_prefilling(job)
             for seq in request.sequences:
                 if seq.table is not None:
                     self.kv.free(seq.table)
@@ -286,18 +316,17 @@ class LLMEngine:
                             break  # stopped inside a multi-step call: its later tokens are dropped
                 else:
                     self._append_plain_tokens(seq, tokens[i][:made], logprobs[i][:made])
-        # Similar lengths together waste less padding; a call holds at most max_prefill_rows prompts.
-        jobs = sorted(out.prefills, key=lambda j: len(j.tokens))
+        # Similar lengths together waste less padding; a call holds at most max_prefill_rows chunks.
+        jobs = sorted(out.prefills, key=lambda j: j.chunk_end - j.chunk_start)
         rows = self.config.max_prefill_rows
-        for chunk in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
-            samples = [(i, _sampling_row(s)) for i, j in enumerate(chunk) for s in j.seqs]
-            res = self.runner.prefill(
-                [j.tokens for j in chunk], [self._slots(j) for j in chunk], samples, num_top=num_top
-            )
+        for group in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
+            # Only a job's last chunk samples (from its last token's logits).
+            samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
+            res = self.runner.prefill_chunks([self._chunk(j) for j in group], samples, num_top=num_top)
             seqs = []
-            for job in chunk:
-                sched.start_running(job)
-                seqs += job.seqs
+            for job in group:
+                if sched.finish_chunk(job):
+                    seqs += job.seqs
             self._append(seqs, res)
         self.num_steps += 1
         finished, self._finished = self._finished, []
@@ -326,13 +355,13 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     # -- internals ------------------------------------------------------------------
-    def _slots(self, job: PrefillJob) -> list[int]:
-        """Where the prefill writes each token's K/V; -1 (not written) for tokens whose K/V sit in
-        blocks shared with a running sibling, which reads them."""
+    def _chunk(self, job: PrefillJob) -> PrefillChunk:
+        """This step's chunk of `job`: its tokens, the slots their K/V go to, and the block table
+        through which they read the job's earlier tokens (computed, shared or prefix-cached)."""
         bs = self.config.block_size
         blocks = job.table.blocks  # type: ignore[union-attr]
-        shared = job.num_shared_tokens
-        return [-1] * shared + [blocks[i // bs] * bs + i % bs for i in range(shared, len(job.tokens))]
+        slots = [blocks[i // bs] * bs + i % bs for i in range(job.chunk_start, job.chunk_end)]
+        return PrefillChunk(job.chunk, job.chunk_start, slots, blocks)
 
     def _append(self, seqs: list[Seq], res) -> None:  # type: ignore[no-untyped-def]
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
@@ -420,6 +449,28 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free
+
+    # -- counters a worker can report ---------------------------------------------------
+    @property
+    def num_prefix_cache_hit_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache instead of being computed."""
+        return self.scheduler.num_prefix_cache_hit_tokens
+
+    @property
+    def num_computed_prefill_tokens(self) -> int:
+        """Prompt (and recomputed) tokens the prefill computed."""
+        return self.scheduler.num_computed_prefill_tokens
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix-cache and prefill counters since the engine started."""
+        pool = self.kv.pool
+        return {
+            "prefix_cache_hit_tokens": self.scheduler.num_prefix_cache_hit_tokens,
+            "prefix_cache_hit_blocks": self.scheduler.num_prefix_cache_hit_blocks,
+            "computed_prefill_tokens": self.scheduler.num_computed_prefill_tokens,
+            "cached_blocks": pool.num_cached,
+            "evicted_blocks": pool.num_evictions,
+        }
 
 
 def _sampling_row(seq: Seq) -> tuple[float, float, int, int, int, int]:

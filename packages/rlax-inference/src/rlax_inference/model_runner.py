@@ -10,7 +10,8 @@ is never handed out by the block pool: padded decode rows point their block tabl
 
 Shapes are rounded up to buckets so that new request lengths reuse compiled code: decode
 is compiled per (row bucket, block-table width bucket, steps per call: 1 or the engine's
-`num_decode_steps`), prefill per (prompt-row bucket, length bucket, sample-row bucket). Each jitted function counts its traces in
+`num_decode_steps`), prefill per (chunk-row bucket, chunk-length bucket, block-table width
+bucket of the cached context, sample-row bucket). Each jitted function counts its traces in
 `ModelRunner.num_compilations`.
 
 The cache never travels through the model's layer scan, on any backend: each layer's
@@ -21,8 +22,10 @@ cache through the scan copies all of it every step). The Pallas kernels take the
 and a traced layer index (scalar-prefetched on TPU, an address offset on GPU); on XLA:CPU in
 interpret mode their decode step compiles to 0.18 MiB of temporaries for an 8 MiB cache
 (it was 12-17 MiB, 1.5-2.1x the cache, when the layer's pages went through the scan).
-Prefill starts every sequence from an empty cache (prefix sharing happens by forking
-block tables after the prefill), so it is dense causal attention over the padded prompt rows.
+Prefill runs one chunk of a prompt per row (chunked prefill; a whole prompt is a chunk that
+starts at 0): the chunk attends to the row's tokens already in the cache -- earlier chunks,
+prefix-cached or shared blocks -- gathered through its block table from the read-only cache,
+and causally to itself, in one exact float32 softmax; its K/V leave the scan like decode's.
 
 A model with `ModelConfig.sliding_window` (Mistral-style) sees only that many tokens in
 prefill (the causal mask) and in decode, on every backend (the decode paths skip the
@@ -45,7 +48,6 @@ from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
 from rlax_model import (
     ModelConfig,
     Params,
-    causal_valid_mask,
     dense_attention_reference,
     hidden_states,
     project_logits,
@@ -68,7 +70,10 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
 
 
 class _PrefillContext(NamedTuple):
-    valid: jax.Array  # [batch, seq] bool
+    cache: KVCache  # the whole cache, read only: [layers, kv_heads, pages, page_size, head_dim]
+    starts: jax.Array  # [rows] int32, tokens already in the cache (the chunk's first position)
+    lengths: jax.Array  # [rows] int32, the chunk's tokens (the rest of the row is padding)
+    block_tables: jax.Array  # [rows, width] int32, covering the first `starts` tokens
     sliding_window: int | None  # ModelConfig.sliding_window (static)
 
 
@@ -95,11 +100,37 @@ def _write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots:
     return out
 
 
-def _prefill_attention(q, k, v, layer_cache, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
-    """Dense causal attention over the prompt rows (within the sliding window, if the model has
-    one); hands this layer's K/V out to be written after the scan."""
-    mask = causal_valid_mask(ctx.valid, ctx.sliding_window)
-    return dense_attention_reference(q, k, v, mask), {"k": k, "v": v}
+def _prefill_attention(q, k, v, layer, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
+    """A chunk of each row's prompt attends to the row's cached tokens and causally to itself.
+
+    q: [rows, chunk, heads, head_dim]; k, v: [rows, chunk, kv_heads, head_dim]; layer: int32
+    scalar. The cached tokens (positions < starts) are gathered from the read-only cache
+    through the block tables (only this layer's pages of the table, never the whole cache)
+    and join the chunk's own K/V in one exact float32 softmax, in position order, so a prompt
+    fed in chunks gives the logits of a prompt fed at once up to float32 rounding. The chunk's
+    K/V leave the scan, to be written after it.
+    """
+    rows, chunk = q.shape[:2]
+    kv_heads, head_dim = k.shape[2:]
+    width, page_size = ctx.block_tables.shape[1], ctx.cache["k"].shape[3]
+
+    def cached(pages: jax.Array) -> jax.Array:  # -> [rows, width * page_size, kv_heads, head_dim]
+        got = pages[layer, :, ctx.block_tables]  # advanced indices around a slice go first
+        got = got.transpose(0, 1, 3, 2, 4)  # [rows, width, page_size, kv_heads, head_dim]
+        return got.reshape(rows, width * page_size, kv_heads, head_dim).astype(k.dtype)
+
+    keys = jnp.concatenate([cached(ctx.cache["k"]), k], axis=1)
+    values = jnp.concatenate([cached(ctx.cache["v"]), v], axis=1)
+    q_pos = ctx.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [rows, chunk]
+    ctx_pos = jnp.broadcast_to(jnp.arange(width * page_size, dtype=jnp.int32), (rows, width * page_size))
+    key_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
+    key_valid = jnp.concatenate(
+        [ctx_pos < ctx.starts[:, None], jnp.arange(chunk)[None, :] < ctx.lengths[:, None]], axis=1
+    )
+    mask = key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+    if ctx.sliding_window is not None:
+        mask &= q_pos[:, :, None] - key_pos[:, None, :] < ctx.sliding_window
+    return dense_attention_reference(q, keys, values, mask[:, None]), {"k": k, "v": v}
 
 
 def _decode_attend(backend: str, interpret: bool) -> Callable[..., jax.Array]:
@@ -163,17 +194,30 @@ _STEP_STATICS = ("config", "use_filters", "num_top")
 @functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnums=(1,))
 @_counted("prefill")
 def _prefill_step(
-    params, cache, tokens, lengths, slots, row_of_sample, sampling, *, config, use_filters, num_top
+    params,
+    cache,
+    tokens,
+    starts,
+    lengths,
+    slots,
+    block_tables,
+    row_of_sample,
+    sampling,
+    *,
+    config,
+    use_filters,
+    num_top,
 ):  # type: ignore[no-untyped-def]
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    """Prefill one chunk per row: row i's `lengths[i]` tokens sit at positions `starts[i]`... and
+    attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other."""
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     hidden, new = hidden_states(
         params,
         tokens,
         positions,
         config=config,
         attention=_prefill_attention,
-        attention_context=_PrefillContext(valid, config.sliding_window),
+        attention_context=_PrefillContext(cache, starts, lengths, block_tables, config.sliding_window),
         kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
     )
     layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
@@ -269,6 +313,15 @@ def _copy_blocks(cache, src, dst):  # type: ignore[no-untyped-def]
     return {name: pages.at[:, :, dst].set(pages[:, :, src]) for name, pages in cache.items()}
 
 
+class PrefillChunk(NamedTuple):
+    """One row of a prefill call: `tokens` at positions `start`.., after `start` cached tokens."""
+
+    tokens: Sequence[int]
+    start: int  # tokens of the sequence already in the cache (read through block_table)
+    slots: Sequence[int]  # where each token's K/V go; -1: not written
+    block_table: Sequence[int]  # the sequence's blocks; those holding the first `start` tokens are read
+
+
 class StepResult(NamedTuple):
     """Host copies of the sampled tokens, one row per sequence (prefill: [n, ...]; decode: [num_steps, n, ...])."""
 
@@ -348,28 +401,51 @@ class ModelRunner:
         *,
         num_top: int = 0,
     ) -> StepResult:
-        """Prefill `prompts` (their K/V into `slots`) and sample one token per sample row.
+        """Prefill whole `prompts` from an empty cache (their K/V into `slots`); see `prefill_chunks`."""
+        return self.prefill_chunks(
+            [PrefillChunk(p, 0, s, []) for p, s in zip(prompts, slots, strict=True)], samples, num_top=num_top
+        )
 
-        samples: `(prompt index, (temperature, top_p, top_k, seed, sample_index, step))` rows;
-        several rows may share one prompt (the n samples of a request).
+    def prefill_chunks(
+        self,
+        chunks: Sequence[PrefillChunk],
+        samples: Sequence[tuple[int, tuple[float, float, int, int, int, int]]],
+        *,
+        num_top: int = 0,
+    ) -> StepResult:
+        """Prefill one chunk of each of several prompts and sample one token per sample row.
+
+        Chunk i's tokens sit at positions `start`.. and attend to the `start` tokens already
+        in the cache (through its block table) and causally to each other; their K/V go to
+        its slots (-1: not written). samples: `(chunk index, (temperature, top_p, top_k, seed,
+        sample_index, step))` rows, sampled from the logits of the chunk's last token;
+        several rows may share one chunk (the n samples of a request).
         """
-        rows = bucket(len(prompts), min(4, self.max_prefill_rows), max(self.max_prefill_rows, len(prompts)))
-        length = bucket(max(len(p) for p in prompts), self.min_len_bucket, self.max_model_len)
+        rows = bucket(len(chunks), min(4, self.max_prefill_rows), max(self.max_prefill_rows, len(chunks)))
+        length = bucket(max(len(c.tokens) for c in chunks), self.min_len_bucket, self.max_model_len)
+        pages = max(-(-c.start // self.block_size) for c in chunks)
+        width = self.width_bucket(max(pages, 1))
         tokens = np.zeros((rows, length), np.int32)
         slot_arr = np.full((rows, length), -1, np.int32)  # negative: padding, never written
         lengths = np.zeros(rows, np.int32)
-        for i, (p, s) in enumerate(zip(prompts, slots, strict=True)):
-            tokens[i, : len(p)] = p
-            slot_arr[i, : len(s)] = s
-            lengths[i] = len(p)
+        starts = np.zeros(rows, np.int32)
+        tables = np.zeros((rows, width), np.int32)
+        for i, c in enumerate(chunks):
+            if len(c.slots) != len(c.tokens):
+                raise ValueError(f"chunk {i}: {len(c.tokens)} tokens but {len(c.slots)} slots")
+            tokens[i, : len(c.tokens)] = c.tokens
+            slot_arr[i, : len(c.slots)] = c.slots
+            lengths[i], starts[i] = len(c.tokens), c.start
+            used = -(-c.start // self.block_size)
+            tables[i, :used] = c.block_table[:used]
         n = len(samples)
-        sample_rows = bucket(n, min(8, self.max_num_seqs), max(self.max_num_seqs, n))
+        sample_rows = bucket(max(n, 1), min(8, self.max_num_seqs), max(self.max_num_seqs, n))
         row_of_sample = np.zeros(sample_rows, np.int32)
         row_of_sample[:n] = [r for r, _ in samples]
         batch = self._sampling_batch([s for _, s in samples], sample_rows)
         out, self.cache = _prefill_step(
-            self.params, self.cache, tokens, lengths, slot_arr, row_of_sample, batch, config=self.config,
-            use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
+            self.params, self.cache, tokens, starts, lengths, slot_arr, tables, row_of_sample, batch,
+            config=self.config, use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
         )  # fmt: skip
         return self._host(out, n, num_top)
 

@@ -19,6 +19,14 @@ progress (by preempting its own samples, as before).
 A preempted sample that still has a running sibling shares that sibling's full prompt
 blocks again (reference counts + 1) instead of a private copy: its recompute allocates only
 its tail, and its prefill leaves the shared tokens' K/V as they are (`PrefillJob.num_shared_tokens`).
+
+Chunked prefill (`SchedulerConfig.chunked_prefill`, vLLM's): a job's tokens are prefilled
+over as many steps as the token budget needs, at most `prefill_chunk_size` tokens per step,
+each chunk attending to the earlier ones through the cache. An admitted job holds all its
+blocks from the start and stays in `prefilling` until its last chunk ran; jobs in progress
+go before new admissions. Automatic prefix caching (`KVCacheManager.enable_prefix_caching`):
+a new job takes the keyed blocks that hold the longest cached prefix of its tokens and
+computes only the rest; its full blocks are keyed as its chunks complete.
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ from rlax_inference.sequence import FinishReason, Request, Sequence, SequenceSta
 class SchedulerConfig:
     """Limits of one scheduling step.
 
-    max_num_seqs: cap on sequences running (decoding) at once.
+    max_num_seqs: cap on sequences running (decoding or prefilling) at once.
     max_num_batched_tokens: token budget of one step (decode tokens + prefill tokens).
+    chunked_prefill: prefill long prompts over several steps, within the token budget
+      (otherwise a job is prefilled at once, and the budget must hold the longest one).
+    prefill_chunk_size: at most this many tokens of one job per step (None: the budget).
     max_model_len: context length; prompt + generated tokens never exceed it.
     watermark: fraction of the pool's blocks admission keeps free beyond the next step's
       needs (vLLM's watermark); `int(watermark * num_blocks)` blocks, so 0 for pools under
@@ -47,6 +58,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1024
     watermark: float = 0.01
+    chunked_prefill: bool = False
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -55,8 +68,22 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.watermark, int | float) or not 0 <= self.watermark < 1:
             raise ValueError(f"SchedulerConfig.watermark must be a number in [0, 1), got {self.watermark!r}")
+        if self.prefill_chunk_size is not None and (
+            not isinstance(self.prefill_chunk_size, int) or self.prefill_chunk_size < 1
+        ):
+            raise ValueError(
+                f"SchedulerConfig.prefill_chunk_size must be None or an int >= 1, got {self.prefill_chunk_size!r}"
+            )
+        if self.chunked_prefill:
+            # A prefilling job's samples count against max_num_seqs, so the decodes beside it
+            # leave room in the budget for its next chunk.
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ValueError(
+                    "SchedulerConfig.max_num_batched_tokens must be >= max_num_seqs, got "
+                    f"{self.max_num_batched_tokens} < {self.max_num_seqs}"
+                )
         # Without chunked prefill, the longest sequence must fit one step's budget.
-        if self.max_num_batched_tokens < max(self.max_model_len, self.max_num_seqs):
+        elif self.max_num_batched_tokens < max(self.max_model_len, self.max_num_seqs):
             raise ValueError(
                 "SchedulerConfig.max_num_batched_tokens must be >= max(max_model_len, max_num_seqs), got "
                 f"{self.max_num_batched_tokens} < max({self.max_model_len}, {self.max_num_seqs})"
@@ -67,8 +94,12 @@ class SchedulerConfig:
 class PrefillJob:
     """Tokens to prefill once, then fork into `seqs` (n samples, or one preempted sample).
 
-    num_shared_tokens: the leading tokens whose K/V already sit in the table's first blocks,
-    shared with a running sibling; the prefill must not write them (other samples read them).
+    num_shared_tokens: the leading tokens whose K/V already sat in the table's first blocks
+    at admission, shared with a running sibling or found in the prefix cache; they are never
+    computed or written (other sequences read them).
+    num_computed: tokens whose K/V are in the cache (`finish_chunk` advances it).
+    chunk_start, chunk_end: this step's chunk is `tokens[chunk_start:chunk_end]`; the job's
+    samples start once a chunk reaches the end of `tokens`.
     """
 
     request: Request
@@ -76,6 +107,18 @@ class PrefillJob:
     tokens: list[int]
     table: BlockTable | None = None
     num_shared_tokens: int = 0
+    num_computed: int = 0
+    chunk_start: int = 0
+    chunk_end: int = 0
+
+    @property
+    def chunk(self) -> list[int]:
+        """This step's tokens."""
+        return self.tokens[self.chunk_start : self.chunk_end]
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.chunk_end == len(self.tokens)
 
 
 @dataclass
@@ -90,8 +133,8 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        """Tokens of one model step: one per decoding sequence plus the prefilled prompts."""
-        return len(self.decodes) + sum(len(j.tokens) for j in self.prefills)
+        """Tokens of one model step: one per decoding sequence plus the prefill chunks."""
+        return len(self.decodes) + sum(j.chunk_end - j.chunk_start for j in self.prefills)
 
     @property
     def empty(self) -> bool:
@@ -106,6 +149,12 @@ class Scheduler:
         self.kv = kv
         self.waiting: collections.deque[PrefillJob] = collections.deque()
         self.running: list[Sequence] = []
+        # Admitted jobs whose prefill takes more steps (chunked prefill), oldest first.
+        self.prefilling: list[PrefillJob] = []
+        # Prompt tokens found in the prefix cache at admission, and prefill tokens computed.
+        self.num_prefix_cache_hit_tokens = 0
+        self.num_prefix_cache_hit_blocks = 0
+        self.num_computed_prefill_tokens = 0
         self.num_preemptions = 0
         # Admissions made on the prompt's blocks alone because nothing ran (see the module docstring).
         self.num_forced_admissions = 0
@@ -150,15 +199,26 @@ class Scheduler:
             if job.request.request_id == request_id:
                 self.waiting.remove(job)
                 aborted += job.seqs
+        for job in [j for j in self.prefilling if j.request.request_id == request_id]:
+            self.drop_prefilling(job)
+            aborted += job.seqs
         for seq in [s for s in self.running if s.request.request_id == request_id]:
             aborted.append(seq)
         for seq in aborted:
             self.finish(seq, FinishReason.ABORT)
         return aborted
 
+    def drop_prefilling(self, job: PrefillJob) -> None:
+        """Stop a job in the middle of its prefill: free its blocks, forget its progress."""
+        self.prefilling.remove(job)
+        if job.table is not None:
+            self.kv.free(job.table)
+        job.table = None
+        job.num_computed = job.chunk_start = job.chunk_end = job.num_shared_tokens = 0
+
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     # -- one step ----------------------------------------------------------------
     def schedule(self, *, admit_new: bool = True, num_steps: int = 1) -> SchedulerOutput:
@@ -239,37 +299,73 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        """Tokens of a job this step: all that remain without chunked prefill, else what the
+        budget and the chunk size allow."""
+        if not self.config.chunked_prefill:
+            return remaining
+        return min(remaining, budget, self.config.prefill_chunk_size or budget)
+
     def _schedule_prefills(self, out: SchedulerOutput, *, admit_new: bool) -> None:
         kv = self.kv
         budget = self.config.max_num_batched_tokens - len(out.decodes)
-        num_running = len(self.running)
+        # Jobs in the middle of their prefill go first: they hold their blocks already.
+        for job in self.prefilling:
+            size = self._chunk_size(len(job.tokens) - job.num_computed, budget)
+            if size < 1:
+                break
+            job.chunk_start, job.chunk_end = job.num_computed, job.num_computed + size
+            budget -= size
+            self.num_computed_prefill_tokens += size
+            out.prefills.append(job)
         if not self.waiting:
             return
-        reserved = self._next_decode_blocks(out)
+        num_running = len(self.running) + sum(len(j.seqs) for j in self.prefilling)
+        reserved = self._next_decode_blocks(out) + sum(
+            self._first_decode_blocks(len(j.tokens), len(j.seqs)) for j in self.prefilling
+        )
         while self.waiting:
             job = self.waiting[0]
             if not admit_new and job.seqs[0].num_generated == 0:
                 break
-            shared = self._live_prompt_blocks(job)
-            alloc = kv.blocks_for(len(job.tokens)) - len(shared)
+            sibling = self._live_prompt_blocks(job)
+            hits = kv.cached_prefix(job.tokens)
+            shared = hits if len(hits) > len(sibling) else sibling
+            alloc = kv.blocks_to_allocate(len(job.tokens), shared)
             next_step = self._first_decode_blocks(len(job.tokens), len(job.seqs))
             fits = alloc + next_step + reserved + self.watermark_blocks <= kv.num_free
             # Liveness: with nothing running or admitted, the head only needs its prompt's blocks.
-            forced = not fits and not self.running and not out.prefills and alloc <= kv.num_free
+            forced = (
+                not fits
+                and not self.running
+                and not self.prefilling
+                and not out.prefills
+                and alloc <= kv.num_free
+            )
+            remaining = len(job.tokens) - len(shared) * kv.block_size
+            size = self._chunk_size(remaining, budget)
             if (
-                len(job.tokens) > budget
+                size < 1
+                or size > budget
                 or num_running + len(job.seqs) > self.config.max_num_seqs
                 or not (fits or forced)
             ):
                 break  # strict FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
             job.table = kv.allocate(len(job.tokens), shared)
-            job.num_shared_tokens = len(shared) * kv.block_size
+            job.num_shared_tokens = job.num_computed = len(shared) * kv.block_size
+            job.chunk_start, job.chunk_end = job.num_computed, job.num_computed + size
             self.num_forced_admissions += int(forced)
-            self.num_recompute_shared_blocks += len(shared)
-            budget -= len(job.tokens)
+            if shared is sibling:
+                self.num_recompute_shared_blocks += len(shared)
+            else:
+                self.num_prefix_cache_hit_blocks += len(hits)
+                self.num_prefix_cache_hit_tokens += len(hits) * kv.block_size
+            self.num_computed_prefill_tokens += size
+            budget -= size
             num_running += len(job.seqs)
             reserved += next_step
+            self.prefilling.append(job)
             out.prefills.append(job)
 
     def _next_decode_blocks(self, out: SchedulerOutput) -> int:
@@ -313,9 +409,22 @@ class Scheduler:
         return []
 
     # -- results of a step -------------------------------------------------------
+    def finish_chunk(self, job: PrefillJob) -> bool:
+        """After this step's chunk of `job` ran: key its full blocks in the prefix cache and, when
+        the prefill is complete, start its samples (`start_running`). True when it completed."""
+        assert job.table is not None
+        job.num_computed = job.chunk_end
+        self.kv.cache_full_blocks(job.table, job.tokens, job.num_computed)
+        if job.num_computed < len(job.tokens):
+            return False
+        self.start_running(job)
+        return True
+
     def start_running(self, job: PrefillJob) -> None:
         """After `job`'s prefill ran: give each of its samples a table (shared blocks) and run it."""
         assert job.table is not None
+        if job in self.prefilling:
+            self.prefilling.remove(job)
         for i, seq in enumerate(job.seqs):
             seq.table = job.table if i == 0 else self.kv.fork(job.table)
             seq.status = SequenceStatus.RUNNING
