@@ -140,3 +140,23 @@ def test_kernel_reads_a_layer_in_place_with_the_new_token():
             )
         )(case.q, k5, v5, cached, case.block_tables, new_k, new_v, jnp.int32(1))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_chunk_step_reads_the_cache_in_place():
+    """Chunked prefill reads the cached context through the block tables and writes after the scan:
+    its temporaries do not grow with the cache (measured 1.96 MiB for 8 and 32 MiB caches)."""
+    runner = mr.ModelRunner(
+        CONFIG, PARAMS, num_blocks=4096, block_size=16, max_num_seqs=8, max_model_len=256, attention="cpu"
+    )
+    rows, length, width = 4, 64, 8
+    batch = mr.ModelRunner._sampling_batch([(1.0, 1.0, 0, 0, 0, 0)] * 8, 8)
+    zeros = np.zeros((rows, length), np.int32)
+    compiled = mr._prefill_step.lower(
+        runner.params, runner.cache, zeros, np.zeros(rows, np.int32), np.ones(rows, np.int32), zeros,
+        np.zeros((rows, width), np.int32), np.zeros(8, np.int32), batch, config=CONFIG, use_filters=False,
+        num_top=0,
+    ).compile()  # fmt: skip
+    mem = compiled.memory_analysis()
+    cache_bytes = sum(x.nbytes for x in runner.cache.values())
+    assert mem.temp_size_in_bytes < cache_bytes / 8, (mem.temp_size_in_bytes, cache_bytes)
+    assert mem.alias_size_in_bytes >= cache_bytes
