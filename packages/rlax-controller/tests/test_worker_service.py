@@ -211,3 +211,28 @@ def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
     finally:
         dealer.close(0)
     assert isinstance(generate(worker, link, "after"), GenerateResult)
+
+
+def test_bfloat16_on_a_cpu_worker_computes_in_float32_and_says_so(
+    tmp_path: pathlib.Path, toy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The trainer process applies the same rlax_model.dtype_policy: both sides compute alike.
+    with running_server(tmp_path / "ps") as ps_address:
+        config = load_config(
+            None,
+            [
+                f"paramserver.address={ps_address}",
+                f"workers.addresses=[tcp://127.0.0.1:{toy.port()}]",
+                "workers.count=1",
+                "model.param_dtype=bfloat16",
+                f"run.output_dir={tmp_path / 'run'}",
+            ],
+        )
+        with caplog.at_level("WARNING", logger="rlax.model"):
+            worker = WorkerService(config, 0)
+        try:
+            assert worker.model_config.param_dtype == "float32"
+            assert worker.model_config.compute_dtype == "float32"
+            assert "bfloat16" in caplog.text and "float32" in caplog.text
+        finally:
+            worker.close()

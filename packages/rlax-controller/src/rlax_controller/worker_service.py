@@ -63,9 +63,12 @@ class WorkerService:
         self.config = config
         self.index = index
         self.address = config.workers.addresses[index]
+        from rlax_model import dtype_policy
+
         task = build_task(config)
         self.task = task
-        self.model_config = build_model_config(config, task.tokenizer)
+        # bfloat16 on a CPU computes in float32 (and says so), as the trainer does: same numerics.
+        self.model_config = dtype_policy(build_model_config(config, task.tokenizer))
         self.server_id = f"worker{index}-{uuid.uuid4().hex[:8]}"
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -297,13 +300,15 @@ class WorkerService:
         self.queued.clear()
         if not self.engine.has_unfinished:
             return False
-        compiled_before = sum(self.engine.runner.num_compilations.values())
+        compiled_before = dict(self.engine.runner.num_compilations)
         started = time.monotonic()
         outputs = self.engine.step()
         ended = time.monotonic()
-        if sum(self.engine.runner.num_compilations.values()) != compiled_before:
+        if self.engine.runner.num_compilations != compiled_before:
             self.compile_s += ended - started  # a shape the warm-up did not cover
             now = ended  # not generation time either
+            new = {k: v - compiled_before.get(k, 0) for k, v in self.engine.runner.num_compilations.items()}
+            log.info("compiled new shapes during the run in %.1fs: %s", ended - started, new)
         else:
             self.engine_s += ended - started
         self.active_s += ended - now  # this round's socket, version check, reload and step
