@@ -177,3 +177,24 @@ def test_unreadable_metadata_is_damage_named_by_step(tmp_path, caplog):
         with pytest.raises(RuntimeError, match=r"no loadable checkpoint.*step 2: unreadable metadata JSON"):
             ckpt.restore(small_state(0), step=2)
     assert "checkpoint step 2 in" in caplog.text and "is damaged: unreadable metadata JSON" in caplog.text
+
+
+def test_fingerprint_is_the_documented_hash_of_the_raw_bits() -> None:
+    # Checkpoints on disk carry this value: it must not change with how it is computed.
+    # Reference in numpy from the definition: per leaf, sum(bits[i] * (i * 2654435761 + 2k + 1))
+    # ^ size (mod 2^32), mixed as total = total * 16777619 + h (mod 2^32).
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    tree = {
+        "a": rng.normal(size=(300, 7)).astype(np.float32),
+        "b": rng.normal(size=(5,)).astype(ml_dtypes.bfloat16),
+        "c": [rng.integers(-9, 9, size=(4, 4)).astype(np.int32)],
+    }
+    total = 0
+    for k, leaf in enumerate(jax.tree.leaves(tree)):
+        bits = leaf.view(np.uint16 if leaf.dtype.itemsize == 2 else np.uint32).astype(np.uint64).ravel()
+        pos = (np.arange(bits.size, dtype=np.uint64) * 2654435761 + 2 * k + 1) % 2**32
+        h = int((bits * pos % 2**32).sum() % 2**32) ^ bits.size
+        total = (total * 16777619 + h) % 2**32
+    assert state_fingerprint(tree) == total

@@ -84,7 +84,9 @@ def _to_numpy_tree(tree: Any, dtype: str) -> Any:
     import ml_dtypes
 
     target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    return jax.tree.map(lambda x: np.asarray(x).astype(target), tree)
+    # copy=False: a float32 publish of float32 params sends the host arrays as they are
+    # (a second copy of the policy was the trainer's peak on SmolLM2).
+    return jax.tree.map(lambda x: np.asarray(x).astype(target, copy=False), tree)
 
 
 class TrainerLoop:

@@ -116,21 +116,26 @@ def _as_u32(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _fingerprint(tree: Any) -> jax.Array:
-    # Position-weighted sum of the raw bits (mod 2^32) per leaf, mixed across leaves:
-    # any changed, swapped or truncated value changes it; computed where the arrays live.
-    total = jnp.uint32(0)
-    for i, leaf in enumerate(jax.tree.leaves(tree)):
-        u = _as_u32(jnp.asarray(leaf)).ravel()
-        pos = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(2 * i + 1)
-        h = jnp.sum(u * pos, dtype=jnp.uint32) ^ jnp.uint32(u.size)
-        total = total * jnp.uint32(16777619) + h
-    return total
+def _leaf_hash(leaf: jax.Array, index: jax.Array) -> jax.Array:
+    # Position-weighted sum of the raw bits (mod 2^32): any changed, swapped or truncated
+    # value changes it; computed where the array lives.
+    u = _as_u32(jnp.asarray(leaf)).ravel()
+    pos = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + (2 * index + 1).astype(jnp.uint32)
+    return jnp.sum(u * pos, dtype=jnp.uint32) ^ jnp.uint32(u.size)
 
 
 def state_fingerprint(state: Any) -> int:
-    """A 32-bit fingerprint of every array's bits (identical on every process)."""
-    return int(np.asarray(jax.device_get(_fingerprint(state))))
+    """A 32-bit fingerprint of every array's bits (identical on every process).
+
+    One program per leaf shape, mixed on the host: hashing the whole tree in one program let
+    XLA keep every leaf's temporaries alive together (+500 MB on SmolLM2-135M's train state,
+    the trainer's peak); leaf by leaf they are bounded by the largest leaf.
+    """
+    total = 0
+    for i, leaf in enumerate(jax.tree.leaves(state)):
+        h = int(np.asarray(jax.device_get(_leaf_hash(leaf, jnp.uint32(i)))))
+        total = (total * 16777619 + h) % 2**32
+    return total
 
 
 class CheckpointManager:
