@@ -190,7 +190,7 @@ def paged_attention_rows_gpu(
     # One flat page axis over (layer, KV head, page): a reshape, free for a contiguous cache.
     k_flat = k_pages.reshape(-1, page_size, head_dim)
     v_flat = v_pages.reshape(-1, page_size, head_dim)
-    has_new = new_k is not None
+    has_new = new_k is not None and new_v is not None
     if has_new and sliding_window is not None:
         # The kernel's query position is seq_lens - 1, one before the new token's: the new
         # token's window of w (itself included) holds w - 1 cached tokens.
@@ -214,7 +214,7 @@ def paged_attention_rows_gpu(
     page_block = pl.BlockSpec(k_flat.shape, lambda b, h, r: (0, 0, 0))
     per_seq = pl.BlockSpec((1,), lambda b, h, r: (b,))
     new_specs, new_args = [], []
-    if has_new:
+    if new_k is not None and new_v is not None:
         new_block = pl.BlockSpec((None, None, 1, head_dim), lambda b, h, r: (b, h, 0, 0))
         new_specs = [new_block, new_block]
         new_args = [new_k[:, :, None, :], new_v[:, :, None, :]]

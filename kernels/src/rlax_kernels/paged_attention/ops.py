@@ -23,7 +23,7 @@ DMAs and semaphores); otherwise it is an error, never a silent fallback.
 from __future__ import annotations
 
 import functools
-from typing import Literal, NoReturn
+from typing import Literal, NoReturn, cast
 
 import jax
 import jax.numpy as jnp
@@ -359,8 +359,13 @@ def paged_attention(
         raise ValueError(f"{where}: q must be [batch, num_heads, head_dim] (got {report})")
     batch, num_heads, head_dim = q.shape
     # A 5-D cache (with `layer`) is checked as one layer of it.
-    per_layer = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) if p.ndim == 5 else p for p in (k_pages, v_pages)]
-    _check_cache_and_tables(where, num_heads, head_dim, q.dtype, *per_layer, batch, block_tables, report)
+    k_layer, v_layer = (
+        cast(jax.Array, jax.ShapeDtypeStruct(p.shape[1:], p.dtype)) if p.ndim == 5 else p
+        for p in (k_pages, v_pages)
+    )
+    _check_cache_and_tables(
+        where, num_heads, head_dim, q.dtype, k_layer, v_layer, batch, block_tables, report
+    )
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{where}: v_pages must have the shape of k_pages (got {report})")
     check_decode_extras(where, k_pages, layer, new_k, new_v)

@@ -54,7 +54,8 @@ def _kernel(
     has_new: bool,
 ):
     if has_new:
-        new_k_ref, new_v_ref, *refs = refs
+        new_k_ref, new_v_ref, *rest = refs
+        refs = tuple(rest)
     (
         o_ref,  # VMEM [block_rows, head_dim]
         k_buf,  # VMEM [2, block_tokens, head_dim]
@@ -229,7 +230,7 @@ def paged_attention_rows_tpu(
     max_pages = block_tables.shape[1]
     kv_blocks = pl.cdiv(max_pages, pages_per_block)
     block_tokens = pages_per_block * page_size
-    has_new = new_k is not None
+    has_new = new_k is not None and new_v is not None
     if has_new and sliding_window is not None:
         # The kernel's query position is seq_lens - 1, one before the new token's: the new
         # token's window of w (itself included) holds w - 1 cached tokens.
@@ -237,7 +238,7 @@ def paged_attention_rows_tpu(
 
     row_block = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r, i, *_: (b, h, r, 0))
     new_specs, new_args = [], []
-    if has_new:
+    if new_k is not None and new_v is not None:
         new_block = pl.BlockSpec((None, None, 1, head_dim), lambda b, h, r, i, *_: (b, h, 0, 0))
         new_specs = [new_block, new_block]
         new_args = [new_k[:, :, None, :], new_v[:, :, None, :]]

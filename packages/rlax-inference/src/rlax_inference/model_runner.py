@@ -140,7 +140,7 @@ def _decode_attend(backend: str, interpret: bool) -> Callable[..., jax.Array]:
         return rlax_kernels.paged_attention_cpu
     if backend == "xla":
         return rlax_kernels.paged_attention_xla
-    return functools.partial(rlax_kernels.paged_attention, backend=backend, interpret=interpret)
+    return functools.partial(rlax_kernels.paged_attention, backend=backend, interpret=interpret)  # type: ignore[arg-type]
 
 
 def _make_fused_decode_attention(
