@@ -11,6 +11,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from rlax_controller.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 
@@ -212,3 +214,25 @@ def test_chaos_schedule_is_seeded(tmp_path: pathlib.Path) -> None:
 
     assert schedule(1) == schedule(1)
     assert schedule(1) != schedule(2)
+
+
+@pytest.mark.parametrize(("chosen", "expected"), [(None, "2"), ("8", "8")])
+def test_components_start_with_two_malloc_arenas_unless_the_user_chose(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, chosen: str | None, expected: str
+) -> None:
+    if chosen is None:
+        monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    else:
+        monkeypatch.setenv("MALLOC_ARENA_MAX", chosen)
+    out = tmp_path / "arenas"
+    child = py(
+        """
+        import os, pathlib, sys
+        pathlib.Path(sys.argv[1]).write_text(os.environ.get("MALLOC_ARENA_MAX", "unset"))
+        """
+    )
+    sup = Supervisor(
+        [ProcessSpec("main", "trainer", [*child, str(out)], completes_run=True)], tmp_path / "logs", FAST
+    )
+    assert sup.run(install_signal_handlers=False).success
+    assert out.read_text() == expected

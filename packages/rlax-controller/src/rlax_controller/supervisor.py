@@ -130,7 +130,11 @@ class Supervisor:
     # -- process control ----------------------------------------------------------------
     def _start(self, proc: ManagedProcess) -> None:
         log = open(self.log_dir / f"{proc.spec.name}.log", "ab")
-        env = dict(os.environ)
+        # glibc gives every thread that allocates its own malloc arena and keeps what they
+        # free: orbax's writer threads grew the trainer's RSS by ~0.7 GB per checkpoint
+        # (SmolLM2: 3.8 -> 6.6 GB in four steps; stable at 4.2 GB with two arenas).
+        # A value the user set is kept.
+        env = {"MALLOC_ARENA_MAX": "2", **os.environ}
         env.update(proc.spec.env or {})
         try:
             proc.popen = subprocess.Popen(
