@@ -10,8 +10,9 @@ the last 5 steps must be above that of the first 5.
 
 Wall time: 24 minutes (1437 s: about 4 minutes of start-up and compilation, then a median
 61 s per step) on the 2-core development machine while other jobs ran (load 7-16), so
-shorter on a quiet one (29 s per step at load ~6). Rewards, mean of steps 1-5 -> 16-20:
-0.34 -> 0.61 (this test, seed 0) and 0.29 -> 0.80 (the same run with run.seed=1).
+shorter on a quieter one (26 s per step, about 11 minutes in all, at load ~6). Rewards,
+mean of steps 1-5 -> 16-20: 0.34 -> 0.61 (this test, seed 0); the same run with
+run.seed=1: 0.29 -> 0.80, with run.seed=2: 0.25 -> 0.79.
 """
 
 from __future__ import annotations
