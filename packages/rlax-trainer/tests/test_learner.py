@@ -155,3 +155,30 @@ def test_config_errors_name_the_field(model_config, model_params, make_batch):
         learner.update(bad)
     with pytest.raises(ValueError, match="batch has 4 rollouts, expected global_batch=8"):
         learner.update({k: v[:4] for k, v in make_batch(0).items()})
+
+
+def test_release_free_memory_returns_freed_pages_to_the_os() -> None:
+    import ctypes
+    import ctypes.util
+
+    from rlax_trainer.memory import release_free_memory
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+    # Many small blocks (below glibc's mmap threshold) freed: the heap keeps them until trimmed.
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 * 1024) for _ in range(4096)]  # 256 MiB
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)
+    held = rss_mb()
+    for b in blocks[:-1]:  # the last one pins the heap's top: only a real trim returns the rest
+        libc.free(b)
+    before = rss_mb()
+    assert release_free_memory()
+    after = rss_mb()
+    libc.free(blocks[-1])
+    assert held - after > 200 and before - after > 100, (held, before, after)

@@ -239,6 +239,7 @@ class TrainerLoop:
     # ------------------------------------------------------------------ training
     def train(self, batch: TrainBatch) -> dict[str, float]:
         from rlax_trainer import collate
+        from rlax_trainer.memory import release_free_memory
 
         if batch.step != self.step:
             raise RuntimeError(
@@ -251,6 +252,7 @@ class TrainerLoop:
         metrics = self.learner.update(arrays)
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
         metrics["train_seconds"] = time.monotonic() - started
+        release_free_memory()  # the update's temporaries, before the checkpoint allocates
         # Logged before the checkpoint commits: the last line of a step is the committed one.
         append_line_durable(
             self.metrics_path,
@@ -262,6 +264,7 @@ class TrainerLoop:
             self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)}
         )
         self.checkpoints.wait()
+        release_free_memory()  # the checkpoint's buffers, before the next update
         self.step = self.learner.step
         self.publish()
         return metrics
