@@ -215,12 +215,25 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every side"
+    )
+    parser.add_argument(
+        "--rlax-only", action="store_true", help="only the RLAX run (no engine-alone or TRL side)"
+    )
     args = parser.parse_args()
+    OVERRIDES.extend(args.set)
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(args.out or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        everything = run_all(folder, args.steps)
-        text, figures = report(everything)
-        print(text)
+        if args.rlax_only:
+            everything = {"rlax": run_rlax(folder, args.steps)}
+            print(json.dumps(everything["rlax"], indent=1))
+        else:
+            everything = run_all(folder, args.steps)
+            text, figures = report(everything)
+            print(text)
         if args.json:
-            pathlib.Path(args.json).write_text(json.dumps({**figures, "results": everything}, indent=1))
+            pathlib.Path(args.json).write_text(
+                json.dumps({"overrides": OVERRIDES, "results": everything}, indent=1)
+            )
