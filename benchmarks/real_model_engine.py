@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import sys
 import time
+
+from child_result import write_result
 
 
 def main(spec_path: str) -> None:
@@ -56,11 +57,8 @@ def main(spec_path: str) -> None:
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
         "warm_up_s": warm_up_s,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    tmp = out / "engine.json.tmp"
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out / "engine.json")
+    write_result(out, "engine", result)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import sys
 import time
 from typing import Any
+
+from child_result import write_result
 
 
 def main(spec_path: str) -> None:
@@ -104,11 +105,8 @@ def main(spec_path: str) -> None:
             for i, (s, g, r) in enumerate(zip(clock["step"], clock["generation"], rewards, strict=False))
         ],
         "wall_s": wall,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    tmp = out / "trl.json.tmp"
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out / "trl.json")
+    write_result(out, "trl", result)
 
 
 if __name__ == "__main__":
