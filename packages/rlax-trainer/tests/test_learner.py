@@ -182,3 +182,47 @@ def test_release_free_memory_returns_freed_pages_to_the_os() -> None:
     after = rss_mb()
     libc.free(blocks[-1])
     assert held - after > 200 and before - after > 100, (held, before, after)
+
+
+def test_one_minibatch_without_reference_reuses_the_gradient_pass_as_pi_old(
+    model_config, model_params, make_batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One optimizer step per batch: pi_old is the policy the gradient pass evaluates, so its
+    # log-probs (without gradient) replace the separate forward pass. Same update, same metrics.
+    from rlax_trainer import learner as learner_module
+
+    config = rl_config(
+        objective=preset("grpo", kl={"coef": 0.0}, importance={"tis_cap": None}), micro_batch=4
+    )
+    batch = make_batch(2)
+    reused = Learner(model_config, config, model_params)
+    m_reused = reused.update(batch)
+    traced: list[bool] = []
+    monkeypatch.setattr(
+        learner_module, "_reuses_policy_pass", lambda *args, **kwargs: traced.append(True) or False
+    )
+    learner_module._update_jit.clear_cache()  # the same spec must trace the other branch
+    separate = Learner(model_config, config, model_params)
+    m_separate = separate.update(batch)
+    learner_module._update_jit.clear_cache()
+    assert traced, "the separate-pass branch was not traced"
+    np.testing.assert_allclose(flat(reused.host_params()), flat(separate.host_params()), atol=1e-6, rtol=0)
+    for key in (
+        "loss",
+        "pg_loss",
+        "grad_norm",
+        "logprob_delta_p50",
+        "logprob_delta_p95",
+        "logprob_delta_max",
+    ):
+        assert m_reused[key] == pytest.approx(m_separate[key], abs=1e-5), key
+    # And against an independent forward pass of the initial weights, as the worker's numbers are judged.
+    own = rlax_model.logprobs(
+        model_params,
+        jnp.asarray(batch["tokens"]),
+        config=model_config,
+        attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])),
+    )
+    delta = np.abs(np.asarray(own) - batch["worker_logprobs"])[batch["mask"] > 0]
+    assert m_reused["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
+    assert m_reused["on_policy_tokens"] == m_separate["on_policy_tokens"]

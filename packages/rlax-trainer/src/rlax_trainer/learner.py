@@ -143,17 +143,20 @@ def _micro_view(x: jax.Array, n_micro: int) -> jax.Array:
 
 
 def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
+    """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1]))."""
     lp, ent, values = _policy_outputs(spec, params, mb["tokens"], mb["valid"])
     if spec.config.mode == "sft":
         nll = -(mb["weights"] * lp).sum()
-        return nll * scale, {
-            "nll": nll,
-            "entropy": (ent * mb["mask"]).sum() / jnp.maximum(mb["mask"].sum(), 1.0),
-        }
+        return nll * scale, (
+            {"nll": nll, "entropy": (ent * mb["mask"]).sum() / jnp.maximum(mb["mask"].sum(), 1.0)},
+            sg(lp),
+        )
     loss, metrics = objective_loss(
         spec.config.objective,
         logprobs=lp,
-        old_logprobs=mb["old_logprobs"],
+        # Without a separate pi_old pass (_reuses_policy_pass) the policy these params
+        # define is pi_old: its log-probs, without gradient (ratio 1, as TRL does).
+        old_logprobs=mb["old_logprobs"] if "old_logprobs" in mb else sg(lp),
         advantages=mb["advantages"],
         weights=mb["weights"],
         mask=mb["mask"],
@@ -164,7 +167,16 @@ def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
         old_values=mb.get("old_values"),
         returns=mb.get("returns"),
     )
-    return loss * scale, metrics
+    return loss * scale, (metrics, sg(lp))
+
+
+def _reuses_policy_pass(spec: _Spec, has_values: bool, has_ref: bool) -> bool:
+    """True when pi_old equals the policy of the (only) optimizer step: one minibatch, so the
+    gradient pass's own log-probs (without gradient) are pi_old's, and the separate forward
+    pass over the batch can be skipped (it costs a fifth of the update with remat). A value
+    head (its old values shape the advantages) or a reference model keep the pass."""
+    cfg = spec.config
+    return cfg.mode == "rl" and cfg.minibatches == 1 and not has_values and not has_ref
 
 
 def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
@@ -175,12 +187,12 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
     grad_fn = jax.grad(functools.partial(_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
 
     def body(acc, xs):
-        grads, metrics = grad_fn(params, xs)
+        grads, (metrics, lp) = grad_fn(params, xs)
         tokens = xs["mask"].sum()
-        return jax.tree.map(jnp.add, acc, grads), (metrics, tokens)
+        return jax.tree.map(jnp.add, acc, grads), (metrics, tokens, lp)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (metrics, tokens) = jax.lax.scan(body, zeros, micro)
+    grads, (metrics, tokens, lp) = jax.lax.scan(body, zeros, micro)
     merged = {}
     for k, v in metrics.items():
         if k in _SUMMED:
@@ -195,6 +207,8 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
     merged["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    rows = mb["tokens"].shape[0]
+    merged["logprobs"] = lp.swapaxes(0, 1).reshape(rows, *lp.shape[2:])  # back from the micro view
     return (params, opt_state), merged
 
 
@@ -214,9 +228,12 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
             out["ref_logprobs"] = _reference_logprobs(spec, ref, xs["tokens"], xs["valid"])
         return None, out
 
-    view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid")}
-    _, old = jax.lax.scan(old_body, None, view)
-    old = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), old)
+    reuse = _reuses_policy_pass(spec, has_values="value" in state.params, has_ref=ref is not None)
+    old: dict[str, jax.Array] = {}
+    if not reuse:
+        view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid")}
+        _, old = jax.lax.scan(old_body, None, view)
+        old = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), old)
 
     rows = {k: batch[k] for k in ("tokens", "valid", "mask", "worker_logprobs")}
     rows.update({k: v for k, v in old.items() if k != "old_entropy"})
@@ -231,13 +248,18 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
         metrics.update(_stats("reward", batch["rewards"], jnp.ones_like(batch["rewards"])))
     else:
         rows["weights"] = mask / jnp.maximum(mask.sum(), 1.0)
-    delta = jnp.abs(old["old_logprobs"] - batch["worker_logprobs"])
-    metrics.update(_spread("logprob_delta", delta, mask))
-    # The same on rollouts made by the very weights this update starts from: pure
-    # engine-vs-trainer numerical mismatch, without staleness (0 when there are none).
-    on_policy = mask * (batch["versions"] == state.step)[:, None]
-    metrics.update(_spread("logprob_mismatch", delta, on_policy))
-    metrics["on_policy_tokens"] = on_policy.sum()
+
+    def logprob_metrics(old_logprobs: jax.Array) -> None:
+        delta = jnp.abs(old_logprobs - batch["worker_logprobs"])
+        metrics.update(_spread("logprob_delta", delta, mask))
+        # The same on rollouts made by the very weights this update starts from: pure
+        # engine-vs-trainer numerical mismatch, without staleness (0 when there are none).
+        on_policy = mask * (batch["versions"] == state.step)[:, None]
+        metrics.update(_spread("logprob_mismatch", delta, on_policy))
+        metrics["on_policy_tokens"] = on_policy.sum()
+
+    if not reuse:
+        logprob_metrics(old["old_logprobs"])
     lengths = mask.sum(1)
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 
@@ -252,6 +274,9 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     (params, opt_state), mb_metrics = jax.lax.scan(
         functools.partial(_minibatch_step, spec), (state.params, state.opt_state), mbs
     )
+    pass_logprobs = mb_metrics.pop("logprobs")  # [minibatches, rows, T-1]
+    if reuse:  # one minibatch in batch order: the gradient pass's log-probs are pi_old's
+        logprob_metrics(pass_logprobs[0])
     for k, v in mb_metrics.items():
         metrics[k] = v.max() if k.endswith("_max") else v.min() if k.endswith("_min") else v.mean()
     metrics["learning_rate"] = jnp.asarray(
