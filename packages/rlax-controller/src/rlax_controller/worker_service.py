@@ -58,13 +58,12 @@ class WorkerService:
     def __init__(self, config: RunConfig, index: int, *, context: zmq.Context[Any] | None = None) -> None:
         from rlax_controller.models import build_model_config
         from rlax_controller.tasks import build_task
+        from rlax_model import dtype_policy
         from rlax_paramserver import ParamClient
 
         self.config = config
         self.index = index
         self.address = config.workers.addresses[index]
-        from rlax_model import dtype_policy
-
         task = build_task(config)
         self.task = task
         # bfloat16 on a CPU computes in float32 (and says so), as the trainer does: same numerics.
@@ -130,18 +129,19 @@ class WorkerService:
         if pulled is None:
             return
         params = self._to_params(pulled.tree)
-        if self.engine is None:
+        first = self.engine is None
+        if first:
             from rlax_inference.engine import LLMEngine
 
             self.engine = LLMEngine(
                 self.model_config, params, self._engine_config(), weight_version=pulled.version
             )
-            self.reload_s += time.monotonic() - started
-            self._warm_up()
         else:
             self.engine.update_weights(params, pulled.version)
             self.reloads += 1
-            self.reload_s += time.monotonic() - started
+        self.reload_s += time.monotonic() - started
+        if first:
+            self._warm_up()
         log.info("loaded weights version %d (was %s)", pulled.version, self.version)
         self.version = pulled.version
 
@@ -149,8 +149,9 @@ class WorkerService:
         """Compile the shapes the run will use before serving, and count the time as compile time.
 
         Decode: one group's rows (and up to the worker's in-flight groups) at every block-table
-        width; prefill: one request of `group_size` samples at the shortest and the longest of
-        the first prompts of the task. Padding rows and slots only: the cache stays empty.
+        width, with padding rows only (the cache is not written); prefill: a one-token request
+        of `group_size` samples on a dummy prompt as short and as long as the shortest and the
+        longest of the task's first prompts (its blocks go back to the pool).
         """
         from rlax_inference.sequence import SamplingParams
 
