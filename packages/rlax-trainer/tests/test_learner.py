@@ -14,6 +14,18 @@ def flat(tree) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
 
 
+def own_logprobs(model_config, model_params, batch) -> np.ndarray:
+    """Log-probs [rows, T-1] of an independent forward pass of `model_params` over the batch."""
+    return np.asarray(
+        rlax_model.logprobs(
+            model_params,
+            jnp.asarray(batch["tokens"]),
+            config=model_config,
+            attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])),
+        )
+    )
+
+
 def rl_config(**kw) -> LearnerConfig:
     base = dict(
         objective=preset("grpo", importance={"tis_cap": None}),
@@ -47,13 +59,8 @@ def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_para
     # Worker logprobs never act as pi_old: without TIS the update ignores them entirely.
     np.testing.assert_array_equal(flat(a.host_params()), flat(b.host_params()))
     # The mismatch metrics compare the trainer's own forward pass with the worker's numbers.
-    own = rlax_model.logprobs(
-        model_params,
-        jnp.asarray(batch["tokens"]),
-        config=model_config,
-        attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])),
-    )
-    delta = np.abs(np.asarray(own) - batch["worker_logprobs"])[batch["mask"] > 0]
+    own = own_logprobs(model_config, model_params, batch)
+    delta = np.abs(own - batch["worker_logprobs"])[batch["mask"] > 0]
     assert m_a["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
     assert m_a["logprob_delta_p50"] == pytest.approx(np.quantile(delta, 0.5), abs=1e-4)
     assert m_a["logprob_delta_p95"] == pytest.approx(np.quantile(delta, 0.95), abs=1e-4)
@@ -217,12 +224,7 @@ def test_one_minibatch_without_reference_reuses_the_gradient_pass_as_pi_old(
     ):
         assert m_reused[key] == pytest.approx(m_separate[key], abs=1e-5), key
     # And against an independent forward pass of the initial weights, as the worker's numbers are judged.
-    own = rlax_model.logprobs(
-        model_params,
-        jnp.asarray(batch["tokens"]),
-        config=model_config,
-        attention_context=rlax_model.DenseContext(valid=jnp.asarray(batch["valid"])),
-    )
-    delta = np.abs(np.asarray(own) - batch["worker_logprobs"])[batch["mask"] > 0]
+    own = own_logprobs(model_config, model_params, batch)
+    delta = np.abs(own - batch["worker_logprobs"])[batch["mask"] > 0]
     assert m_reused["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
     assert m_reused["on_policy_tokens"] == m_separate["on_policy_tokens"]
