@@ -1,10 +1,20 @@
 """A small request/reply server for RLAX services (verifier service, workers' control ports).
 
 `RpcServer` binds a ROUTER socket, runs the handshake (`Hello` -> `Welcome`, refusing
-other protocol versions), and hands every other request to one handler function in
-its own thread. Anything malformed or unexpected is answered with an `ErrorReply` and
-the server keeps serving; a handler exception becomes an ``internal`` error reply.
-For high-throughput byte movement see how `rlax_paramserver` adds worker threads.
+other protocol versions), and hands every other request to the service in its own
+thread, either one at a time (``handler(message, frames)``) or in batches
+(``batch_handler([(message, frames), ...])``): each time it wakes it drains the
+requests already waiting (at most `max_batch`, optionally waiting `batch_window_s`
+for more) and passes the well-formed ones to the batch handler in one call, then
+answers each request on its own. A batch handler returns one result per request, a
+reply or an exception for that request alone; if it raises instead (or returns the
+wrong number of results) each request of the batch is handed to it again alone, so
+one bad request cannot take the others' answers with it.
+
+Anything malformed, unexpected or larger than `max_request_bytes` is answered with an
+`ErrorReply` and the server keeps serving; a handler exception becomes an
+``internal`` error reply. For high-throughput byte movement see how `rlax_paramserver`
+adds worker threads.
 """
 
 from __future__ import annotations
@@ -20,11 +30,13 @@ from rlax_protocol.errors import ProtocolError, RemoteError
 from rlax_protocol.messages import ErrorReply, Hello, Message
 from rlax_protocol.transport import (
     CurveServerConfig,
+    Deadline,
     PeerRegistry,
     Request,
     parse_request,
     reply_parts,
     start_curve_server,
+    unpack_request_id,
     welcome_for,
 )
 
@@ -33,39 +45,114 @@ log = logging.getLogger(__name__)
 Frames = Sequence[bytes | memoryview | zmq.Frame]
 HandlerResult = Message | tuple[Message, Frames]
 Handler = Callable[[Message, list[zmq.Frame]], HandlerResult]
+BatchResult = HandlerResult | Exception
+BatchHandler = Callable[[list[tuple[Message, list[zmq.Frame]]]], Sequence[BatchResult]]
+
+_ERROR_TEXT_LIMIT = 1000  # an error text may quote hostile input: keep replies small
 
 
 class RpcServer:
-    """Serve `handler(message, frames) -> reply | (reply, frames)` on `bind`.
+    """Serve `handler(message, frames) -> reply | (reply, frames)` on `bind`, or
+    `batch_handler([(message, frames), ...]) -> [reply | (reply, frames) | exception, ...]`.
 
-    The handler may raise `RemoteError(code, message)` to answer with that error, or
-    any `ProtocolError` (answered ``malformed``). Start with `start()` (returns the bound
-    address; ``tcp://127.0.0.1:*`` picks a free port) or use as a context manager.
+    Give exactly one of the two. A handler may raise (a batch handler may return, per
+    request) `RemoteError(code, message)` to answer with that error, or any
+    `ProtocolError` (answered ``malformed``); other exceptions are answered
+    ``internal``. Start with `start()` (returns the bound address;
+    ``tcp://127.0.0.1:*`` picks a free port) or use as a context manager.
+
+    `max_batch` bounds how many requests one batch handler call gets; `batch_window_s`
+    (default 0: only what is already waiting) is how long to wait for more after the
+    first; `max_request_bytes` (default: no limit beyond the message bounds) caps the
+    bytes of one request, raw frames included (``too_large`` otherwise); `poll_s` is
+    the longest the loop sleeps before it checks for `stop()`.
     """
 
     def __init__(
         self,
         bind: str,
-        handler: Handler,
+        handler: Handler | None = None,
         *,
+        batch_handler: BatchHandler | None = None,
+        max_batch: int = 256,
+        batch_window_s: float = 0.0,
+        max_request_bytes: int | None = None,
+        poll_s: float = 0.05,
         server_id: str = "rlax",
         curve: CurveServerConfig | None = None,
         client_idle_timeout_s: float = 600.0,
         max_clients: int = 4096,
     ) -> None:
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("RpcServer: give exactly one of handler and batch_handler")
+        if max_batch < 1:
+            raise ValueError(f"RpcServer: max_batch={max_batch}: must be >= 1")
+        if batch_window_s < 0 or poll_s <= 0:
+            raise ValueError(
+                f"RpcServer: batch_window_s={batch_window_s} must be >= 0 and poll_s={poll_s} > 0"
+            )
+        if max_request_bytes is not None and max_request_bytes < 1:
+            raise ValueError(f"RpcServer: max_request_bytes={max_request_bytes}: must be >= 1")
         self.bind = bind
         self.handler = handler
+        self.batch_handler = batch_handler
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
+        self.max_request_bytes = max_request_bytes
+        self.poll_s = poll_s
         self.server_id = server_id
         self.curve = curve
         self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s, max_peers=max_clients)
         self.address = ""
+        self.stats = {"requests": 0, "batches": 0, "errors": 0}
         self._context: zmq.Context[Any] = zmq.Context()
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._done = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name=f"rpc-{server_id}", daemon=True)
+        self._socket: zmq.Socket[Any] | None = None
+        self._auth: Any = None
+        self._serving = False
+        self._thread = threading.Thread(target=self._run_thread, name=f"rpc-{server_id}", daemon=True)
+
+    def listen(self) -> str:
+        """Bind now, in the calling thread (if not bound yet); returns the bound address."""
+        if self._socket is None:
+            socket = self._context.socket(zmq.ROUTER)
+            socket.linger = 0
+            try:
+                if self.curve is not None:
+                    self._auth = start_curve_server(self._context, socket, self.curve)
+                socket.bind(self.bind)
+            except BaseException:
+                socket.close(0)
+                self._stop_auth()
+                raise
+            self.address = socket.last_endpoint.decode()
+            self._socket = socket
+        return self.address
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until `shutdown()` or `stop()` (binds first if needed).
+
+        For handlers that must run on a particular thread (one that uses signals must
+        run on the main thread); `start()` serves from a thread of its own instead.
+        """
+        self.listen()
+        socket = self._socket
+        assert socket is not None
+        self._serving = True
+        try:
+            self._loop(socket)
+        finally:
+            self._serving = False
+            socket.close(0)
+            self._socket = None
+            self._stop_auth()
+            self._done.set()
 
     def start(self) -> str:
+        """Bind and serve from a thread of its own; returns the bound address."""
         self._thread.start()
         self._ready.wait(30)
         if self._error is not None or not self.address:
@@ -73,11 +160,30 @@ class RpcServer:
             raise RuntimeError(f"{self.server_id}: could not bind {self.bind}: {self._error}")
         return self.address
 
+    def shutdown(self) -> None:
+        """Ask the loop to stop (it does within `poll_s`); safe from a signal handler."""
+        self._stop.set()
+
     def stop(self) -> None:
+        """Stop serving and release the socket; call it from a thread other than the loop's."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        elif self._serving:
+            self._done.wait(10)  # `serve_forever` in another thread closes its socket
+        elif self._socket is not None:  # bound but never served
+            self._socket.close(0)
+            self._socket = None
+            self._stop_auth()
         self._context.term()
+
+    def is_serving(self) -> bool:
+        return self._serving
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def __enter__(self) -> RpcServer:
         self.start()
@@ -86,75 +192,201 @@ class RpcServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def answer(self, request: Request) -> tuple[Message, Frames]:
-        """The reply to one parsed request (handshake, errors and the handler)."""
+    # -- answering
+
+    def screen(self, request: Request) -> ErrorReply | Message | None:
+        """The reply to a request the server answers itself (malformed, handshake), or
+        None when the request is for the handler."""
         message = request.message
         if request.error is not None or message is None:
-            return ErrorReply(code="malformed", message=str(request.error)), ()
+            return ErrorReply(code="malformed", message=_bounded(str(request.error)))
         if isinstance(message, Hello):
             welcome = welcome_for(message, server_id=self.server_id)
             if welcome.accepted:
                 self.peers.admit(request.identity, message.client_id)
-            return welcome, ()
+            return welcome
         if not self.peers.touch(request.identity):
             return ErrorReply(
                 code="handshake_required", message="say Hello (with the protocol version) first"
-            ), ()
-        try:
-            result = self.handler(message, request.frames)
-        except RemoteError as err:
-            return ErrorReply(code=err.code, message=err.remote_message), ()
-        except ProtocolError as err:
-            return ErrorReply(code="malformed", message=str(err)), ()
-        except Exception as err:  # one bad request must not stop the service
-            log.exception("%s: handler failed on %s", self.server_id, type(message).__name__)
-            return ErrorReply(code="internal", message=f"{type(err).__name__}: {err}"), ()
-        return result if isinstance(result, tuple) else (result, ())
+            )
+        return None
 
-    def _serve(self) -> None:
-        socket = self._context.socket(zmq.ROUTER)
-        socket.linger = 0
-        auth = None
+    def answer(self, request: Request) -> tuple[Message, Frames]:
+        """The reply to one parsed request (handshake, errors and the handler)."""
+        early = self.screen(request)
+        if early is not None:
+            return early, ()
+        assert request.message is not None  # screen() answered every request without one
+        return self._handle([request])[0]
+
+    def _handle(self, requests: list[Request]) -> list[tuple[Message, Frames]]:
+        """One reply per request (all screened), through whichever handler was given."""
+        if self.handler is not None:
+            return [self._call_one(self.handler, r) for r in requests]
+        assert self.batch_handler is not None
+        work = [(r.message, r.frames) for r in requests if r.message is not None]
         try:
-            if self.curve is not None:
-                auth = start_curve_server(self._context, socket, self.curve)
-            socket.bind(self.bind)
-            self.address = socket.last_endpoint.decode()
+            results = self.batch_handler(work)
+            if len(results) != len(work):
+                raise RuntimeError(f"batch handler returned {len(results)} results for {len(work)} requests")
+            return [_reply_for(result, self.server_id) for result in results]
+        except Exception as err:
+            if len(requests) == 1:
+                return [_reply_for(err, self.server_id)]
+            # Not one request's fault that we can see: each is tried alone, so a request
+            # that makes the batch handler raise fails by itself.
+            log.warning("%s: batch of %d failed (%s); answering each alone", self.server_id, len(work), err)
+            return [self._handle([r])[0] for r in requests]
+
+    @staticmethod
+    def _call_one(handler: Handler, request: Request) -> tuple[Message, Frames]:
+        assert request.message is not None
+        try:
+            result: BatchResult = handler(request.message, request.frames)
+        except Exception as err:
+            result = err
+        return _reply_for(result, "handler")
+
+    # -- the loop
+
+    def _run_thread(self) -> None:
+        try:
+            self.listen()
         except BaseException as err:
             self._error = err
-            socket.close(0)
-            if auth is not None:
-                auth.stop()
             self._ready.set()
             return
         self._ready.set()
-        try:
-            while not self._stop.is_set():
-                if not socket.poll(50):
-                    continue
-                self._serve_one(socket, socket.recv_multipart(copy=False))
-        finally:
-            socket.close(0)
-            if auth is not None:
-                auth.stop()
+        self.serve_forever()
 
-    def _serve_one(self, socket: zmq.Socket[Any], parts: list[zmq.Frame]) -> None:
-        """Answer one message; whatever it does, the loop goes on to the next one."""
-        request = parse_request(parts)
+    def _loop(self, socket: zmq.Socket[Any]) -> None:
+        poll_ms = max(1, int(self.poll_s * 1000))
+        while not self._stop.is_set():
+            try:
+                if not socket.poll(poll_ms):
+                    continue
+                self._serve_batch(socket, self._drain(socket))
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # outside any one request (the socket itself): log, go on
+                log.exception("%s: serve loop", self.server_id)
+                self._stop.wait(self.poll_s)  # no hot loop if the error persists
+
+    def _drain(self, socket: zmq.Socket[Any]) -> list[list[zmq.Frame]]:
+        """The requests already waiting (at least one: the caller polled), at most `max_batch`."""
+        batch: list[list[zmq.Frame]] = []
+        window = Deadline(self.batch_window_s)
+        while len(batch) < self.max_batch:
+            try:
+                batch.append(socket.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                if not batch:
+                    continue  # the poll said one is there: it is, or the next poll says so
+                remaining = window.remaining()
+                if remaining <= 0 or not socket.poll(max(1, int(remaining * 1000))):
+                    break
+        return batch
+
+    def _serve_batch(self, socket: zmq.Socket[Any], batch: list[list[zmq.Frame]]) -> None:
+        """Answer every message of `batch`; whatever one does, the others are answered."""
+        self.stats["requests"] += len(batch)
+        todo: list[Request] = []
+        for parts in batch:
+            request: Request | None = None
+            early: Message | None
+            try:
+                early = self._too_large(parts)
+                if early is None:
+                    request = parse_request(parts)
+                    early = self.screen(request)
+            except Exception as err:  # defence in depth: parsing must never stop the loop
+                log.exception("%s: could not read a request", self.server_id)
+                early = _internal(f"{type(err).__name__}: {err}")
+            if early is None and request is not None:
+                todo.append(request)
+            else:
+                # Answered at once (a Hello is not kept waiting behind the batch's work).
+                reply = early if early is not None else _internal("no reply")
+                self._send(socket, _identity_of(parts), _request_id_of(parts), reply, ())
+        if not todo:
+            return
+        self.stats["batches"] += 1
         try:
-            reply, frames = self.answer(request)
-            outgoing = reply_parts(request.identity, request.request_id, reply, frames)
+            replies = self._handle(todo)
+        except Exception as err:  # `_handle` catches the handlers' errors; this is ours
+            log.exception("%s: answering a batch failed", self.server_id)
+            replies = [(_internal(f"{type(err).__name__}: {err}"), ())] * len(todo)
+        for request, (reply, frames) in zip(todo, replies, strict=True):
+            self._send(socket, request.identity, request.request_id, reply, frames)
+
+    def _too_large(self, parts: list[zmq.Frame]) -> ErrorReply | None:
+        if self.max_request_bytes is None:
+            return None
+        size = sum(len(p) for p in parts[1:])
+        if size <= self.max_request_bytes:
+            return None
+        return ErrorReply(
+            code="too_large", message=f"request of {size} bytes exceeds the limit of {self.max_request_bytes}"
+        )
+
+    def _send(
+        self, socket: zmq.Socket[Any], identity: bytes, request_id: int, reply: Message, frames: Frames
+    ) -> None:
+        if isinstance(reply, ErrorReply):
+            self.stats["errors"] += 1
+        if not identity:
+            return  # nothing to address a reply to
+        try:
+            outgoing = reply_parts(identity, request_id, reply, frames)
         except Exception as err:  # e.g. a handler returning something that cannot be encoded
             log.exception("%s: could not build a reply", self.server_id)
-            error = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}")
-            outgoing = reply_parts(request.identity, request.request_id, error)
+            outgoing = reply_parts(identity, request_id, _internal(f"{type(err).__name__}: {err}"))
         try:
+            # ROUTER never blocks on send: a reply to a client that is gone is dropped.
             socket.send_multipart(outgoing, copy=False)
         except (zmq.ZMQError, TypeError, ValueError) as err:
             # A frame the socket refuses: tell the client instead of leaving it waiting.
             log.error("%s: could not send a reply: %s", self.server_id, err)
-            error = ErrorReply(code="internal", message=f"reply could not be sent: {err}")
+            error = _internal(f"reply could not be sent: {err}")
             try:
-                socket.send_multipart(reply_parts(request.identity, request.request_id, error))
+                socket.send_multipart(reply_parts(identity, request_id, error))
             except zmq.ZMQError as again:
                 log.error("%s: could not send an error reply either: %s", self.server_id, again)
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= _ERROR_TEXT_LIMIT else text[:_ERROR_TEXT_LIMIT] + "..."
+
+
+def _internal(text: str) -> ErrorReply:
+    return ErrorReply(code="internal", message=_bounded(text))
+
+
+def _reply_for(result: BatchResult, who: str) -> tuple[Message, Frames]:
+    """A handler's result (or the exception it raised or returned) as a reply and frames."""
+    if isinstance(result, RemoteError):
+        return ErrorReply(code=result.code, message=_bounded(result.remote_message)), ()
+    if isinstance(result, ProtocolError):
+        return ErrorReply(code="malformed", message=_bounded(str(result))), ()
+    if isinstance(result, Exception):  # one bad request must not stop the service
+        log.error("%s failed: %s: %s", who, type(result).__name__, result, exc_info=result)
+        return _internal(f"{type(result).__name__}: {result}"), ()
+    if isinstance(result, tuple):
+        return result
+    if isinstance(result, Message):
+        return result, ()
+    return _internal(f"{who} returned {type(result).__name__}, not a message"), ()
+
+
+def _identity_of(parts: Sequence[zmq.Frame]) -> bytes:
+    try:
+        return bytes(parts[0].bytes) if parts else b""
+    except Exception:
+        return b""
+
+
+def _request_id_of(parts: Sequence[zmq.Frame]) -> int:
+    try:
+        return unpack_request_id(parts[1]) if len(parts) > 1 else 0
+    except Exception:
+        return 0
