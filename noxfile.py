@@ -22,6 +22,7 @@ nox.options.reuse_existing_virtualenvs = True
 # Bottom of the dependency graph first; a package is used only once its folder exists.
 PACKAGE_ORDER = [
     "packages/rlax-protocol",
+    "packages/rlax-core",
     "packages/rlax-paramserver",
     "kernels",
     "packages/rlax-model",

@@ -65,7 +65,7 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
     """Launch the run; poll every component's peak RSS until it ends; per-step figures."""
     run_dir = out / "rlax"
     cmd = [
-        sys.executable, "-m", "rlax_controller.cli", "launch", str(CONFIG), *OVERRIDES,
+        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES,
         f"run.steps={steps}", f"run.output_dir={run_dir}", "--overwrite",
     ]  # fmt: skip
     peaks: dict[str, float] = {}
@@ -134,7 +134,7 @@ def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[
 def export_hf(out: pathlib.Path) -> pathlib.Path:
     hf_dir = out / "hf"
     subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "convert", "gguf-to-hf", "--out", str(hf_dir)],
+        [sys.executable, "-m", "rlax_core.cli", "convert", "gguf-to-hf", "--out", str(hf_dir)],
         env=ENV, check=True, timeout=600,
     )  # fmt: skip
     return hf_dir

@@ -24,11 +24,11 @@ from child_result import write_result
 def main(spec_path: str) -> None:
     import torch
     from datasets import Dataset
+    from rlax_core.config import load_config
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlax_controller.config import load_config
-    from rlax_controller.tasks import build_task
+    from rlax_data.run_task import build_task
 
     spec = json.loads(pathlib.Path(spec_path).read_text())
     config = load_config(spec["rlax_config"], spec["overrides"])

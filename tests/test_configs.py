@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from rlax_core.config import load_config
 
-from rlax_controller.config import load_config
-from rlax_controller.trainer_service import learner_config
 from rlax_trainer import PRESET_NAMES
+from rlax_trainer.service import learner_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 FILES = sorted(CONFIGS.rglob("*.yaml"))

@@ -62,7 +62,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "rlax_controller.cli",
+        "rlax_core.cli",
         "launch",
         str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
         f"run.output_dir={out}",
@@ -169,28 +169,35 @@ def test_progress_summary_and_plot(runs: dict[str, Any]) -> None:
 
 
 def test_eval_and_convert_a_finished_run(runs: dict[str, Any]) -> None:
+    """`rlax eval` (the worker's package) evaluates the run's newest published version;
+    `rlax convert to-hf` (the trainer's package) exports the newest checkpoint; evaluated
+    from that folder, the same weights give the same report."""
     from rlax_model import load_hf_checkpoint
 
     config = runs["root"] / "calm" / "config.yaml"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = runs["root"] / "eval"
-    result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "eval", "--config", str(config), "--out", str(out),
-         "eval.num_prompts=8", "eval.n_samples=4", "eval.pass_k=[1,4]"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"checkpoint step {STEPS}" in result.stdout
-    report = json.loads((out / "eval.json").read_text())
-    assert "pass@4" in json.dumps(report)
     hf = runs["root"] / "hf"
     result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "convert", "to-hf", "--config", str(config), "--out", str(hf)],
+        [sys.executable, "-m", "rlax_core.cli", "convert", "to-hf", "--config", str(config), "--out", str(hf)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     model_config, params = load_hf_checkpoint(hf)
     assert model_config.num_layers == 1 and model_config.hidden_size == 32
+    reports = {}
+    for name, extra in (("published", []), ("converted", ["--weights", str(hf)])):
+        out = runs["root"] / f"eval-{name}"
+        result = subprocess.run(
+            [sys.executable, "-m", "rlax_core.cli", "eval", "--config", str(config), "--out", str(out), *extra,
+             "eval.num_prompts=8", "eval.n_samples=4", "eval.pass_k=[1,4]"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        reports[name] = json.loads((out / "eval.json").read_text())
+        said = " ".join(result.stdout.split())
+        assert ("published version" if name == "published" else f"weights {hf}") in said, said
+    assert "pass@4" in json.dumps(reports["published"])
+    assert reports["published"] == reports["converted"]
 
 
 def test_k1_no_trained_rollout_older_than_one_version(runs: dict[str, Any]) -> None:
@@ -229,9 +236,9 @@ def test_pass_rate_prefilter_with_the_trained_tiny_model(
 ) -> None:
     """Issue 6: pre-filtering samples with the real engine and the run's tiny model keeps
     exactly the prompts whose recounted pass rate lies strictly between the bounds."""
-    from rlax_controller.evaluation import engine_sampler
     from rlax_data.curation import PassRateConfig, prefilter_by_pass_rate
     from rlax_data.datasets import load_jsonl
+    from rlax_inference.evaluation import engine_sampler
 
     config = runs["root"] / "calm" / "config.yaml"
     # The 10-step run's model rarely answers right; one token at a high temperature spreads

@@ -16,32 +16,26 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # package import name -> (source folder, RLAX packages it may import)
 ALLOWED: dict[str, tuple[str, set[str]]] = {
     "rlax_protocol": ("packages/rlax-protocol/src", set()),
+    "rlax_core": ("packages/rlax-core/src", {"rlax_protocol"}),
     "rlax_paramserver": ("packages/rlax-paramserver/src", {"rlax_protocol"}),
     "rlax_kernels": ("kernels/src", set()),
-    "rlax_model": ("packages/rlax-model/src", {"rlax_kernels"}),
+    "rlax_model": ("packages/rlax-model/src", {"rlax_core"}),
+    "rlax_data": ("packages/rlax-data/src", {"rlax_protocol", "rlax_core"}),
     "rlax_inference": (
         "packages/rlax-inference/src",
-        {"rlax_model", "rlax_kernels", "rlax_protocol", "rlax_paramserver"},
+        {"rlax_model", "rlax_kernels", "rlax_protocol", "rlax_paramserver", "rlax_core", "rlax_data"},
     ),
-    "rlax_data": ("packages/rlax-data/src", {"rlax_protocol", "rlax_model", "rlax_inference"}),
     "rlax_trainer": (
         "packages/rlax-trainer/src",
-        {"rlax_model", "rlax_protocol", "rlax_paramserver", "rlax_kernels"},
+        {"rlax_model", "rlax_protocol", "rlax_paramserver", "rlax_core", "rlax_data"},
     ),
+    # The controller node installs no JAX: no model, engine, kernels or trainer.
     "rlax_controller": (
         "packages/rlax-controller/src",
-        {
-            "rlax_protocol",
-            "rlax_data",
-            "rlax_paramserver",
-            "rlax_model",
-            "rlax_inference",
-            "rlax_trainer",
-            "rlax_kernels",
-        },
+        {"rlax_protocol", "rlax_core", "rlax_data", "rlax_paramserver"},
     ),
 }
-JAX_FREE = {"rlax_protocol", "rlax_paramserver"}
+JAX_FREE = {"rlax_protocol", "rlax_core", "rlax_paramserver", "rlax_data", "rlax_controller"}
 JAX_LIBS = {"jax", "jaxlib", "flax", "optax", "orbax", "torch"}
 FORBIDDEN_ANYWHERE = {"pickle", "cloudpickle", "dill"}
 

@@ -22,7 +22,7 @@ STEPS = 30
 
 def run_demo(out: pathlib.Path, cache: pathlib.Path, j: int, k: int) -> float:
     cmd = [
-        sys.executable, "-m", "rlax_controller.cli", "launch", str(ROOT / "configs" / "demo.yaml"),
+        sys.executable, "-m", "rlax_core.cli", "launch", str(ROOT / "configs" / "demo.yaml"),
         f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={STEPS}",
         f"workers.j={j}", f"trainer.k={k}", f"controller.lookahead_steps={k}",
         "eval.num_prompts=0",

@@ -37,7 +37,7 @@ PROMPTS_PER_STEP, GROUP, MINIBATCHES = 16, 8, 4
 
 def run_rlax(out: pathlib.Path, cache: pathlib.Path) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "rlax_controller.cli", "launch", str(ROOT / "configs" / "demo.yaml"),
+        sys.executable, "-m", "rlax_core.cli", "launch", str(ROOT / "configs" / "demo.yaml"),
         f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={STEPS}",
         f"eval.every={EVAL_EVERY}", f"trainer.checkpoint_keep={STEPS + 2}",
     ]  # fmt: skip
@@ -71,11 +71,11 @@ def hf_tokenizer(ctok: Any) -> Any:
 def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
+    from rlax_core.config import load_config
     from transformers import LlamaForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlax_controller.config import load_config
-    from rlax_controller.tasks import build_task
+    from rlax_data.run_task import build_task
 
     torch.manual_seed(0)
     config = load_config(config_path, [])
@@ -170,7 +170,7 @@ def test_time_to_reward_target_vs_trl(benchmark: Any, tmp_path: pathlib.Path) ->
     hf_dir = tmp_path / "hf"
     config_path = tmp_path / "rlax" / "config.yaml"
     subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "convert", "to-hf", "--config", str(config_path),
+        [sys.executable, "-m", "rlax_core.cli", "convert", "to-hf", "--config", str(config_path),
          "--out", str(hf_dir), "--step", "0"],
         check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600,
     )  # fmt: skip

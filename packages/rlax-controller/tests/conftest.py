@@ -6,11 +6,11 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import zmq
+from rlax_core.testing import LoopThread
 
 from rlax_controller.scheduling import PromptItem
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
@@ -125,30 +125,6 @@ def toy():
         port = staticmethod(free_port)
 
     return Toy
-
-
-class LoopThread:
-    """Calls `step()` over and over in a thread until `stop()`, keeping what it raised
-    (`error`) for the test to surface: drives one component's loop from one thread."""
-
-    def __init__(self, step: Callable[[], object]) -> None:
-        self.step = step
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.step()
-        except BaseException as error:  # surfaced by the test
-            self.error = error
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive()
 
 
 @pytest.fixture

@@ -9,12 +9,8 @@ from typing import Any
 
 import pytest
 import zmq
-
-from rlax_controller import controller as controller_module
-from rlax_controller.config import load_config
-from rlax_controller.controller import Controller
-from rlax_controller.links import ControlClient, PeerLink
-from rlax_controller.messages import (
+from rlax_core.config import load_config
+from rlax_core.control import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -24,6 +20,10 @@ from rlax_controller.messages import (
     decode_control,
     encode_control,
 )
+from rlax_core.links import ControlClient, PeerLink
+
+from rlax_controller import controller as controller_module
+from rlax_controller.controller import Controller
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.scheduling import PromptItem
 from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError

@@ -6,13 +6,13 @@ import sys
 import time
 
 import pytest
+from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
+from rlax_core.control import BatchRequest, decode_control, encode_control
+from rlax_core.links import ControlClient
 
 from rlax_controller import launcher
-from rlax_controller.cli import main as rlax_main
-from rlax_controller.config import EXIT_CONFIG_ERROR, ConfigError, load_config
+from rlax_core.cli import main as rlax_main
 from rlax_controller.launcher import build_specs, resolve_addresses
-from rlax_controller.links import ControlClient
-from rlax_controller.messages import BatchRequest, decode_control, encode_control
 from rlax_controller.supervisor import SupervisorReport
 from rlax_protocol.errors import ProtocolTimeoutError
 
@@ -22,7 +22,7 @@ def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.
     out = tmp_path / "out"
     config.write_text(f"run:\n  output_dir: {out}\nworkers:\n  count: 2\n")
     result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config), "trainer.k=-1"],
+        [sys.executable, "-m", "rlax_core.cli", "launch", str(config), "trainer.k=-1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -70,13 +70,11 @@ def test_launch_of_a_valid_config_passes_every_component_check(tmp_path: pathlib
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["trainer", "trainer.micro_batch=5"], "micro_batch=5 must divide"),
-        (["worker", "--index", "0", "workers.attention=fast"], "EngineConfig.attention"),
-        (["worker", "--index", "7"], "--index 7"),
-        (
-            ["paramserver", "paramserver.address=tcp://127.0.0.1:9", "paramserver.state_dir={file}"],
-            "is a file",
-        ),
+        (["trainer", "--config", "{config}", "trainer.micro_batch=5"], "micro_batch=5 must divide"),
+        (["worker", "--config", "{config}", "--index", "0", "workers.attention=fast"], "EngineConfig.attention"),
+        (["worker", "--config", "{config}", "--index", "7"], "--index 7"),
+        (["controller", "--config", "{config}", "model.max_seq_len=3"], "no room to generate"),
+        (["paramserver", "--bind", "tcp://127.0.0.1:9", "--state-dir", "{file}"], "is a file"),
     ],
 )
 def test_a_component_whose_config_is_rejected_exits_with_the_config_error_code(
@@ -88,10 +86,15 @@ def test_a_component_whose_config_is_rejected_exits_with_the_config_error_code(
     config.write_text(
         f"run:\n  output_dir: {tmp_path / 'out'}\nworkers:\n  count: 1\n  addresses: [tcp://127.0.0.1:9]\n"
     )
-    command, *rest = (arg.format(file=a_file) for arg in argv)
-    assert rlax_main([command, "--config", str(config), *rest]) == EXIT_CONFIG_ERROR
+    command, *rest = (arg.format(file=a_file, config=config) for arg in argv)
+    try:
+        code = rlax_main([command, *rest])
+    except SystemExit as stop:  # the parameter server exits from its argument parser
+        code = stop.code
+    assert code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
-    assert f"rlax {command}: invalid config" in err and needle in err
+    prog = "rlax-paramserver" if command == "paramserver" else f"rlax {command}"
+    assert f"{prog}: invalid config" in err and needle in err
     assert not (tmp_path / "out").exists()
 
 
@@ -99,7 +102,7 @@ def test_unknown_key_in_yaml_is_named(tmp_path: pathlib.Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("trainer:\n  learning_rate: 0.1\n")
     result = subprocess.run(
-        [sys.executable, "-m", "rlax_controller.cli", "launch", str(config)],
+        [sys.executable, "-m", "rlax_core.cli", "launch", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -161,7 +164,7 @@ def test_worker_with_unreachable_parameter_server_fails_with_a_clear_timeout(
         [
             sys.executable,
             "-m",
-            "rlax_controller.cli",
+            "rlax_core.cli",
             "worker",
             "--config",
             str(config),

@@ -12,8 +12,8 @@ import textwrap
 import time
 
 import pytest
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
-from rlax_controller.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 
 FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
@@ -139,7 +139,7 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
         textwrap.dedent(
             f"""
             import sys
-            from rlax_controller.config import SupervisorConfig
+            from rlax_core.config import SupervisorConfig
             from rlax_controller.supervisor import ProcessSpec, Supervisor
             child = [sys.executable, '-c', {child!r}]
             specs = [ProcessSpec(f'p{{i}}', 'worker', child) for i in range(3)]

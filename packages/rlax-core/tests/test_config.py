@@ -4,8 +4,7 @@ import pathlib
 
 import pytest
 import yaml
-
-from rlax_controller.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+from rlax_core.config import ConfigError, RunConfig, dump_config, load_config, parse_config
 
 
 def write(tmp_path: pathlib.Path, data: object) -> pathlib.Path:

@@ -7,9 +7,7 @@ import json
 import pytest
 import tokenizers
 import transformers
-from tokenizers import decoders, models, pre_tokenizers
-
-from rlax_model import (
+from rlax_core import (
     CharTokenizer,
     ChatTemplate,
     ChatTemplateError,
@@ -17,6 +15,7 @@ from rlax_model import (
     TokenizerError,
     TokenizerLike,
 )
+from tokenizers import decoders, models, pre_tokenizers
 
 # A Qwen/ChatML-style template using the features real templates rely on.
 CHATML = (

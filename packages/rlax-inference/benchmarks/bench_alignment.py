@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rlax_core.tokenizer import Tokenizer
 
 from rlax_inference import EngineConfig, LLMEngine, SamplingParams
 from rlax_model import DenseContext, ModelConfig, dtype_policy, find_smollm2_gguf, load_gguf, logprobs
-from rlax_model.tokenizer import Tokenizer
 
 PROMPTS = int(os.environ.get("RLAX_BENCH_ALIGN_PROMPTS", "2"))
 SAMPLES = 8

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rlax_core.tokenizer import Tokenizer
 from tiny_model import teacher_forced_logprobs
 
 import rlax_protocol as rp
@@ -37,7 +38,6 @@ from rlax_model import (
     load_gguf,
     logprobs,
 )
-from rlax_model.tokenizer import Tokenizer
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 
@@ -170,8 +170,9 @@ def test_worker_and_learner_follow_the_same_dtype_policy(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["default", "RLAX_BF16_ON_CPU=1"])
 def test_trainer_process_learner_config_follows_the_policy(monkeypatch, forced):
-    from rlax_controller.config import load_config
-    from rlax_controller.trainer_service import learner_config
+    from rlax_core.config import load_config
+
+    from rlax_trainer.service import learner_config
 
     if forced:
         monkeypatch.setenv(BF16_ON_CPU_ENV, "1")

@@ -10,14 +10,14 @@ import jax
 import numpy as np
 import pytest
 import zmq
+from rlax_core.config import load_config
+from rlax_core.links import PeerLink
 
-from rlax_controller import worker_service
-from rlax_controller.config import load_config
-from rlax_controller.links import PeerLink
-from rlax_controller.models import build_model_config
-from rlax_controller.tasks import build_task
-from rlax_controller.worker_service import WorkerService
+from rlax_data.run_task import build_task
+from rlax_inference import worker_service
+from rlax_inference.worker_service import WorkerService
 from rlax_model import init_params
+from rlax_model.run_model import build_model_config
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
@@ -46,13 +46,13 @@ def wait_reply(worker: WorkerService, link: PeerLink, timeout: float = 120.0) ->
 
 
 @pytest.fixture
-def setup(tmp_path: pathlib.Path, toy: Any):
+def setup(tmp_path: pathlib.Path, free_tcp_port: int):
     with running_server(tmp_path / "ps") as ps_address:
         config = load_config(
             None,
             [
                 f"paramserver.address={ps_address}",
-                f"workers.addresses=[tcp://127.0.0.1:{toy.port()}]",
+                f"workers.addresses=[tcp://127.0.0.1:{free_tcp_port}]",
                 "workers.count=1",
                 "workers.j=2",
                 "workers.max_batch_seqs=8",
@@ -214,7 +214,7 @@ def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
 
 
 def test_bfloat16_on_a_cpu_worker_computes_in_float32_and_says_so(
-    tmp_path: pathlib.Path, toy: Any, caplog: pytest.LogCaptureFixture
+    tmp_path: pathlib.Path, free_tcp_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The trainer process applies the same rlax_model.dtype_policy: both sides compute alike.
     with running_server(tmp_path / "ps") as ps_address:
@@ -222,7 +222,7 @@ def test_bfloat16_on_a_cpu_worker_computes_in_float32_and_says_so(
             None,
             [
                 f"paramserver.address={ps_address}",
-                f"workers.addresses=[tcp://127.0.0.1:{toy.port()}]",
+                f"workers.addresses=[tcp://127.0.0.1:{free_tcp_port}]",
                 "workers.count=1",
                 "model.param_dtype=bfloat16",
                 f"run.output_dir={tmp_path / 'run'}",

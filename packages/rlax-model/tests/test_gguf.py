@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from rlax_core.tokenizer import Tokenizer
 
 from rlax_model import ModelConfig, forward, init_params
 from rlax_model.gguf_import import (
@@ -22,7 +23,6 @@ from rlax_model.gguf_import import (
     load_gguf,
     unpermute_rope_rows,
 )
-from rlax_model.tokenizer import Tokenizer
 
 PROMPTS = [
     "What is the capital of France?",

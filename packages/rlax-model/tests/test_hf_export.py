@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from rlax_core.tokenizer import CharTokenizer, Tokenizer
 from rlax_model_greedy import greedy_generate
 from test_tokenizer import CHATML, _tiny_bpe
 
@@ -18,7 +19,6 @@ from rlax_model import ModelConfig, init_params
 from rlax_model.checkpoint_hf import CheckpointError, load_hf_checkpoint
 from rlax_model.gguf_import import GGUFFile
 from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder
-from rlax_model.tokenizer import CharTokenizer, Tokenizer
 
 TEXTS = ["12+34=46", "what is 7*8? 56.", "<bos>1-1=0<eos><pad>", "(2+3)*4 = 20"]
 MESSAGES = [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "(9-2)*3="}]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from rlax_controller.convert import main
+from rlax_trainer.convert import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -41,12 +41,13 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 @pytest.mark.slow  # ~30-60 s on 2 shared cores: trainer state, orbax restore, two model loads
 def test_to_hf_exports_a_run_checkpoint_with_its_tokenizer(tmp_path):
-    from rlax_controller.config import load_config
-    from rlax_controller.models import initial_params
-    from rlax_controller.tasks import build_task
-    from rlax_controller.trainer_service import learner_config
+    from rlax_core.config import load_config
+
+    from rlax_data.run_task import build_task
+    from rlax_model.run_model import initial_params
     from rlax_trainer import Learner
     from rlax_trainer.checkpoint import CheckpointManager
+    from rlax_trainer.service import learner_config
 
     overrides = [f"run.output_dir={tmp_path / 'run'}"]
     config = load_config(ROOT / "configs" / "demo.yaml", overrides)
@@ -85,8 +86,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 @pytest.mark.slow
 def test_gguf_to_hf_smollm2_loads_and_matches_rlax(tmp_path):
+    from rlax_core.tokenizer import Tokenizer
+
     from rlax_model.gguf_import import find_smollm2_gguf, load_gguf
-    from rlax_model.tokenizer import Tokenizer
 
     out = tmp_path / "smollm2"
     assert main(["gguf-to-hf", "--out", str(out)]) == 0  # ~100 s on 2 shared cores

@@ -6,7 +6,7 @@ run summary. Importing this package imports no JAX; the trainer and worker proce
 loops (`trainer_service`, `worker_service`) import it when they run.
 """
 
-from rlax_controller.config import (
+from rlax_core.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -14,9 +14,10 @@ from rlax_controller.config import (
     load_config,
     parse_config,
 )
+from rlax_core.control import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
+
 from rlax_controller.controller import Controller, RolloutScorer
 from rlax_controller.launcher import build_specs, launch, resolve_addresses
-from rlax_controller.messages import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
 from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
 from rlax_controller.scheduling import (
     Batch,

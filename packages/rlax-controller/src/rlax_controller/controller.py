@@ -24,10 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import zmq
-
-from rlax_controller.config import RunConfig
-from rlax_controller.links import PeerLink
-from rlax_controller.messages import (
+from rlax_core.config import RunConfig
+from rlax_core.control import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -37,6 +35,8 @@ from rlax_controller.messages import (
     decode_control,
     encode_control,
 )
+from rlax_core.links import PeerLink
+
 from rlax_controller.metrics import MetricsWriter, generation_record, plot_run, read_metrics, summary_rows
 from rlax_controller.scheduling import (
     Batch,

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
+from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
 
-from rlax_controller.config import AUTO, RunConfig, dump_config, load_config
 from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
@@ -44,26 +44,39 @@ def resolve_addresses(config: RunConfig) -> RunConfig:
     )
 
 
-def _rlax(*args: str) -> list[str]:
-    # The same interpreter, so a launch from a virtualenv runs its components there too.
-    return [sys.executable, "-m", "rlax_controller.cli", *args]
+def python_of(config: RunConfig, role: str) -> str:
+    """The interpreter that runs `role`: `supervisor.interpreters[role]`, else this one (so a
+    launch from a virtualenv runs its components there too)."""
+    return config.supervisor.interpreters.get(role, sys.executable)
+
+
+def _rlax(config: RunConfig, role: str, *args: str) -> list[str]:
+    # The front door of the role's environment runs whichever component is installed there.
+    return [python_of(config, role), "-m", "rlax_core.cli", role, *args]
+
+
+def _paramserver_command(config: RunConfig) -> list[str]:
+    # A parameter-server node installs rlax-paramserver alone: its own entry point, no run config.
+    state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
+    flags = ["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep)]
+    return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", state_dir]
 
 
 def build_specs(config: RunConfig, config_path: pathlib.Path) -> list[ProcessSpec]:
     """The processes of a local run, in start order (servers before their clients)."""
     path = str(config_path)
     env = {"PYTHONUNBUFFERED": "1"}
-    specs = [ProcessSpec("paramserver", "paramserver", _rlax("paramserver", "--config", path), env)]
+    specs = [ProcessSpec("paramserver", "paramserver", _paramserver_command(config), env)]
     if config.verifier.mode == "service":
-        specs.append(ProcessSpec("verifier", "verifier", _rlax("verifier", "--config", path), env))
+        command = _rlax(config, "verifier", "--bind", config.verifier.address)
+        specs.append(ProcessSpec("verifier", "verifier", command, env))
     for i in range(config.workers.count):
-        specs.append(
-            ProcessSpec(f"worker{i}", "worker", _rlax("worker", "--config", path, "--index", str(i)), env)
-        )
-    specs.append(ProcessSpec("trainer", "trainer", _rlax("trainer", "--config", path), env))
+        command = _rlax(config, "worker", "--config", path, "--index", str(i))
+        specs.append(ProcessSpec(f"worker{i}", "worker", command, env))
+    specs.append(ProcessSpec("trainer", "trainer", _rlax(config, "trainer", "--config", path), env))
     specs.append(
         ProcessSpec(
-            "controller", "controller", _rlax("controller", "--config", path), env, completes_run=True
+            "controller", "controller", _rlax(config, "controller", "--config", path), env, completes_run=True
         )
     )
     return specs
@@ -137,3 +150,33 @@ def launch(
         console.print(f"plot: {plot}")
     console.print(report.render())
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rlax launch CONFIG [key=value ...] [--overwrite]`."""
+    import argparse
+
+    from rlax_core.cli import setup_logging
+    from rlax_core.config import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="rlax launch", description="run every component locally, supervised"
+    )
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. chaos.interval=5"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete the run's output folder first (else resume)"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        report = launch(args.config, list(args.overrides), overwrite=args.overwrite)
+    except ConfigError as error:
+        print(f"rlax launch: invalid config: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if report.config_error:
+        return EXIT_CONFIG_ERROR
+    return 0 if report.success else 1

@@ -18,8 +18,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-
-from rlax_controller.fsutil import append_line_durable
+from rlax_core.fsutil import append_line_durable
 
 __all__ = [
     "MetricsWriter",

@@ -1,102 +1,48 @@
-"""Every component's typed config, built from the run config by the component's own code.
+"""Checks of a run config before `rlax launch` starts anything.
 
-`rlax launch` calls `validate_components` before it starts any process, so a value that
-a component would reject (a `micro_batch` that does not divide the minibatch, an unknown
-attention backend, ...) stops the launch with that component's message. Each component's
-entry point builds its configs through the same functions at start-up, so a component
-started by hand with a bad config exits with `EXIT_CONFIG_ERROR` (which the supervisor
-never restarts) instead of crashing in a loop.
-
-The checks are not copies of the components' rules: each function constructs the
-component's own config object (`rlax_trainer.LearnerConfig`, `rlax_inference.EngineConfig`,
-`rlax_paramserver.ServerConfig`, the task and model) and only turns its `ValueError` into
-a `ConfigError` that names the component.
+The controller's own checks (the task, the tokenizer, the parameter server's config,
+prompts that fit the model) run here. The trainer's and the workers' typed configs
+(`rlax_trainer.LearnerConfig`, `rlax_inference.EngineConfig`, the model's shapes) are
+built by their own packages, which import JAX: the launcher asks each of them with
+`rlax <role> --check-config` in a process of its own (run with the role's interpreter),
+so the controller's process never imports JAX. A component started by hand runs the same
+checks at start-up and exits with `EXIT_CONFIG_ERROR`, which the supervisor never restarts.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
+import pathlib
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from typing import Any
 
-from rlax_controller.config import ConfigError, RunConfig
+from rlax_core.config import ConfigError, RunConfig, dump_config, rejected_by
 
 __all__ = [
+    "check_components",
     "check_prompts_fit",
-    "engine_config",
-    "learner_configs",
     "paramserver_config",
     "run_task",
-    "task_and_model",
     "validate_components",
 ]
 
-T = TypeVar("T")
-
-
-def _rejected_by(component: str, build: Callable[[], T]) -> T:
-    """`build()`, with a component's `ValueError` (msgspec's `ValidationError` is one)
-    reported as a `ConfigError` naming the component."""
-    try:
-        return build()
-    except ConfigError:
-        raise
-    except ValueError as error:
-        raise ConfigError(f"{component} rejects the config: {error}") from None
+CHECK_TIMEOUT_S = 300.0
 
 
 def run_task(config: RunConfig) -> Any:
-    """The run's `tasks.RunTask` (prompts, tokenizer, verifier) from `data.*`."""
-    from rlax_controller.tasks import build_task
+    """The run's `rlax_data.RunTask` (prompts, tokenizer, verifier) from `data.*`."""
+    from rlax_data.run_task import build_task
 
-    return _rejected_by("the task (data.*)", lambda: build_task(config))
-
-
-def task_and_model(config: RunConfig) -> tuple[Any, Any]:
-    """(`tasks.RunTask`, `rlax_model.ModelConfig`) of the run: the task, and the model
-    shapes every process agrees on (`model.*`)."""
-    from rlax_controller.models import build_model_config
-
-    task = run_task(config)
-
-    def model() -> Any:
-        try:
-            return build_model_config(config, task.tokenizer)
-        except FileNotFoundError as error:  # a model file that is not there will not appear on restart
-            raise ValueError(f"model.path: {error}") from None
-
-    return task, _rejected_by("the model (model.*)", model)
-
-
-def learner_configs(config: RunConfig) -> dict[str, Any]:
-    """The trainer's `rlax_trainer.LearnerConfig`s: `rl`, and `sft` when `trainer.sft_steps`."""
-    from rlax_controller.trainer_service import learner_config
-
-    modes = ["rl", "sft"] if config.trainer.sft_steps else ["rl"]
-    configs: dict[str, Any] = {}
-    for mode in modes:
-        configs[mode] = _rejected_by("the trainer", functools.partial(learner_config, config, mode=mode))
-    return configs
-
-
-def engine_config(config: RunConfig) -> Any:
-    """The workers' `rlax_inference.EngineConfig` (both worker implementations use it)."""
-    from rlax_controller.worker_service import engine_config_fields
-    from rlax_inference.engine import EngineConfig
-
-    return _rejected_by(
-        "the inference engine (workers.*)", lambda: EngineConfig(**engine_config_fields(config))
-    )
+    return rejected_by("the task (data.*)", lambda: build_task(config))
 
 
 def paramserver_config(config: RunConfig) -> Any:
-    """The parameter server's `rlax_paramserver.ServerConfig` as `rlax paramserver` runs it."""
-    import pathlib
-
+    """The parameter server's `rlax_paramserver.ServerConfig` as the launcher runs it."""
     from rlax_paramserver.config import ServerConfig
 
     state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
-    return _rejected_by(
+    return rejected_by(
         "the parameter server (paramserver.*)",
         lambda: ServerConfig(
             bind=config.paramserver.address, keep=config.paramserver.keep, state_dir=pathlib.Path(state_dir)
@@ -121,11 +67,58 @@ def check_prompts_fit(config: RunConfig, task: Any) -> None:
         )
 
 
-def validate_components(config: RunConfig) -> None:
-    """Build the typed config of every component a local launch starts, and check that
-    the data fits the model; raises `ConfigError`."""
-    task, _ = task_and_model(config)
-    learner_configs(config)
-    engine_config(config)
+def check_components(config: RunConfig, roles: Sequence[tuple[str, list[str]]]) -> None:
+    """Run `rlax ROLE --config RESOLVED --check-config [ARGS]` for each (role, args), all at
+    once, each with its role's interpreter; raise `ConfigError` with the first rejection."""
+    from rlax_controller.launcher import python_of
+
+    folder = config.output_dir.parent if config.output_dir.parent.exists() else pathlib.Path.cwd()
+    with tempfile.TemporaryDirectory(prefix=".rlax-check-", dir=folder) as tmp:
+        path = dump_config(config, pathlib.Path(tmp) / "config.yaml")
+        started = [
+            (
+                role,
+                subprocess.Popen(
+                    [
+                        python_of(config, role),
+                        "-m",
+                        "rlax_core.cli",
+                        role,
+                        "--config",
+                        str(path),
+                        "--check-config",
+                        *args,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+            for role, args in roles
+        ]
+        failures: list[str] = []
+        for role, process in started:
+            try:
+                _, err = process.communicate(timeout=CHECK_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                failures.append(f"rlax {role} --check-config did not answer in {CHECK_TIMEOUT_S:.0f}s")
+                continue
+            if process.returncode != 0:
+                lines = [line for line in err.strip().splitlines() if line.strip()]
+                failures.append(
+                    lines[-1] if lines else f"rlax {role} --check-config exited {process.returncode}"
+                )
+    if failures:
+        raise ConfigError("; ".join(failures))
+
+
+def validate_components(config: RunConfig, *, components: bool = True) -> None:
+    """Check everything a local launch starts; raises `ConfigError`. `components=False`
+    skips the trainer's and workers' own checks (the JAX-free part only)."""
+    task = run_task(config)
     paramserver_config(config)
     check_prompts_fit(config, task)
+    if components:
+        check_components(config, [("trainer", []), ("worker", ["--index", "0"])])

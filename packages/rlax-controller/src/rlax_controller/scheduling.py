@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlax_data.run_task import PromptItem
+
 __all__ = [
     "Batch",
     "Group",
@@ -31,15 +33,6 @@ __all__ = [
     "SchedulerConfig",
     "ScoredSample",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptItem:
-    """One prompt from the stream: `record` is what the verifier needs (reference answer...)."""
-
-    prompt_id: str
-    prompt_token_ids: tuple[int, ...]
-    record: Any = None
 
 
 class PromptSource(Protocol):

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlax_controller.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
-from rlax_controller.fsutil import append_line_durable
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
+from rlax_core.fsutil import append_line_durable
 
 __all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport"]
 

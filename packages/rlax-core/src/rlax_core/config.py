@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import pathlib
 import re
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import yaml
@@ -36,6 +37,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_config",
+    "rejected_by",
 ]
 
 PRESETS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gspo", "cispo", "ppo")
@@ -51,6 +53,20 @@ EXIT_CONFIG_ERROR = 78
 
 class ConfigError(ValueError):
     """A run config is invalid; the message names the field path and the bad value."""
+
+
+T = TypeVar("T")
+
+
+def rejected_by(component: str, build: Callable[[], T]) -> T:
+    """`build()`, with a component's `ValueError` (msgspec's `ValidationError` is one)
+    reported as a `ConfigError` that names the component."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(f"{component} rejects the config: {error}") from None
 
 
 def _check(ok: bool, field: str, value: Any, rule: str) -> None:
@@ -171,7 +187,7 @@ class WorkersConfig(_Section):
     `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
     `decode_steps`: decode steps per model call (`EngineConfig.num_decode_steps`; same tokens,
     fewer host round trips; requests join between calls).
-    `implementation`: `builtin` runs `rlax_controller.worker_service` (one loop that checks
+    `implementation`: `builtin` runs `rlax_inference.worker_service` (one loop that checks
     the weights version before admitting new requests); `inference` runs `rlax_inference`'s
     `rlax-worker` (I/O, weights and compute on separate threads; its asynchronous reload
     makes rollouts about one version staler at j=1)."""
@@ -331,16 +347,26 @@ class ChaosConfig(_Section):
             _check(target in allowed, f"targets[{i}]", target, f"must be one of {', '.join(allowed)}")
 
 
+ROLES = ("controller", "trainer", "worker", "paramserver", "verifier")
+
+
 class SupervisorConfig(_Section):
-    """Restart policy of `rlax launch`."""
+    """Restart policy of `rlax launch`, and the Python interpreter of each role.
+
+    `interpreters`: role -> the `python` of the environment that role's package is
+    installed in (e.g. one virtual environment per node role); a role not named runs
+    with the launching interpreter."""
 
     max_restarts: int = 20
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 10.0
     stable_after_s: float = 60.0
     shutdown_grace_s: float = 10.0
+    interpreters: dict[str, str] = {}
 
     def __post_init__(self) -> None:
+        for role in self.interpreters:
+            _check(role in ROLES, "interpreters", role, f"roles are {', '.join(ROLES)}")
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         _check(self.backoff_initial_s > 0, "backoff_initial_s", self.backoff_initial_s, "must be > 0")
         _check(
@@ -511,7 +537,7 @@ def config_to_dict(config: RunConfig) -> dict[str, Any]:
 
 def dump_config(config: RunConfig, path: str | pathlib.Path) -> pathlib.Path:
     """Write the fully resolved config as YAML (atomically) so every process reads the same one."""
-    from rlax_controller.fsutil import atomic_write_bytes
+    from rlax_core.fsutil import atomic_write_bytes
 
     text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
     return atomic_write_bytes(pathlib.Path(path), text.encode())

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from rlax_model.atomic_write import atomic_write_bytes
-from rlax_model.chat_template import ChatTemplate, ChatTemplateError
-from rlax_model.gguf_import import GGUFFile
+from rlax_core.chat_template import ChatTemplate, ChatTemplateError
+from rlax_core.fsutil import atomic_write_bytes
+from rlax_core.gguf_file import GGUFFile
 
 
 class TokenizerError(ValueError):

@@ -12,17 +12,27 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_controller.config import RunConfig
-from rlax_controller.scheduling import PromptItem
+from rlax_core.config import RunConfig
 
-__all__ = ["RunTask", "build_task", "build_tokenizer"]
+__all__ = ["PromptItem", "RunTask", "build_task", "build_tokenizer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptItem:
+    """One prompt of the stream, tokenized: `record` is what the verifier needs (reference
+    answer...). The controller's scheduler groups and dispatches these."""
+
+    prompt_id: str
+    prompt_token_ids: tuple[int, ...]
+    record: Any = None
+
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation records come from a seed no training record uses
 
 
 def model_path(config: RunConfig) -> pathlib.Path:
     if config.model.source == "gguf" and not config.model.path:
-        from rlax_model.gguf_import import find_smollm2_gguf
+        from rlax_core.gguf_file import find_smollm2_gguf
 
         return find_smollm2_gguf()
     return pathlib.Path(config.model.path)
@@ -30,7 +40,7 @@ def model_path(config: RunConfig) -> pathlib.Path:
 
 def build_tokenizer(config: RunConfig, alphabet: str) -> Any:
     """The run's tokenizer: a character tokenizer over the task's alphabet for `tiny`."""
-    from rlax_model.tokenizer import CharTokenizer, Tokenizer
+    from rlax_core.tokenizer import CharTokenizer, Tokenizer
 
     if config.model.source == "tiny":
         return CharTokenizer(alphabet)

@@ -1,45 +1,55 @@
-"""`rlax eval`: pass@k of a run's checkpoint on its task's evaluation prompts, with the
+"""`rlax eval`: pass@k of a run's weights on its task's evaluation prompts, with the
 inference engine in this process; and `engine_sampler`, the sampler factory that
-`rlax curate prefilter --sampler rlax_controller.evaluation:engine_sampler` uses."""
+`rlax curate prefilter --sampler rlax_inference.evaluation:engine_sampler` uses."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_controller.config import RunConfig, load_config
+from rlax_core.cli import component_main, select_platform
+from rlax_core.config import RunConfig, load_config
 
-__all__ = ["EngineSampler", "engine_sampler", "load_run_params", "run"]
+__all__ = ["EngineSampler", "engine_sampler", "load_run_params", "main", "run"]
 
 log = logging.getLogger("rlax.eval")
 
 
-def load_run_params(config: RunConfig, tokenizer: Any, *, step: int | None = None) -> tuple[Any, Any, int]:
-    """(model config, policy params, step) of the run's newest RL checkpoint (or `step`);
-    the initial weights (step -1) when the run has no checkpoint yet."""
-    from rlax_controller.models import initial_params
-    from rlax_controller.trainer_service import learner_config
-    from rlax_trainer import Learner
-    from rlax_trainer.checkpoint import CheckpointManager
+def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> tuple[Any, Any, str]:
+    """(model config, policy params, description) of the weights to evaluate.
 
-    model_config, init = initial_params(config, tokenizer)
-    folder = config.output_dir / "checkpoints" / "rl"
-    if not folder.is_dir():
-        if step is not None:
-            raise FileNotFoundError(f"{folder}: no checkpoints, so step {step} cannot be loaded")
-        return model_config, init, -1
-    template = Learner(model_config, learner_config(config, mode="rl"), init, seed=config.run.seed)
-    manager = CheckpointManager(folder, max_to_keep=config.trainer.checkpoint_keep, asynchronous=False)
-    try:
-        restored = manager.restore(template.state, step=step)
-    finally:
-        manager.close()
-    if restored is None:
-        return model_config, init, -1
-    state, info = restored
-    return model_config, state.params["policy"], info.step
+    `weights`: an HF checkpoint folder (e.g. one written by `rlax convert to-hf`); by default
+    the run's newest published version, read from the parameter server's state folder
+    (`paramserver.state_dir`, default `<run>/paramserver`) — the same bytes the workers
+    pulled; the initial weights when nothing was published yet. A trainer checkpoint of an
+    earlier step is read by the trainer's package: `rlax convert to-hf --step N` first.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from rlax_model import dtype_policy, load_hf_checkpoint
+    from rlax_model.run_model import build_model_config, initial_params
+    from rlax_paramserver.persist import load_newest
+    from rlax_protocol.codec import decode_tree
+
+    if weights:
+        model_config, params = load_hf_checkpoint(weights, param_dtype=config.model.param_dtype)
+        return dtype_policy(model_config), params, f"weights {weights}"
+    state_dir = pathlib.Path(config.paramserver.state_dir or config.output_dir / "paramserver")
+    state, error = load_newest(state_dir)
+    if error:
+        log.warning("newer published versions are corrupt: %s", error)
+    if state is None:
+        model_config, params = initial_params(config, tokenizer)
+        return dtype_policy(model_config), params, "initial weights"
+    model_config = dtype_policy(build_model_config(config, tokenizer))
+    dtype = model_config.param_jnp_dtype
+    tree = decode_tree(state.manifest, state.frames)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), tree)
+    return model_config, params, f"published version {state.version}"
 
 
 class EngineSampler:
@@ -91,39 +101,54 @@ class EngineSampler:
         return result
 
 
-def engine_sampler(config: str, step: str = "", **overrides: str) -> EngineSampler:
-    """Factory for `rlax curate prefilter --sampler rlax_controller.evaluation:engine_sampler
-    --sampler-arg config=RUN.yaml [--sampler-arg step=N]`: the run's newest weights."""
-    from rlax_controller.tasks import build_task
+def engine_sampler(config: str, weights: str = "", **overrides: str) -> EngineSampler:
+    """Factory for `rlax curate prefilter --sampler rlax_inference.evaluation:engine_sampler
+    --sampler-arg config=RUN.yaml [--sampler-arg weights=HF_FOLDER]`: the run's newest
+    published weights by default."""
+    from rlax_data.run_task import build_task
 
     run_config = load_config(config, [f"{k}={v}" for k, v in overrides.items()])
     task = build_task(run_config)
-    model_config, params, _ = load_run_params(run_config, task.tokenizer, step=int(step) if step else None)
+    model_config, params, _ = load_run_params(run_config, task.tokenizer, weights=weights)
     return EngineSampler(run_config, task, model_config, params, seed=run_config.eval.seed)
 
 
-def run(config: RunConfig, *, checkpoint: str = "", out: str = "") -> int:
+def run(config: RunConfig, *, weights: str = "", out: str = "") -> int:
     from rich.console import Console
 
-    from rlax_controller.tasks import build_task
     from rlax_data import evaluate
+    from rlax_data.run_task import build_task
 
     task = build_task(config)
     records = task.eval_records()
     if not records:
         raise SystemExit("rlax eval: eval.num_prompts is 0, nothing to evaluate")
-    model_config, params, step = load_run_params(
-        config, task.tokenizer, step=int(checkpoint) if checkpoint else None
-    )
+    model_config, params, described = load_run_params(config, task.tokenizer, weights=weights)
     sampler = EngineSampler(config, task, model_config, params, seed=config.eval.seed)
-    out_dir = pathlib.Path(out) if out else config.output_dir / "eval" / f"step_{step}"
+    out_dir = (
+        pathlib.Path(out) if out else config.output_dir / "eval" / described.split(" (")[0].replace(" ", "_")
+    )
     report = evaluate(
         records, sampler, task.verifier, n=config.eval.n_samples, ks=config.eval.pass_k, out_dir=out_dir
     )
     console = Console()
-    console.print(
-        f"evaluated {'initial weights' if step < 0 else f'checkpoint step {step}'} on {len(records)} prompts"
-    )
+    console.print(f"evaluated the {described} on {len(records)} prompts")
     console.print((out_dir / "eval.md").read_text() if (out_dir / "eval.md").exists() else str(report))
     console.print(f"report: {out_dir}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlax eval --config RUN.yaml [--weights HF_FOLDER] [--out DIR] [key=value ...]`."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--weights", default="", help="HF checkpoint folder (default: the run's newest published version)"
+        )
+        parser.add_argument("--out", default="", help="folder for the JSON and markdown report")
+
+    def start(config: RunConfig, args: argparse.Namespace) -> int:
+        select_platform(config.workers.platform)
+        return run(config, weights=args.weights, out=args.out)
+
+    return component_main("rlax eval", argv, start, add_arguments=add_arguments)

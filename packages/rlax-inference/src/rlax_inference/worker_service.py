@@ -17,19 +17,22 @@ engine step that had to compile a new shape counts as compile time, not generati
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from rlax_core.cli import component_main, exit_on_sigterm, select_platform
+from rlax_core.config import ConfigError, RunConfig, rejected_by
 
-from rlax_controller.config import RunConfig
 from rlax_protocol.errors import ProtocolError
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample, WorkerStats
 from rlax_protocol.transport import parse_request, reply_parts, welcome_for
 
-__all__ = ["WorkerService", "run"]
+__all__ = ["WorkerService", "check", "main", "run"]
 
 log = logging.getLogger("rlax.worker")
 
@@ -56,9 +59,9 @@ def engine_config_fields(config: RunConfig) -> dict[str, Any]:
 
 class WorkerService:
     def __init__(self, config: RunConfig, index: int, *, context: zmq.Context[Any] | None = None) -> None:
-        from rlax_controller.models import build_model_config
-        from rlax_controller.tasks import build_task
+        from rlax_data.run_task import build_task
         from rlax_model import dtype_policy
+        from rlax_model.run_model import build_model_config
         from rlax_paramserver import ParamClient
 
         self.config = config
@@ -338,3 +341,46 @@ def run(config: RunConfig, index: int) -> int:
     finally:
         service.close()
     return 0
+
+
+def check(config: RunConfig, index: int) -> None:
+    """Build the worker's typed configs (`EngineConfig`, the task's tokenizer, the model's
+    shapes); a `ConfigError` names the component that rejects the config."""
+    from rlax_data.run_task import build_task
+    from rlax_inference.engine import EngineConfig
+    from rlax_model.run_model import checked_model_config
+
+    if not 0 <= index < len(config.workers.addresses):
+        raise ConfigError(f"--index {index}: the config has {len(config.workers.addresses)} worker addresses")
+    select_platform(config.workers.platform)  # before anything imports JAX
+    rejected_by("the inference engine (workers.*)", lambda: EngineConfig(**engine_config_fields(config)))
+    task = rejected_by("the task (data.*)", lambda: build_task(config))
+    checked_model_config(config, task.tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlax-worker --config FILE --index I [key=value ...]` (also `rlax worker`)."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--index", type=int, required=True, help="which of workers.addresses to serve")
+
+    def start(config: RunConfig, args: argparse.Namespace) -> int:
+        from rlax_model.run_model import use_compile_cache
+
+        use_compile_cache(config)
+        exit_on_sigterm()
+        return run(config, args.index)
+
+    return component_main(
+        "rlax worker",
+        argv,
+        start,
+        check=lambda config, args: check(config, args.index),
+        add_arguments=add_arguments,
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -8,7 +8,6 @@ from rlax_model.attention import (
     dense_causal_attention,
     positions_from_valid,
 )
-from rlax_model.chat_template import ChatTemplate, ChatTemplateError
 from rlax_model.checkpoint_hf import (
     CheckpointError,
     config_from_hf,
@@ -25,9 +24,9 @@ from rlax_model.config import (
     RopeScaling,
 )
 from rlax_model.dtype_policy import BF16_ON_CPU_ENV, dtype_policy, resolve_dtypes
-from rlax_model.gguf_import import GGUFError, GGUFFile, find_smollm2_gguf, gguf_config, load_gguf
+from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
+from rlax_model.gguf_import import gguf_config, load_gguf
 from rlax_model.logprobs import logprobs, token_logprobs_from_logits
-from rlax_model.tokenizer import CharTokenizer, Tokenizer, TokenizerError, TokenizerLike
 from rlax_model.transformer import (
     Params,
     Remat,
@@ -42,9 +41,6 @@ from rlax_model.transformer import (
 __all__ = [
     "BF16_ON_CPU_ENV",
     "AttentionFn",
-    "CharTokenizer",
-    "ChatTemplate",
-    "ChatTemplateError",
     "CheckpointError",
     "ConfigError",
     "DenseContext",
@@ -56,9 +52,6 @@ __all__ = [
     "Params",
     "Remat",
     "RopeScaling",
-    "Tokenizer",
-    "TokenizerError",
-    "TokenizerLike",
     "causal_valid_mask",
     "config_from_hf",
     "config_to_hf",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlax_controller.config import RunConfig
+from rlax_core.config import RunConfig
 
-__all__ = ["build_model_config", "initial_params"]
+__all__ = ["build_model_config", "checked_model_config", "initial_params", "use_compile_cache"]
 
 
 def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
@@ -33,7 +33,9 @@ def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
             param_dtype=m.param_dtype,
         )
     if m.source == "gguf":
-        from rlax_model.gguf_import import GGUFFile, find_smollm2_gguf, gguf_config
+        from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
+
+        from rlax_model.gguf_import import gguf_config
 
         return gguf_config(GGUFFile(m.path or find_smollm2_gguf()), param_dtype=m.param_dtype)
     from rlax_model import load_hf_config
@@ -55,3 +57,28 @@ def initial_params(config: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
     if m.source == "gguf":
         return load_gguf(m.path or find_smollm2_gguf(), param_dtype=m.param_dtype)
     return load_hf_checkpoint(m.path, param_dtype=m.param_dtype)
+
+
+def checked_model_config(config: RunConfig, tokenizer: Any) -> Any:
+    """`build_model_config`, with a bad `model.*` (a missing file included: it will not
+    appear on a restart) reported as a `ConfigError` that names the model."""
+    from rlax_core.config import rejected_by
+
+    def model() -> Any:
+        try:
+            return build_model_config(config, tokenizer)
+        except FileNotFoundError as error:
+            raise ValueError(f"model.path: {error}") from None
+
+    return rejected_by("the model (model.*)", model)
+
+
+def use_compile_cache(config: RunConfig) -> None:
+    """JAX's persistent compilation cache at `run.jax_cache_dir` (default `<run>/jax_cache`),
+    so a restarted trainer or worker reuses the executables its previous life compiled."""
+    import jax
+
+    folder = config.run.jax_cache_dir or str(config.output_dir / "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -15,6 +15,10 @@ from rlax_paramserver.server import ParamServer
 from rlax_protocol import CurveServerConfig, load_curve_keypair, load_curve_public_key
 
 
+# sysexits.h EX_CONFIG, the exit code of every RLAX component whose config is rejected.
+EXIT_CONFIG_ERROR = 78
+
+
 def _allowed_keys(paths: list[str]) -> frozenset[bytes]:
     keys: set[bytes] = set()
     for raw in paths:
@@ -85,7 +89,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
             curve=curve,
         )
     except ValueError as err:
-        parser.error(str(err))
+        # EX_CONFIG, like every RLAX component: a supervisor does not restart a rejected config.
+        print(f"rlax-paramserver: invalid config: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
     return config, args.ready_file, args.log_level
 
 

@@ -17,8 +17,39 @@ from __future__ import annotations
 import argparse
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["main"]
+from rlax_core.config import RunConfig
+
+__all__ = ["load_checkpoint_params", "main"]
+
+
+def load_checkpoint_params(
+    config: RunConfig, tokenizer: Any, *, step: int | None = None
+) -> tuple[Any, Any, int]:
+    """(model config, policy params, step) of the run's newest RL checkpoint (or `step`);
+    the initial weights (step -1) when the run has no checkpoint yet."""
+    from rlax_model.run_model import initial_params
+    from rlax_trainer import Learner
+    from rlax_trainer.checkpoint import CheckpointManager
+    from rlax_trainer.service import learner_config
+
+    model_config, init = initial_params(config, tokenizer)
+    folder = config.output_dir / "checkpoints" / "rl"
+    if not folder.is_dir():
+        if step is not None:
+            raise FileNotFoundError(f"{folder}: no checkpoints, so step {step} cannot be loaded")
+        return model_config, init, -1
+    template = Learner(model_config, learner_config(config, mode="rl"), init, seed=config.run.seed)
+    manager = CheckpointManager(folder, max_to_keep=config.trainer.checkpoint_keep, asynchronous=False)
+    try:
+        restored = manager.restore(template.state, step=step)
+    finally:
+        manager.close()
+    if restored is None:
+        return model_config, init, -1
+    state, info = restored
+    return model_config, state.params["policy"], info.step
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,9 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = pathlib.Path(args.out)
     if args.command == "gguf-to-hf":
+        from rlax_core.tokenizer import Tokenizer
+
         from rlax_model.gguf_import import GGUFFile, find_smollm2_gguf, load_gguf
         from rlax_model.hf_export import gguf_sampling_defaults
-        from rlax_model.tokenizer import Tokenizer
 
         file = GGUFFile(args.gguf or find_smollm2_gguf())
         model_config, params = load_gguf(file)
@@ -64,13 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"wrote {out} ({model_config.num_params():,} parameters)")
         return 0
-    from rlax_controller.config import load_config
-    from rlax_controller.evaluation import load_run_params
-    from rlax_controller.tasks import build_task
+    from rlax_core.config import load_config
+
+    from rlax_data.run_task import build_task
 
     config = load_config(args.config, list(args.overrides))
     task = build_task(config)
-    model_config, params, step = load_run_params(config, task.tokenizer, step=args.step)
+    model_config, params, step = load_checkpoint_params(config, task.tokenizer, step=args.step)
     if step < 0:
         raise SystemExit(f"rlax convert to-hf: {config.output_dir} has no RL checkpoint yet")
     # The run's own tokenizer goes with the weights, so the folder encodes prompts as the run did.

@@ -1,4 +1,4 @@
-"""The trainer process (`rlax trainer`): the loop around `rlax_trainer.Learner`.
+"""The trainer process (`rlax trainer`, `rlax-trainer`): the loop around `rlax_trainer.Learner`.
 
     restore the newest checkpoint, or: init (or load) the model, SFT warm start, save step 0
     make sure the parameter server holds the version of that step
@@ -13,18 +13,19 @@ them. The controller learns that step s is done from the next request (step s+1)
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from rlax_controller.config import RunConfig
-from rlax_controller.fsutil import append_line_durable
-from rlax_controller.links import ControlClient
-from rlax_controller.messages import (
+from rlax_core.cli import component_main, exit_on_sigterm, select_platform
+from rlax_core.config import RunConfig, rejected_by
+from rlax_core.control import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -32,8 +33,10 @@ from rlax_controller.messages import (
     decode_control,
     encode_control,
 )
+from rlax_core.fsutil import append_line_durable
+from rlax_core.links import ControlClient
 
-__all__ = ["TrainerLoop", "learner_config", "run"]
+__all__ = ["TrainerLoop", "check", "learner_config", "main", "run"]
 
 log = logging.getLogger("rlax.trainer")
 
@@ -95,9 +98,9 @@ class TrainerLoop:
     def __init__(self, config: RunConfig) -> None:
         import jax
 
-        from rlax_controller.models import initial_params
-        from rlax_controller.tasks import build_task
+        from rlax_data.run_task import build_task
         from rlax_model import dtype_policy
+        from rlax_model.run_model import initial_params
         from rlax_paramserver import ParamClient
         from rlax_trainer import Learner
         from rlax_trainer.checkpoint import CheckpointManager
@@ -326,3 +329,35 @@ def run(config: RunConfig) -> int:
     finally:
         client.close()
         loop.close()
+
+
+def check(config: RunConfig) -> None:
+    """Build the trainer's typed configs (`LearnerConfig` for RL and the SFT warm start, the
+    task, the model's shapes); a `ConfigError` names the component that rejects the config."""
+    from rlax_data.run_task import build_task
+    from rlax_model.run_model import checked_model_config
+
+    select_platform(config.trainer.platform)  # before anything imports JAX
+    for mode in ["rl", "sft"] if config.trainer.sft_steps else ["rl"]:
+        rejected_by("the trainer", functools.partial(learner_config, config, mode=mode))
+    task = rejected_by("the task (data.*)", lambda: build_task(config))
+    checked_model_config(config, task.tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlax-trainer --config FILE [key=value ...]` (also `rlax trainer`)."""
+
+    def start(config: RunConfig, args: argparse.Namespace) -> int:
+        from rlax_model.run_model import use_compile_cache
+
+        use_compile_cache(config)
+        exit_on_sigterm()
+        return run(config)
+
+    return component_main("rlax trainer", argv, start, check=lambda config, args: check(config))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
