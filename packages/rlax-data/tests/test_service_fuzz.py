@@ -26,6 +26,7 @@ from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier
 from rlax_data.verify.registry import RoutingVerifier
+from rlax_protocol import rpc_server
 from rlax_protocol.fuzzing import blast, hostile_requests
 from rlax_protocol.transport import pack_request_id
 
@@ -181,7 +182,7 @@ def hostile(count: int, seed: int) -> Iterator[tuple[list[bytes], bool | None]]:
 def _simulate_unguarded_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `parse_request` raise as it did before the protocol bounded nesting depth, so
     the test shows the service's loop survives whatever its protocol layer lets through."""
-    real = rp.parse_request
+    real = rpc_server.parse_request
 
     def parse_request(parts):
         if len(parts) >= 3 and bytes(parts[2].buffer[:6]) in (
@@ -191,7 +192,7 @@ def _simulate_unguarded_decode(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RecursionError("maximum recursion depth exceeded while deserializing an object")
         return real(parts)
 
-    monkeypatch.setattr(rp, "parse_request", parse_request)
+    monkeypatch.setattr(rpc_server, "parse_request", parse_request)
 
 
 def assert_a_fresh_client_is_served(svc: VerifierService) -> None:

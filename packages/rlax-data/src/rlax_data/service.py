@@ -1,20 +1,33 @@
 """`rlax-verifier`: verification as a ZeroMQ service, so scoring scales out to other hosts.
 
-Wire format: the `rlax_protocol` request/reply framing (DEALER client -> ROUTER server).
-A client says `Hello`, then sends `VerifyRequest`s, pipelined; the server drains what
-has arrived (up to `max_batch`) and scores it as one batch per verifier route, so the
-code sandbox runs the batch's programs in parallel. Each request gets its own
-`VerifyResult`, or an `ErrorReply` when it is malformed, names no verifier, or holds a
-record its verifier refuses; such a request fails alone (see `VerifierService`). No
-message, however hostile, stops the loop: an exception while handling one message is
-answered with an ErrorReply (code "internal") where the sender is known, and the
-server keeps serving. Every receive has a timeout (the loop wakes at least every
-`poll_s` to check for shutdown).
+Wire format: the `rlax_protocol` request/reply framing (DEALER client -> ROUTER server),
+served by `rlax_protocol.RpcServer` with a batch handler. A client says `Hello`, then
+sends either
 
-How a `VerifyRequest` maps onto a record: `verifier` picks the route (it becomes the
-record's `task`); `extra["record"]`, when present, is a JSON-encoded `Record` (tests
-for code, numbers and target for Countdown); otherwise the record is built from
-`reference` (the answer) and `extra["metadata"]` (a JSON object), if given.
+* a batch (what `RemoteVerifier` sends): a `VerifyRequest` header with
+  ``verifier=BATCH_VERIFIER`` and ``extra={"items": "<n>"}``, followed by one raw frame
+  holding the JSON array of ``[completion, record]`` pairs (a `Record` as JSON; its
+  `task` names the verifier route). The reply is a `VerifyResult` header (``correct``
+  when every item was scored, ``reward`` how many were) followed by one raw frame holding the JSON array of
+  per-item outcomes ``[reward, correct, details, code, error]`` (trailing defaults
+  left out; a non-empty ``code`` means that item was refused and says why);
+* or single `VerifyRequest`s, pipelined, each answered with its own `VerifyResult`
+  (or `ErrorReply`).
+
+One message per item cost a round of encode, bounds check, decode and a socket hop
+per completion, about 40x the in-process cost of an exact match; a batch costs one.
+Each time the server wakes it drains the messages already waiting (up to
+`max_batch`) and scores all their items as one batch per verifier route, so the
+code sandbox runs the batch's programs in parallel. An item whose record is
+malformed, names no served route, or is refused by its verifier fails alone (see
+`VerifierService`); a message that cannot be read at all gets an `ErrorReply`. No
+message, however hostile, stops the server, and every receive has a timeout.
+
+How a single `VerifyRequest` maps onto a record: `verifier` picks the route (it
+becomes the record's `task`); `extra["record"]`, when present, is a JSON-encoded
+`Record` (tests for code, numbers and target for Countdown); otherwise the record is
+built from `reference` (the answer) and `extra["metadata"]` (a JSON object), if given.
+A request's (or a batch's) `timeout_s` caps each sandboxed job of its records.
 """
 
 from __future__ import annotations
@@ -23,10 +36,9 @@ import argparse
 import logging
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import yaml
@@ -39,13 +51,19 @@ from rlax_data.verify.base import Verifier, VerifyItem, VerifyResult
 from rlax_data.verify.code import CodeConfig
 from rlax_data.verify.countdown import CountdownConfig
 from rlax_data.verify.registry import RoutingConfig, RoutingVerifier, build_verifier, load_verifier_config
-from rlax_protocol.transport import unpack_request_id
+from rlax_protocol.rpc_server import BatchResult
 
-__all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
+__all__ = ["BATCH_VERIFIER", "RemoteVerifier", "VerifierService", "default_routes", "main"]
 
 log = logging.getLogger("rlax_data.service")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5599"
+BATCH_VERIFIER = "@batch"
+"""The `VerifyRequest.verifier` of a batch header (never a route name: routes may not start with @)."""
+MAX_BATCH_ITEMS = 65_536
+"""Most items one batch message may hold."""
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+"""Most bytes one request (header and frames) may hold."""
 
 
 def default_routes() -> RoutingConfig:
@@ -73,6 +91,15 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
+def _capped(record: Record, timeout_s: float) -> Record:
+    if record.tests is not None and (record.tests.timeout_s is None or record.tests.timeout_s > timeout_s):
+        # The client's deadline caps each sandboxed job of this request.
+        return msgspec.structs.replace(
+            record, tests=msgspec.structs.replace(record.tests, timeout_s=timeout_s)
+        )
+    return record
+
+
 def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
     """(completion, record) for one request; raises `_BadRequest` naming the bad field."""
     if req.verifier not in routes:
@@ -85,14 +112,7 @@ def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
         except (msgspec.DecodeError, RecursionError) as e:  # ValidationError is a DecodeError
             # msgspec recurses into nested JSON: deep nesting exhausts the stack.
             raise _BadRequest("malformed", f"VerifyRequest.extra['record']: {_describe(e)}") from None
-        record = msgspec.structs.replace(record, task=req.verifier)
-        if record.tests is not None and (
-            record.tests.timeout_s is None or record.tests.timeout_s > req.timeout_s
-        ):
-            # The client's deadline caps each sandboxed job of this request.
-            record = msgspec.structs.replace(
-                record, tests=msgspec.structs.replace(record.tests, timeout_s=req.timeout_s)
-            )
+        record = _capped(msgspec.structs.replace(record, task=req.verifier), req.timeout_s)
     else:
         metadata: dict[str, Any] = {}
         if "metadata" in req.extra:
@@ -113,16 +133,103 @@ def request_to_item(req: rp.VerifyRequest, routes: Sequence[str]) -> VerifyItem:
     return req.completion, record
 
 
-class VerifierService:
-    """The ROUTER loop. `serve()` runs until `stop()` (or SIGTERM/SIGINT via `main`).
+class _WireItem(msgspec.Struct, array_like=True, frozen=True):
+    """One item of a batch frame: ``[completion, record]``."""
 
-    A batch is scored one verifier route at a time, so a record one route refuses
-    cannot make another route's programs run again. Within a route, a batch that
-    raises is split in halves until each refused record stands alone: the refused
-    record gets an ErrorReply, and the rest are scored in the largest batches that
-    succeed. Verifiers check every record of a batch before they run anything (the
-    code verifier builds all its jobs before it starts the sandbox), so a refused
-    batch has run no program and no program runs twice.
+    completion: str
+    record: Record
+
+
+class _BatchOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A batch reply frame: `results[i]` is item i's result, None when `refused` holds
+    ``(i, code, why)`` for it."""
+
+    results: list[VerifyResult | None]
+    refused: list[tuple[int, str, str]] = []
+
+
+_ITEMS_DECODER = msgspec.json.Decoder(list[_WireItem])
+_RAW_DECODER = msgspec.json.Decoder(list[msgspec.Raw])
+_ITEM_DECODER = msgspec.json.Decoder(_WireItem)
+_OUTCOME_DECODER = msgspec.json.Decoder(_BatchOutcome)
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_batch(items: Sequence[VerifyItem]) -> bytes:
+    """The JSON frame of a batch message (see the module docstring)."""
+    # A (completion, record) pair encodes as the array `_WireItem` decodes.
+    return _ENCODER.encode(items if isinstance(items, list) else list(items))
+
+
+def decode_batch(
+    data: bytes | memoryview, routes: Sequence[str] | dict[str, Any], timeout_s: float, *, max_items: int
+) -> list[VerifyItem | _BadRequest]:
+    """Each item of a batch frame, or why that item is refused (a bad item fails alone).
+
+    Raises `_BadRequest` when the frame as a whole is unreadable or too long.
+    """
+    try:
+        wire: list[_WireItem | _BadRequest] = list(_ITEMS_DECODER.decode(data))
+    except (msgspec.DecodeError, RecursionError):
+        # Some item is bad (or the frame is): read the array item by item to tell which.
+        try:
+            raws = _RAW_DECODER.decode(data)
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise _BadRequest("malformed", f"batch frame: {_describe(e)}") from None
+        wire = []
+        for n, raw in enumerate(raws):
+            try:
+                wire.append(_ITEM_DECODER.decode(raw))
+            except (msgspec.DecodeError, RecursionError) as e:
+                wire.append(_BadRequest("malformed", f"batch item {n}: {_describe(e)}"))
+    if len(wire) > max_items:
+        raise _BadRequest("too_large", f"batch of {len(wire)} items: at most {max_items} per message")
+    out: list[VerifyItem | _BadRequest] = []
+    for n, item in enumerate(wire):
+        if isinstance(item, _BadRequest):
+            out.append(item)
+        elif item.record.task not in routes:
+            out.append(
+                _BadRequest(
+                    "not_found", f"batch item {n}: task={item.record.task!r}: not one of {sorted(routes)}"
+                )
+            )
+        else:
+            out.append((item.completion, _capped(item.record, timeout_s)))
+    return out
+
+
+class _Plan:
+    """Which items of the batch one message asked for, and how to answer it.
+
+    Its items that were not refused on arrival lie in order from `start` in the
+    batch's item list; `refused` maps a position in the message to why it was.
+    """
+
+    __slots__ = ("batch", "count", "header", "refused", "start")
+
+    def __init__(self, header: rp.VerifyRequest, batch: bool, start: int) -> None:
+        self.header = header
+        self.batch = batch
+        self.start = start
+        self.count = 0
+        self.refused: dict[int, _BadRequest] = {}
+
+
+class VerifierService:
+    """`rlax_protocol.RpcServer` with a batch handler that scores `VerifyRequest`s.
+
+    It binds when built (`bound_address` is then known); `serve()` answers requests
+    in the calling thread until `stop()` (or SIGTERM/SIGINT via `main`); `close()`
+    releases the socket.
+
+    The items of every message drained together are scored one verifier route at a
+    time, so a record one route refuses cannot make another route's programs run
+    again. Within a route, a batch that raises is split in halves until each refused
+    record stands alone: the refused record gets an error, and the rest are scored in
+    the largest batches that succeed. Verifiers check every record of a batch before
+    they run anything (the code verifier builds all its jobs before it starts the
+    sandbox), so a refused batch has run no program and no program runs twice.
     """
 
     def __init__(
@@ -131,152 +238,160 @@ class VerifierService:
         *,
         address: str = DEFAULT_ADDRESS,
         max_batch: int = 256,
-        batch_window_s: float = 0.005,
+        batch_window_s: float = 0.0,
         poll_s: float = 0.2,
         server_id: str = "rlax-verifier",
-        context: zmq.Context[Any] | None = None,
+        max_items: int = MAX_BATCH_ITEMS,
+        max_request_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        bad = [name for name in verifier.routes if name.startswith("@")]
+        if bad:
+            raise ValueError(f"verifier routes {bad}: a route name may not start with '@'")
         self.verifier = verifier
-        self.address = address
-        self.max_batch = max_batch
-        self.batch_window_s = batch_window_s
+        self.max_items = max_items
         self.poll_s = poll_s
-        self.server_id = server_id
-        self.peers = rp.PeerRegistry()
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.bind(address)
-        self.bound_address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._running = True
-        self.stats = {"requests": 0, "batches": 0, "errors": 0, "internal_errors": 0}
+        self.stats = {"requests": 0, "items": 0, "batches": 0, "errors": 0, "internal_errors": 0}
+        self.server = rp.RpcServer(
+            address,
+            batch_handler=self._handle,
+            max_batch=max_batch,
+            batch_window_s=batch_window_s,
+            max_request_bytes=max_request_bytes,
+            poll_s=poll_s,
+            server_id=server_id,
+        )
+        self.bound_address: str = self.server.listen()
 
     def stop(self) -> None:
-        self._running = False
+        """Make `serve()` return (within `poll_s`); safe from a signal handler."""
+        self.server.shutdown()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self.server.stop()
 
-    def _send(self, identity: bytes, request_id: int, msg: rp.Message) -> None:
-        try:
-            rp.send_within(
-                self._sock,
-                rp.reply_parts(identity, request_id, msg),
-                timeout_s=5.0,
-                peer="client",
-                operation="reply",
-            )
-        except rp.ProtocolTimeoutError:
-            log.warning("dropped a reply to a client that stopped reading")
-        except zmq.ZMQError as e:  # e.g. the peer is gone; the next client must still be served
-            log.warning("dropped a reply: %s", e)
+    def serve(self) -> None:
+        """Serve in the calling thread until `stop()`; verifiers that use signals (math
+        with a timeout) need this to be the main thread."""
+        self.server.serve_forever()
 
-    def _error(self, identity: bytes, request_id: int, code: str, message: str) -> None:
-        self.stats["errors"] += 1
-        self._send(identity, request_id, rp.ErrorReply(code=code, message=message))
+    # -- the batch handler
 
-    def _collect(self) -> list[list[zmq.Frame]]:
-        try:
-            batch = [rp.recv_within(self._sock, timeout_s=self.poll_s, peer="clients", operation="request")]
-        except rp.ProtocolTimeoutError:
-            return []
-        end = time.monotonic() + self.batch_window_s
-        while len(batch) < self.max_batch:
+    def _handle(self, batch: list[tuple[rp.Message, list[zmq.Frame]]]) -> list[BatchResult]:
+        """One reply (or error) per message; all their items scored together."""
+        self.stats["requests"] += len(batch)
+        self.stats["batches"] += 1
+        items: list[VerifyItem] = []
+        plans: list[_Plan | Exception] = []
+        for message, frames in batch:
             try:
-                batch.append(
-                    rp.recv_within(
-                        self._sock,
-                        timeout_s=max(0.0, end - time.monotonic()),
-                        peer="clients",
-                        operation="request",
-                    )
-                )
-            except (rp.ProtocolTimeoutError, zmq.ZMQError):
-                break  # score what arrived; a socket error recurs at the next first receive
-        return batch
-
-    def _internal(self, identity: bytes, request_id: int, error: BaseException) -> None:
-        """Answer a message whose handling raised unexpectedly; the loop goes on."""
-        self.stats["internal_errors"] += 1
-        log.error("request failed unexpectedly: %s", _describe(error), exc_info=error)
-        if identity:
-            self._error(identity, request_id, "internal", _describe(error))
-
-    def _admit(self, parts: list[zmq.Frame]) -> _Pending | None:
-        """Parse one message and answer it at once unless it is a VerifyRequest to score."""
-        req = rp.parse_request(parts)
-        if req.error is not None or req.message is None:
-            self._error(
-                req.identity, req.request_id, "malformed", _describe(req.error or ValueError("empty"))
-            )
-            return None
-        msg = req.message
-        if isinstance(msg, rp.Hello):
-            welcome = rp.welcome_for(msg, server_id=self.server_id)
-            if welcome.accepted:
-                self.peers.admit(req.identity)
-            self._send(req.identity, req.request_id, welcome)
-        elif not self.peers.touch(req.identity):
-            self._error(req.identity, req.request_id, "handshake_required", "say Hello first")
-        elif isinstance(msg, rp.VerifyRequest):
-            try:
-                item = request_to_item(msg, list(self.verifier.routes))
+                plans.append(self._plan(message, frames, items))
             except _BadRequest as e:
-                self._error(req.identity, req.request_id, e.code, str(e))
-                return None
-            return _Pending(req.identity, req.request_id, msg, item)
-        else:
-            self._error(
-                req.identity, req.request_id, "unknown_message", f"{type(msg).__name__} is not served here"
-            )
-        return None
-
-    def serve_once(self) -> int:
-        """Receive (with a timeout) and answer one batch; returns how many requests it held."""
-        raw = self._collect()
-        todo: list[_Pending] = []
-        for parts in raw:
-            self.stats["requests"] += 1
-            try:
-                pending = self._admit(parts)
-            except Exception as e:  # one message must never stop the loop
-                self._internal(_identity_of(parts), _request_id_of(parts), e)
+                plans.append(rp.RemoteError(e.code, str(e)))
+            except Exception as e:  # one message must never cost the others their answers
+                self.stats["internal_errors"] += 1
+                log.error("reading a request failed: %s", _describe(e), exc_info=e)
+                plans.append(rp.RemoteError("internal", _describe(e)))
+        self.stats["items"] += len(items)
+        results: list[VerifyResult | Exception]
+        try:
+            results = self._verify(items)
+        except Exception as e:  # not one item's fault (`_verify` catches those): answer all
+            self.stats["internal_errors"] += 1
+            log.error("scoring a batch failed: %s", _describe(e), exc_info=e)
+            results = [e] * len(items)
+        out: list[BatchResult] = []
+        for plan in plans:
+            if isinstance(plan, Exception):
+                self.stats["errors"] += 1
+                out.append(plan)
                 continue
-            if pending is not None:
-                todo.append(pending)
-        if todo:
-            self.stats["batches"] += 1
-            results: list[VerifyResult | Exception]
             try:
-                results = self._verify([p.item for p in todo])
-            except Exception as e:  # not one item's fault (`_verify` catches those): answer all
-                results = [e] * len(todo)
-                log.error("scoring a batch failed: %s", _describe(e), exc_info=e)
-            for p, res in zip(todo, results, strict=True):
-                try:
-                    self._answer(p, res)
-                except Exception as e:
-                    self._internal(p.identity, p.request_id, e)
-        return len(raw)
+                out.append(self._reply(plan, results))
+            except Exception as e:
+                self.stats["internal_errors"] += 1
+                log.error("building a reply failed: %s", _describe(e), exc_info=e)
+                out.append(rp.RemoteError("internal", _describe(e)))
+        return out
 
-    def _answer(self, p: _Pending, res: VerifyResult | Exception) -> None:
-        if isinstance(res, Exception):
-            self._error(p.identity, p.request_id, "bad_request", _describe(res))
-            return
-        detail = msgspec.json.encode(res.details).decode()
-        reply = rp.VerifyResult(
-            request_id=p.message.request_id, reward=res.reward, correct=res.correct, detail=detail
+    def _plan(self, message: rp.Message, frames: list[zmq.Frame], items: list[VerifyItem]) -> _Plan:
+        if not isinstance(message, rp.VerifyRequest):
+            raise _BadRequest("unknown_message", f"{type(message).__name__} is not served here")
+        if message.verifier != BATCH_VERIFIER:
+            if frames:
+                raise _BadRequest("malformed", f"a VerifyRequest takes no raw frames, got {len(frames)}")
+            plan = _Plan(message, batch=False, start=len(items))
+            items.append(request_to_item(message, list(self.verifier.routes)))
+            plan.count = 1
+            return plan
+        if len(frames) != 1:
+            raise _BadRequest("malformed", f"a batch takes one raw frame (its items), got {len(frames)}")
+        decoded = decode_batch(
+            frames[0].buffer, self.verifier.routes, message.timeout_s, max_items=self.max_items
         )
-        self._send(p.identity, p.request_id, reply)
+        if message.extra.get("items") != str(len(decoded)):
+            raise _BadRequest(
+                "malformed",
+                f"batch header says {message.extra.get('items')!r} items, frame holds {len(decoded)}",
+            )
+        plan = _Plan(message, batch=True, start=len(items))
+        plan.count = len(decoded)
+        for n, item in enumerate(decoded):
+            if isinstance(item, _BadRequest):
+                plan.refused[n] = item
+            else:
+                items.append(item)
+        return plan
+
+    def _reply(self, plan: _Plan, results: list[VerifyResult | Exception]) -> BatchResult:
+        header = plan.header
+        if not plan.batch:
+            res = results[plan.start]
+            if isinstance(res, Exception):
+                self.stats["errors"] += 1
+                return rp.RemoteError("bad_request", _describe(res))
+            return rp.VerifyResult(
+                request_id=header.request_id,
+                reward=res.reward,
+                correct=res.correct,
+                detail=msgspec.json.encode(res.details).decode(),
+            )
+        mine = results[plan.start : plan.start + plan.count - len(plan.refused)]
+        scored: list[VerifyResult | Exception | None]
+        if plan.refused:  # put the refused back in their places
+            scored, it = [], iter(mine)
+            for n in range(plan.count):
+                scored.append(None if n in plan.refused else next(it))
+        else:
+            scored = list(mine)
+        refused = [(n, e.code, str(e)) for n, e in plan.refused.items()]
+        for n, res in enumerate(scored):
+            if isinstance(res, Exception):
+                refused.append((n, "bad_request", _describe(res)))
+                scored[n] = None
+        outcome = _BatchOutcome(scored, sorted(refused))  # type: ignore[arg-type]  # no exceptions left
+        try:
+            frame = _ENCODER.encode(outcome)
+        except (TypeError, ValueError, OverflowError, RecursionError):
+            # Some verifier returned details that cannot be sent: that item fails alone.
+            for n, res in enumerate(scored):
+                if isinstance(res, VerifyResult) and (why := _unencodable(res)):
+                    scored[n] = None
+                    refused.append((n, "internal", f"result cannot be sent: {why}"))
+            frame = _ENCODER.encode(_BatchOutcome(scored, sorted(refused)))  # type: ignore[arg-type]
+        self.stats["errors"] += len(refused)
+        reply = rp.VerifyResult(
+            request_id=header.request_id, reward=float(plan.count - len(refused)), correct=not refused
+        )
+        return reply, [frame]
 
     def _verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
         """One result or the exception that refused it, per item, route by route."""
         out: list[VerifyResult | Exception | None] = [None] * len(items)
         by_route: dict[str, list[int]] = {}
         for i, (_, record) in enumerate(items):
-            by_route.setdefault(record.task or "", []).append(i)  # `request_to_item` set a served route
+            by_route.setdefault(record.task or "", []).append(i)  # a served route, checked on arrival
         for route, indices in by_route.items():
             self._verify_route(self.verifier.routes[route], items, indices, out)
         return out  # type: ignore[return-value]
@@ -306,81 +421,103 @@ class VerifierService:
         for i, res in zip(indices, results):
             out[i] = res
 
-    def serve(self) -> None:
-        while self._running:
-            try:
-                self.serve_once()
-            except zmq.ContextTerminated:
-                return
-            except Exception as e:  # outside any one message (the socket itself): log, go on
-                self.stats["internal_errors"] += 1
-                log.error("serve loop: %s", _describe(e), exc_info=e)
-                time.sleep(min(self.poll_s, 0.1))  # no hot loop if the error persists
 
-
-class _Pending(NamedTuple):
-    """A VerifyRequest that passed every check and waits for its batch to be scored."""
-
-    identity: bytes
-    request_id: int
-    message: rp.VerifyRequest
-    item: VerifyItem
-
-
-def _identity_of(parts: Sequence[zmq.Frame]) -> bytes:
+def _unencodable(result: VerifyResult) -> str:
+    """Why `result` cannot be encoded, or "" when it can."""
     try:
-        return bytes(parts[0].bytes) if parts else b""
-    except Exception:
-        return b""
-
-
-def _request_id_of(parts: Sequence[zmq.Frame]) -> int:
-    try:
-        return unpack_request_id(parts[1]) if len(parts) > 1 else 0
-    except Exception:
-        return 0
+        _ENCODER.encode(result)
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        return _describe(e)
+    return ""
 
 
 class RemoteVerifier:
     """A `Verifier` whose work is done by an `rlax-verifier` service.
 
-    Requests are pipelined; `timeout_s` bounds the wait for the whole batch (each
-    request still has its own receive deadline). Raises `RemoteError` if the service
-    refuses an item.
+    The items go in batch messages of at most `chunk_items` items (and about
+    `chunk_bytes` bytes), pipelined; `timeout_s` bounds the wait for the whole call.
+    Raises `RemoteError` if the service refuses an item (naming the first refused).
     """
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, *, timeout_s: float = 60.0, client: rp.RpcClient | None = None
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout_s: float = 60.0,
+        client: rp.RpcClient | None = None,
+        chunk_items: int = 1024,
+        chunk_bytes: int = MAX_BATCH_BYTES // 4,
+        sandbox_timeout_s: float = 10.0,
     ):
+        if chunk_items < 1 or chunk_bytes < 1:
+            raise ValueError(f"chunk_items={chunk_items} and chunk_bytes={chunk_bytes}: must be >= 1")
         self.client = client or rp.RpcClient(address, timeout_s=timeout_s, role="verifier-client")
         self.timeout_s = timeout_s
+        self.chunk_items = chunk_items
+        self.chunk_bytes = chunk_bytes
+        self.sandbox_timeout_s = sandbox_timeout_s
+
+    def _chunks(self, items: Sequence[VerifyItem], start: int) -> list[tuple[int, int, bytes]]:
+        """(first index, count, frame) per batch message, halving any over `chunk_bytes`."""
+        frame = encode_batch(items)
+        if len(frame) <= self.chunk_bytes or len(items) == 1:
+            return [(start, len(items), frame)]
+        mid = len(items) // 2
+        return self._chunks(items[:mid], start) + self._chunks(items[mid:], start + mid)
 
     def verify(self, items: Sequence[VerifyItem]) -> list[VerifyResult]:
-        ids: dict[int, int] = {}
-        for i, (completion, record) in enumerate(items):
-            req = rp.VerifyRequest(
-                request_id=record.id,
-                verifier=record.task or "",
-                completion=completion,
-                reference=record.answer or "",
-                extra={"record": msgspec.json.encode(record).decode()},
-            )
-            ids[self.client.send_request(req)] = i
-        out: list[VerifyResult | None] = [None] * len(items)
         deadline = rp.Deadline(self.timeout_s)
-        pending = set(ids)
+        for attempt in range(2):
+            try:
+                return self._verify_once(items, deadline)
+            except rp.RemoteError as e:
+                if e.code != "handshake_required" or attempt:
+                    raise
+                self.client.reset()  # the service restarted or forgot us: say Hello again
+        raise AssertionError("unreachable")
+
+    def _verify_once(self, items: Sequence[VerifyItem], deadline: rp.Deadline) -> list[VerifyResult]:
+        sent: dict[int, tuple[int, int]] = {}
+        for s in range(0, len(items), self.chunk_items):
+            for start, count, frame in self._chunks(items[s : s + self.chunk_items], s):
+                header = rp.VerifyRequest(
+                    request_id=f"batch-{start}",
+                    verifier=BATCH_VERIFIER,
+                    completion="",
+                    extra={"items": str(count)},
+                    timeout_s=self.sandbox_timeout_s,
+                )
+                rid = self.client.send_request(header, [frame], timeout_s=max(deadline.remaining(), 1e-3))
+                sent[rid] = (start, count)
+        out: list[VerifyResult | None] = [None] * len(items)
+        pending = set(sent)
         while pending:
             rid, reply = self.client.recv_reply(
-                pending, timeout_s=deadline.remaining(), operation="VerifyRequest"
+                pending, timeout_s=deadline.remaining(), operation="VerifyRequest batch"
             )
             pending.discard(rid)
+            start, count = sent[rid]
             msg = reply.message
             if isinstance(msg, rp.ErrorReply):
                 raise rp.RemoteError(msg.code, msg.message, peer=self.client.peer)
-            if not isinstance(msg, rp.VerifyResult):
-                raise rp.MalformedMessageError(f"verifier answered with {type(msg).__name__}")
-            details = msgspec.json.decode(msg.detail) if msg.detail else {}
-            out[ids[rid]] = VerifyResult(reward=msg.reward, correct=msg.correct, details=details)
+            if not isinstance(msg, rp.VerifyResult) or len(reply.frames) != 1:
+                raise rp.MalformedMessageError(
+                    f"verifier answered a batch with {type(msg).__name__} and {len(reply.frames)} frames"
+                )
+            try:
+                outcome = _OUTCOME_DECODER.decode(reply.frames[0].buffer)
+            except (msgspec.DecodeError, RecursionError) as e:
+                raise rp.MalformedMessageError(f"verifier's batch reply: {_describe(e)}") from None
+            if len(outcome.results) != count:
+                raise rp.MalformedMessageError(
+                    f"verifier answered {len(outcome.results)} of a batch of {count}"
+                )
+            if outcome.refused:
+                n, code, why = outcome.refused[0]
+                raise rp.RemoteError(code, f"item {start + n}: {why}", peer=self.client.peer)
+            if None in outcome.results:
+                raise rp.MalformedMessageError("verifier left an item of a batch without a result")
+            out[start : start + count] = outcome.results
         return out  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -405,12 +542,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML routing config ({kind: routing, routes: {...}})")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--poll-s", type=float, default=0.2)
+    parser.add_argument(
+        "--batch-window-s",
+        type=float,
+        default=0.0,
+        help="after a request arrives, wait this long for more to score with it (default: none)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlax-verifier %(levelname)s %(message)s")
     cfg = _load_config(args.config)
     verifier = build_verifier(cfg)
     assert isinstance(verifier, RoutingVerifier)
-    service = VerifierService(verifier, address=args.bind, max_batch=args.max_batch, poll_s=args.poll_s)
+    service = VerifierService(
+        verifier,
+        address=args.bind,
+        max_batch=args.max_batch,
+        batch_window_s=args.batch_window_s,
+        poll_s=args.poll_s,
+    )
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
     # The bound address (a random port when asked for :0) is the first line on stdout.
