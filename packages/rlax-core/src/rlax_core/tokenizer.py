@@ -45,8 +45,8 @@ def _token_text(value: Any) -> str | None:
     # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping) and isinstance(content := value.get("content"), str):
+        return content
     raise TokenizerError(f"special token {value!r} is neither a string nor a {{'content': ...}} mapping")
 
 
