@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import tokenizers
 import transformers
 from rlax_core import (
     CharTokenizer,
@@ -15,38 +14,13 @@ from rlax_core import (
     TokenizerError,
     TokenizerLike,
 )
-from tokenizers import decoders, models, pre_tokenizers
-
-# A Qwen/ChatML-style template using the features real templates rely on.
-CHATML = (
-    "{%- if messages[0]['role'] == 'system' %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set rest = messages[1:] %}{%- else %}{%- set rest = messages %}{%- endif %}\n"
-    "{%- for m in rest %}\n"
-    "    {%- if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
-    "    {{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def _tiny_bpe() -> tokenizers.Tokenizer:
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=alphabet,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    )
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["hello world, what is 2+2? the answer is 4."] * 20, trainer=trainer)
-    return tok
+from rlax_core.testing import CHATML, tiny_bpe
 
 
 @pytest.fixture
 def hf_dir(tmp_path):
     tok = Tokenizer(
-        _tiny_bpe(),
+        tiny_bpe(),
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -144,7 +118,7 @@ def test_chat_template_errors():
     with pytest.raises(ChatTemplateError, match=r"messages\[0\] must be a mapping"):
         t.render([{"content": "x"}])
     with pytest.raises(ChatTemplateError, match="no chat template"):
-        Tokenizer(_tiny_bpe()).render_chat([{"role": "user", "content": "x"}])
+        Tokenizer(tiny_bpe()).render_chat([{"role": "user", "content": "x"}])
     # The sandbox refuses attribute access to Python internals.
     evil = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatTemplateError):

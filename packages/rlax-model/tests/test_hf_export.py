@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from rlax_core.gguf_file import GGUFFile
+from rlax_core.testing import CHATML, tiny_bpe
 from rlax_core.tokenizer import CharTokenizer, Tokenizer
 from rlax_model_greedy import greedy_generate
-from test_tokenizer import CHATML, _tiny_bpe
 
 from rlax_model import ModelConfig, init_params
 from rlax_model.checkpoint_hf import CheckpointError, load_hf_checkpoint
-from rlax_model.gguf_import import GGUFFile
 from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder
 
 TEXTS = ["12+34=46", "what is 7*8? 56.", "<bos>1-1=0<eos><pad>", "(2+3)*4 = 20"]
@@ -27,7 +27,7 @@ MESSAGES = [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": 
 def _bpe() -> Tokenizer:
     # Specials first: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2, as the char ids go.
     return Tokenizer(
-        _tiny_bpe(),
+        tiny_bpe(),
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

@@ -86,9 +86,10 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 @pytest.mark.slow
 def test_gguf_to_hf_smollm2_loads_and_matches_rlax(tmp_path):
+    from rlax_core.gguf_file import find_smollm2_gguf
     from rlax_core.tokenizer import Tokenizer
 
-    from rlax_model.gguf_import import find_smollm2_gguf, load_gguf
+    from rlax_model.gguf_import import load_gguf
 
     out = tmp_path / "smollm2"
     assert main(["gguf-to-hf", "--out", str(out)]) == 0  # ~100 s on 2 shared cores

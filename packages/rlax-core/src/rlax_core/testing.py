@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["LoopThread"]
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+__all__ = ["CHATML", "LoopThread", "tiny_bpe"]
 
 
 class LoopThread:
@@ -31,3 +34,30 @@ class LoopThread:
         self._thread.join(timeout=30)
         if self._thread.is_alive():
             raise AssertionError("the loop thread did not stop within 30 s")
+
+
+# A Qwen/ChatML-style template using the features real templates rely on.
+CHATML = (
+    "{%- if messages[0]['role'] == 'system' %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set rest = messages %}{%- endif %}\n"
+    "{%- for m in rest %}\n"
+    "    {%- if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
+    "    {{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tiny_bpe() -> tokenizers.Tokenizer:
+    """A 300-token byte-level BPE trained here on one sentence, with ChatML's special tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=alphabet,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, what is 2+2? the answer is 4."] * 20, trainer=trainer)
+    return tok
