@@ -90,7 +90,7 @@ def run_pytest(session: nox.Session, *args: str, allow_empty: bool = False) -> N
 def tests(session: nox.Session) -> None:
     """Every package's unit tests and the root integration tests, on the CPU; then the
     lint, type and JAX-free-install checks, so that CI (`.ci/run`) gates on all of them."""
-    for gate in ("lint", "typecheck", "protocol_alone"):
+    for gate in ("lint", "typecheck", "protocol_alone", "node_installs"):
         session.notify(gate)
     install_checkout(session, reference=True)
     run_pytest(
@@ -161,6 +161,27 @@ def protocol_alone(session: nox.Session) -> None:
     if (ROOT / "packages/rlax-paramserver/pyproject.toml").exists():
         session.install(str(ROOT / "packages/rlax-paramserver"))
     session.run("python", str(ROOT / "tools" / "assert_no_jax.py"))
+
+
+@nox.session(python="3.11")
+def node_installs(session: nox.Session) -> None:
+    """Each node role (controller, paramserver, verifier, worker, trainer) in a fresh
+    environment of its own with only its package and the RLAX packages it depends on,
+    installed non-editable from the checkout: its entry point starts, the forbidden
+    distributions (JAX on a controller, parameter-server or verifier node, ...) are absent,
+    its size is printed; then the demo with every component from its own environment,
+    compared with the same run from the `tests` session's environment.
+    `nox -s node_installs -- --demo-steps 0` skips the demo; `-- --fresh` rebuilds."""
+    session.run(
+        "python",
+        str(ROOT / "tools" / "node_installs.py"),
+        "--out",
+        str(ROOT / ".nox" / "node-envs"),
+        "--demo-steps",
+        "30",
+        *session.posargs,
+        env=CPU_ENV,
+    )
 
 
 @nox.session(python="3.11")
