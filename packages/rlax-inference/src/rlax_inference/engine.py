@@ -15,9 +15,12 @@ version that produced all of its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
-from collections.abc import Callable, Sequence
+import logging
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -29,6 +32,8 @@ from rlax_inference.scheduler import PrefillJob, Scheduler, SchedulerConfig
 from rlax_inference.sequence import FinishReason, Request, SamplingParams, SequenceStatus
 from rlax_inference.sequence import Sequence as Seq
 from rlax_model import ModelConfig, Params
+
+log = logging.getLogger(__name__)
 
 
 class SwapPolicy(enum.StrEnum):
@@ -62,6 +67,8 @@ class EngineConfig:
       request start from the cached blocks of its longest cached prefix (computing only the
       rest); unreferenced cached blocks are evicted LRU when the pool runs short, and new
       weights drop every key.
+    seed: seeds the stream of seeds given to requests without one (`SamplingParams.seed=None`):
+      distinct per request, and the same for the same engine seed and order of requests.
     """
 
     block_size: int = 16
@@ -79,12 +86,15 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
         if self.attention not in ("auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(
                 f"EngineConfig.attention must be one of auto|cpu|xla|pallas_tpu|pallas_gpu, got {self.attention!r}"
@@ -119,7 +129,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All samples of one request, or the error that kept it from running."""
+    """All samples of one request, and the error that kept it from running or ended it (None if none).
+
+    A request that failed inside a step keeps what its samples generated before the failure,
+    with finish reason ABORT.
+    """
 
     request_id: str
     prompt: list[int]
@@ -175,32 +189,70 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._pending_weights: tuple[Params, int] | None = None
         self._finished: list[RequestOutput] = []
+        # Seeds of unseeded requests: seed_k = (a * k + b) mod 2**32 for the k-th one, with a odd
+        # (a bijection of k, so no two collide) and a, b drawn from the engine's seed.
+        a, b = np.random.default_rng(config.seed).integers(2**32, size=2, dtype=np.uint64).tolist()
+        self._seed_stream = (a | 1, b)
+        self._num_drawn_seeds = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError (engine state untouched) when it cannot run."""
+        """Queue a request; raises ValueError naming the field (engine state untouched) when it cannot run.
+
+        `SamplingParams` checks the rules that hold for any model; this checks those of this
+        model and engine (vocabulary, context length, pool and batch sizes), so nothing that
+        would fail inside `step()` is ever scheduled. A request without a seed gets the next
+        one of the engine's stream (`EngineConfig.seed`).
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        tokens = [int(t) for t in prompt]
+        try:
+            tokens = self._check_request(prompt, params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._next_seed())
+        request = Request(request_id, tokens, params, next(self._arrival))
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+
+    def _check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints; ValueError for what this model or engine cannot run."""
+        tokens = []
+        for i, t in enumerate(prompt):
+            try:
+                tokens.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"prompt token {t!r} at index {i} is not an int") from None
         vocab = self.model_config.vocab_size
         bad = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab]
         if bad:
             i, t = bad[0]
+            raise ValueError(f"prompt token {t} at index {i} is outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "top_k"):
+            value = getattr(params, name)
+            if value > vocab:
+                raise ValueError(f"SamplingParams.{name}={value} exceeds the vocabulary size {vocab}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
             raise ValueError(
-                f"request {request_id!r}: prompt token {t} at index {i} is outside the vocabulary [0, {vocab})"
+                f"SamplingParams.stop_token_ids={params.stop_token_ids} holds token {bad_stop[0]} "
+                f"outside the vocabulary [0, {vocab})"
             )
         if params.stop and self.detokenize is None:
-            raise ValueError(f"request {request_id!r}: stop strings need an engine built with detokenize=")
-        request = Request(request_id, tokens, params, next(self._arrival))
-        try:
-            self.scheduler.add(request)
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        self._requests[request_id] = request
+            raise ValueError("stop strings need an engine built with detokenize=")
+        self.scheduler.check_fits(len(tokens), params.n, params.max_tokens)
+        return tokens
+
+    def _next_seed(self) -> int:
+        a, b = self._seed_stream
+        seed = (a * self._num_drawn_seeds + b) % 2**32
+        self._num_drawn_seeds += 1
+        return seed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its output (aborted samples have reason ABORT)."""
@@ -281,32 +333,61 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the requests that finished in it."""
+        """Run one scheduling step; returns the requests that finished in it.
+
+        An exception from the model or from handling a request's tokens ends the requests it
+        touched (a model call: every request in it; a token: its request) with `error` set and
+        their blocks freed, logs it with its traceback, and the step goes on with the others.
+        """
         if self._pending_weights is not None and not self._started_sequences():
             self._apply_weights(*self._pending_weights)
         sched = self.scheduler
         out = sched.schedule(admit_new=self._pending_weights is None, num_steps=self.config.num_decode_steps)
-        self.runner.copy_blocks(out.copies)
         num_top = max(
             [s.request.params.logprobs for s in out.decodes]
             + [j.request.params.logprobs for j in out.prefills]
             + [0]
         )
         if out.decodes:
+            self._run_decodes(out.decodes, out.decode_slots, out.copies, num_top)
+        # Similar lengths together waste less padding; a call holds at most max_prefill_rows chunks.
+        jobs = sorted(out.prefills, key=lambda j: j.chunk_end - j.chunk_start)
+        rows = self.config.max_prefill_rows
+        for group in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
+            # A request that failed earlier in this step no longer holds its jobs' blocks.
+            group = [j for j in group if self._is_live(j.request)]
+            if group:
+                self._run_prefills(group, num_top)
+        self.num_steps += 1
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _run_decodes(
+        self, seqs: list[Seq], slots: list[list[int]], copies: list[tuple[int, int]], num_top: int
+    ) -> None:
+        """One decode call for the running samples (`slots`: the slots each feeds) and its tokens."""
+        try:
+            self.runner.copy_blocks(copies)
             # One program per configured step count: a call near the end runs a few idle steps.
-            multi = max(len(s) for s in out.decode_slots) > 1
+            multi = max(len(s) for s in slots) > 1
             res = self.runner.decode(
-                [s.tokens[-1] for s in out.decodes],
-                out.decode_slots,
-                [s.table.blocks for s in out.decodes],  # type: ignore[union-attr]
-                [len(s.tokens) for s in out.decodes],
-                [_sampling_row(s) for s in out.decodes],
+                [s.tokens[-1] for s in seqs],
+                slots,
+                [s.table.blocks for s in seqs],  # type: ignore[union-attr]
+                [len(s.tokens) for s in seqs],
+                [_sampling_row(s) for s in seqs],
                 num_steps=self.config.num_decode_steps if multi else 1,
                 num_top=num_top,
             )
-            tokens, logprobs = res.tokens.T.tolist(), res.logprobs.T.tolist()  # [n][num_steps]
-            for i, (seq, slots) in enumerate(zip(out.decodes, out.decode_slots, strict=True)):
-                made = len(slots)
+        except Exception as error:
+            self._fail([s.request for s in seqs], error)
+            return
+        tokens, logprobs = res.tokens.T.tolist(), res.logprobs.T.tolist()  # [n][num_steps]
+        for i, (seq, seq_slots) in enumerate(zip(seqs, slots, strict=True)):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # its request failed on an earlier sample's token
+            made = len(seq_slots)
+            try:
                 if seq.request.params.stop or seq.request.params.logprobs:
                     for j in range(made):
                         self._append_token(
@@ -316,21 +397,50 @@ class LLMEngine:
                             break  # stopped inside a multi-step call: its later tokens are dropped
                 else:
                     self._append_plain_tokens(seq, tokens[i][:made], logprobs[i][:made])
-        # Similar lengths together waste less padding; a call holds at most max_prefill_rows chunks.
-        jobs = sorted(out.prefills, key=lambda j: j.chunk_end - j.chunk_start)
-        rows = self.config.max_prefill_rows
-        for group in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
-            # Only a job's last chunk samples (from its last token's logits).
-            samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
+            except Exception as error:
+                self._fail([seq.request], error)
+
+    def _run_prefills(self, group: list[PrefillJob], num_top: int) -> None:
+        """One prefill call for `group`'s chunks; the jobs whose prompt it completes start sampling."""
+        # Only a job's last chunk samples (from its last token's logits); row i of the result is seqs[i].
+        seqs = [s for j in group if j.is_last_chunk for s in j.seqs]
+        samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
+        try:
             res = self.runner.prefill_chunks([self._chunk(j) for j in group], samples, num_top=num_top)
-            seqs = []
-            for job in group:
-                if sched.finish_chunk(job):
-                    seqs += job.seqs
-            self._append(seqs, res)
-        self.num_steps += 1
-        finished, self._finished = self._finished, []
-        return finished
+        except Exception as error:
+            self._fail([j.request for j in group], error)
+            return
+        for job in group:
+            try:
+                self.scheduler.finish_chunk(job)
+            except Exception as error:
+                self._fail([job.request], error)
+        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+        for i, seq in enumerate(seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # its request failed above
+            try:
+                self._append_token(seq, tokens[i], logprobs[i], res.top_ids[i], res.top_logprobs[i])
+            except Exception as error:
+                self._fail([seq.request], error)
+
+    def _is_live(self, request: Request) -> bool:
+        return self._requests.get(request.request_id) is request
+
+    def _fail(self, requests: Iterable[Request], error: Exception) -> None:
+        """End `requests` after `error` in a step: abort their samples, free their blocks and
+        report each with `error` set (from the next `step()` return)."""
+        live = [r for r in dict.fromkeys(requests) if self._is_live(r)]
+        if not live:
+            return
+        ids = [r.request_id for r in live]
+        log.error("step %d failed for requests %s; aborting them", self.num_steps, ids, exc_info=error)
+        for request in live:
+            self.scheduler.abort(request.request_id)
+            del self._requests[request.request_id]
+            output = self._output(request)
+            output.error = f"engine step failed: {type(error).__name__}: {error}"
+            self._finished.append(output)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -362,11 +472,6 @@ class LLMEngine:
         blocks = job.table.blocks  # type: ignore[union-attr]
         slots = [blocks[i // bs] * bs + i % bs for i in range(job.chunk_start, job.chunk_end)]
         return PrefillChunk(job.chunk, job.chunk_start, slots, blocks)
-
-    def _append(self, seqs: list[Seq], res) -> None:  # type: ignore[no-untyped-def]
-        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
-        for i, seq in enumerate(seqs):
-            self._append_token(seq, tokens[i], logprobs[i], res.top_ids[i], res.top_logprobs[i])
 
     def _append_token(
         self, seq: Seq, token: int, logprob: float, top_ids: np.ndarray, top_lps: np.ndarray

@@ -158,7 +158,8 @@ def sample(
     """Draw one token per row.
 
     logits: [batch, vocab] float32. `use_filters=False` skips the per-row sort (exact only
-    when no row uses top-k or top-p). `num_top`: how many top logprobs to return per row.
+    when no row uses top-k or top-p). `num_top`: how many top logprobs to return per row
+    (`top_ids, top_logprobs: [batch, num_top]`; past the vocabulary, ids 0 with logprob -inf).
 
     The draw is an inverse CDF (a Gumbel per vocabulary entry, as `jax.random.categorical`
     draws, costs more than the model's matmuls at large batch) in two stages over blocks of
@@ -218,8 +219,15 @@ def sample(
 
     logprobs = jnp.take_along_axis(dist, tokens[:, None], axis=1)[:, 0] / scale - log_norm
     if num_top:
-        top_values, top_ids = jax.lax.top_k(dist[:, :vocab], num_top)
+        # The runner rounds num_top up to a compile bucket, which can pass a small vocabulary:
+        # the entries past it are padded (logprob -inf) and never reach a request.
+        k = min(num_top, vocab)
+        top_values, top_ids = jax.lax.top_k(dist[:, :vocab], k)
         top_logprobs = top_values / scale[:, None] - log_norm[:, None]
+        if k < num_top:
+            pad = ((0, 0), (0, num_top - k))
+            top_ids = jnp.pad(top_ids, pad)
+            top_logprobs = jnp.pad(top_logprobs, pad, constant_values=-jnp.inf)
     else:
         top_ids, top_logprobs = jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
     return SamplerOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)

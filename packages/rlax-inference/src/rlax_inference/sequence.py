@@ -16,7 +16,9 @@ class SamplingParams:
     `temperature == 0` is greedy decoding. `top_k == 0` and `top_p == 1` switch those
     filters off. `n` completions (the group size G) share the prompt's KV blocks.
     `seed` fixes sample `i`'s token at step `t` to a key derived from (seed, i, t) only,
-    so the output does not depend on what else is in the batch.
+    so the output does not depend on what else is in the batch. `seed=None` lets the engine
+    draw one (distinct per request, reproducible from `EngineConfig.seed` and the order of
+    `add_request` calls).
     `logprobs` asks for that many top logprobs per generated token (0 = none).
     """
 
@@ -25,41 +27,59 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 16
-    seed: int = 0
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
+        """The rules that hold whatever the model; the engine checks the rest (vocabulary, lengths)."""
+        _require(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
         _require(
-            isinstance(self.temperature, int | float)
-            and math.isfinite(self.temperature)
-            and self.temperature >= 0,
+            _is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
             "temperature",
             self.temperature,
             "a finite number >= 0",
         )
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 0")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an int >= 0")
         _require(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "an int >= 1",
+            _is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1"
         )
         _require(
-            isinstance(self.seed, int) and 0 <= self.seed < 2**32, "seed", self.seed, "an int in [0, 2**32)"
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
+            "seed",
+            self.seed,
+            "None or an int in [0, 2**32)",
+        )
+        _require(_is_int(self.logprobs) and self.logprobs >= 0, "logprobs", self.logprobs, "an int >= 0")
+        _require(
+            isinstance(self.stop_token_ids, tuple)
+            and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a tuple of ints >= 0",
         )
         _require(
-            isinstance(self.logprobs, int) and self.logprobs >= 0, "logprobs", self.logprobs, "an int >= 0"
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "a tuple of non-empty strings",
         )
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, value: object, what: str) -> None:
