@@ -459,7 +459,7 @@ def launch_demo(launcher: list[str], output: Path, overrides: list[str], log_pat
     elapsed = time.monotonic() - start
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise Failure(f"`{' '.join(command)}` exited {code} after {elapsed:.0f}s:\n{tail}")
+        raise Failure(f"`{' '.join(command)}` exited {code} after {elapsed:.0f}s (logs in {output}):\n{tail}")
     return elapsed
 
 
@@ -467,11 +467,29 @@ def rewards(records: list[dict[str, object]]) -> list[float]:
     return [float(r["reward_mean"]) for r in records]  # type: ignore[arg-type]
 
 
+def comparable_config(path: Path, *paths: Path) -> list[str]:
+    """The resolved run config without what must differ between the runs: addresses,
+    folders and interpreters."""
+    lines = path.read_text().splitlines()
+    return [
+        line
+        for line in lines
+        if "tcp://" not in line and "interpreters:" not in line and not any(str(p) in line for p in paths)
+    ]
+
+
 def demo(
-    envs: dict[str, Path], steps: int, reference: Path | None, tolerance: float, keep: Path | None
+    envs: dict[str, Path],
+    steps: int,
+    reference: Path | None,
+    tolerance: float,
+    keep: Path | None,
+    cache: Path,
 ) -> None:
     window = max(1, min(10, steps // 3))
-    overrides = [f"run.steps={steps}", "verifier.mode=service", *DEMO_EXTRA]
+    # Both runs share one JAX compilation cache (kept between invocations): compiling, not
+    # training, is most of a short run's time on a small CPU machine.
+    overrides = [f"run.steps={steps}", "verifier.mode=service", f"run.jax_cache_dir={cache}", *DEMO_EXTRA]
     tmp = Path(tempfile.mkdtemp(prefix="rlax-node-demo-", dir=keep))
     timings: dict[str, float] = {}
     interpreters = [f"supervisor.interpreters.{r}={env_python(e)}" for r, e in envs.items()]
@@ -482,6 +500,10 @@ def demo(
         [*overrides, *interpreters],
         tmp / "five.log",
     )
+    resolved = (tmp / "five" / "config.yaml").read_text()
+    missing = [r for r, e in envs.items() if str(env_python(e)) not in resolved]
+    if missing:
+        raise Failure(f"the five-environment run's config names no interpreter for {missing}")
     five = train_records(tmp / "five" / "metrics.jsonl")
     single: list[dict[str, object]] = []
     if reference is None or not reference.exists():
@@ -492,6 +514,12 @@ def demo(
             [str(reference), "-m", "rlax_core.cli"], tmp / "single", overrides, tmp / "single.log"
         )
         single = train_records(tmp / "single" / "metrics.jsonl")
+        envs_root = next(iter(envs.values())).parent
+        a = comparable_config(tmp / "five" / "config.yaml", tmp, envs_root, cache)
+        b = comparable_config(tmp / "single" / "config.yaml", tmp, envs_root, cache)
+        if a != b:
+            diff = [f"- {x}" for x in a if x not in b] + [f"+ {x}" for x in b if x not in a]
+            raise Failure("the two runs' resolved configs differ:\n" + "\n".join(diff))
     for name, seconds in timings.items():
         log(f"demo timing: {name}: {seconds:.1f}s")
     if len(five) < steps:
@@ -526,8 +554,10 @@ def demo(
         log(f"demo: runs kept in {tmp}")
 
 
-# Settings both demo runs share beyond `run.steps` (kept small for a 2-core machine).
-DEMO_EXTRA: list[str] = []
+# Settings both demo runs share beyond `run.steps`, to fit a 2-core machine: no evaluation
+# (at the start and end it costs about as much as the 30 steps; the check reads the
+# training reward).
+DEMO_EXTRA: list[str] = ["eval.num_prompts=0"]
 
 
 # --------------------------------------------------------------------------- main
@@ -593,7 +623,14 @@ def main(argv: list[str] | None = None) -> int:
             if set(envs) != {r.name for r in ROLES}:
                 raise Failure("--demo-steps needs all five roles")
             t0 = time.monotonic()
-            demo(envs, args.demo_steps, args.reference_python, args.tolerance, args.keep_runs)
+            demo(
+                envs,
+                args.demo_steps,
+                args.reference_python,
+                args.tolerance,
+                args.keep_runs,
+                out / "jax-cache",
+            )
             timings.append(("demo (both runs)", time.monotonic() - t0))
     except Failure as failure:
         print(f"\nnode_installs FAILED: {failure}", file=sys.stderr, flush=True)
