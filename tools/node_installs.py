@@ -485,11 +485,18 @@ def demo(
     tolerance: float,
     keep: Path | None,
     cache: Path,
+    extra: list[str],
 ) -> None:
     window = max(1, min(10, steps // 3))
     # Both runs share one JAX compilation cache (kept between invocations): compiling, not
     # training, is most of a short run's time on a small CPU machine.
-    overrides = [f"run.steps={steps}", "verifier.mode=service", f"run.jax_cache_dir={cache}", *DEMO_EXTRA]
+    overrides = [
+        f"run.steps={steps}",
+        "verifier.mode=service",
+        f"run.jax_cache_dir={cache}",
+        *DEMO_EXTRA,
+        *extra,
+    ]
     tmp = Path(tempfile.mkdtemp(prefix="rlax-node-demo-", dir=keep))
     timings: dict[str, float] = {}
     interpreters = [f"supervisor.interpreters.{r}={env_python(e)}" for r, e in envs.items()]
@@ -586,6 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tolerance", type=float, default=0.2, help="|final reward(5 envs) - (1 env)| allowed"
     )
     parser.add_argument("--keep-runs", type=Path, help="keep the demo runs under this folder")
+    parser.add_argument(
+        "--demo-override",
+        action="append",
+        default=[],
+        metavar="key=value",
+        help="a dotted override for both demo runs (repeatable), e.g. trainer.k=0",
+    )
     args = parser.parse_args(argv)
 
     unknown = set(args.roles) - {r.name for r in ROLES}
@@ -630,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.tolerance,
                 args.keep_runs,
                 out / "jax-cache",
+                args.demo_override,
             )
             timings.append(("demo (both runs)", time.monotonic() - t0))
     except Failure as failure:
