@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import rlax_protocol as rp
-from rlax_data import Record
+from rlax_data import Record, service
 from rlax_data.service import BATCH_VERIFIER, RemoteVerifier, VerifierService, encode_batch
 from rlax_data.tasks import ArithmeticTask
 from rlax_data.verify.answers import ExactMatchVerifier
@@ -260,3 +260,26 @@ def test_a_client_that_leaves_mid_batch_costs_the_others_nothing():
 def test_routes_may_not_take_the_batch_name():
     with pytest.raises(ValueError, match="@"):
         VerifierService(RoutingVerifier({"@batch": ExactMatchVerifier()}), address="tcp://127.0.0.1:*")
+
+
+def test_a_large_frame_is_counted_before_its_records_are_built(monkeypatch):
+    built = []
+    real = service._PAIRS_DECODER
+
+    class Spy:
+        def decode(self, data):
+            built.append(len(data))
+            return real.decode(data)
+
+    monkeypatch.setattr(service, "_PAIRS_DECODER", Spy())
+    tiny = b'["1",{"id":"x","prompt":"","answer":"1","task":"arithmetic"}]'
+    frame = b"[" + b",".join([tiny] * 30_000) + b"]"  # 1.9 MB of tiny items
+    assert len(frame) > service._COUNT_FIRST_BYTES
+    with running(max_items=1000) as (svc, _), dealer(svc.bound_address) as sock:
+        sock.send_multipart([pack_request_id(1), _header(30_000), frame])
+        _, reply, _ = _reply(sock)
+        assert isinstance(reply, rp.ErrorReply) and reply.code == "too_large" and "30000" in reply.message
+        assert built == []  # refused on its count alone
+        sock.send_multipart([pack_request_id(2), _header(1), b"[" + tiny + b"]"])
+        _, reply, _ = _reply(sock)
+        assert isinstance(reply, rp.VerifyResult) and reply.correct and built

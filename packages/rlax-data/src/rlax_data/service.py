@@ -33,6 +33,7 @@ A request's (or a batch's) `timeout_s` caps each sandboxed job of its records.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -62,8 +63,9 @@ BATCH_VERIFIER = "@batch"
 """The `VerifyRequest.verifier` of a batch header (never a route name: routes may not start with @)."""
 MAX_BATCH_ITEMS = 65_536
 """Most items one batch message may hold."""
-MAX_BATCH_BYTES = 64 * 1024 * 1024
+MAX_BATCH_BYTES = 32 * 1024 * 1024
 """Most bytes one request (header and frames) may hold."""
+_COUNT_FIRST_BYTES = 1 << 20
 
 
 def default_routes() -> RoutingConfig:
@@ -148,7 +150,7 @@ class _BatchOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     refused: list[tuple[int, str, str]] = []
 
 
-_ITEMS_DECODER = msgspec.json.Decoder(list[_WireItem])
+_PAIRS_DECODER = msgspec.json.Decoder(list[tuple[str, Record]])
 _RAW_DECODER = msgspec.json.Decoder(list[msgspec.Raw])
 _ITEM_DECODER = msgspec.json.Decoder(_WireItem)
 _OUTCOME_DECODER = msgspec.json.Decoder(_BatchOutcome)
@@ -168,34 +170,47 @@ def decode_batch(
 
     Raises `_BadRequest` when the frame as a whole is unreadable or too long.
     """
+    if len(data) > _COUNT_FIRST_BYTES:
+        # Count before building records: a large frame of tiny items would otherwise
+        # become millions of objects before its length could be refused.
+        try:
+            count = len(_RAW_DECODER.decode(data))
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise _BadRequest("malformed", f"batch frame: {_describe(e)}") from None
+        if count > max_items:
+            raise _BadRequest("too_large", f"batch of {count} items: at most {max_items} per message")
+    whole = True
     try:
-        wire: list[_WireItem | _BadRequest] = list(_ITEMS_DECODER.decode(data))
+        pairs: list[Any] = _PAIRS_DECODER.decode(data)
     except (msgspec.DecodeError, RecursionError):
+        whole = False
         # Some item is bad (or the frame is): read the array item by item to tell which.
         try:
             raws = _RAW_DECODER.decode(data)
         except (msgspec.DecodeError, RecursionError) as e:
             raise _BadRequest("malformed", f"batch frame: {_describe(e)}") from None
-        wire = []
+        pairs = []
         for n, raw in enumerate(raws):
             try:
-                wire.append(_ITEM_DECODER.decode(raw))
+                item = _ITEM_DECODER.decode(raw)
+                pairs.append((item.completion, item.record))
             except (msgspec.DecodeError, RecursionError) as e:
-                wire.append(_BadRequest("malformed", f"batch item {n}: {_describe(e)}"))
-    if len(wire) > max_items:
-        raise _BadRequest("too_large", f"batch of {len(wire)} items: at most {max_items} per message")
+                pairs.append(_BadRequest("malformed", f"batch item {n}: {_describe(e)}"))
+    if len(pairs) > max_items:
+        raise _BadRequest("too_large", f"batch of {len(pairs)} items: at most {max_items} per message")
+    names = set(routes)
+    if whole and {record.task for _, record in pairs} <= names and all(r.tests is None for _, r in pairs):
+        return pairs  # the common case: every item served as it came
     out: list[VerifyItem | _BadRequest] = []
-    for n, item in enumerate(wire):
-        if isinstance(item, _BadRequest):
-            out.append(item)
-        elif item.record.task not in routes:
+    for n, pair in enumerate(pairs):
+        if isinstance(pair, _BadRequest):
+            out.append(pair)
+        elif pair[1].task not in names:
             out.append(
-                _BadRequest(
-                    "not_found", f"batch item {n}: task={item.record.task!r}: not one of {sorted(routes)}"
-                )
+                _BadRequest("not_found", f"batch item {n}: task={pair[1].task!r}: not one of {sorted(names)}")
             )
         else:
-            out.append((item.completion, _capped(item.record, timeout_s)))
+            out.append((pair[0], _capped(pair[1], timeout_s)))
     return out
 
 
@@ -389,9 +404,14 @@ class VerifierService:
     def _verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
         """One result or the exception that refused it, per item, route by route."""
         out: list[VerifyResult | Exception | None] = [None] * len(items)
+        tasks = {record.task or "" for _, record in items}  # served routes, checked on arrival
+        if len(tasks) == 1:  # the common case: no grouping to do
+            (route,) = tasks
+            self._verify_route(self.verifier.routes[route], items, range(len(items)), out)
+            return out  # type: ignore[return-value]
         by_route: dict[str, list[int]] = {}
         for i, (_, record) in enumerate(items):
-            by_route.setdefault(record.task or "", []).append(i)  # a served route, checked on arrival
+            by_route.setdefault(record.task or "", []).append(i)
         for route, indices in by_route.items():
             self._verify_route(self.verifier.routes[route], items, indices, out)
         return out  # type: ignore[return-value]
@@ -400,11 +420,12 @@ class VerifierService:
         self,
         verifier: Verifier,
         items: list[VerifyItem],
-        indices: list[int],
+        indices: Sequence[int],
         out: list[VerifyResult | Exception | None],
     ) -> None:
         try:
-            results = verifier.verify([items[i] for i in indices])
+            whole = isinstance(indices, range) and len(indices) == len(items)
+            results = verifier.verify(items if whole else [items[i] for i in indices])
             if len(results) != len(indices):
                 raise RuntimeError(f"verifier returned {len(results)} results for {len(indices)} items")
         except Exception as e:
@@ -515,7 +536,7 @@ class RemoteVerifier:
             if outcome.refused:
                 n, code, why = outcome.refused[0]
                 raise rp.RemoteError(code, f"item {start + n}: {why}", peer=self.client.peer)
-            if None in outcome.results:
+            if any(r is None for r in outcome.results):
                 raise rp.MalformedMessageError("verifier left an item of a batch without a result")
             out[start : start + count] = outcome.results
         return out  # type: ignore[return-value]
@@ -562,6 +583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
+    # Each batch decodes thousands of records that survive into the oldest GC generation
+    # until it is answered, so full collections come every few batches; freezing what
+    # start-up built keeps them from rescanning it (about 40% of an exact-match batch).
+    gc.freeze()
     # The bound address (a random port when asked for :0) is the first line on stdout.
     print(service.bound_address, flush=True)
     log.info("serving routes %s", sorted(verifier.routes))
