@@ -6,8 +6,9 @@ token). Grid ``(batch, num_kv_heads, row_blocks)``: one program per (sequence, K
 row block) holds its query rows as one ``[block_rows, head_dim]`` tile -- for decode, all
 query heads of one KV head -- and loops over the sequence's pages, ``pages_per_block``
 pages per iteration (gathered through the block table), with an online softmax in float32
-registers. The loop stops at the last key the row block can see causally, so short
-sequences cost little however long the block table is.
+registers (``online_softmax.py``, shared with the TPU kernel). The loop stops at the last
+key the row block can see causally, so short sequences cost little however long the block
+table is.
 
 Triton needs power-of-two register tiles and at least 16 rows for a tensor-core dot, so
 rows are zero-padded to a multiple of ``block_rows`` (a power of two >= 16) and the block
@@ -30,6 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from rlax_kernels.paged_attention.online_softmax import (
+    online_softmax_add_key,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_update,
+)
 
 
 def _kernel(
@@ -78,8 +86,7 @@ def _kernel(
     q = q_ref[...]
     precision = lax.Precision.HIGHEST if exact_f32 else None
 
-    def body(it, carry):
-        acc, m_prev, l_prev = carry
+    def body(it, state):
         first_page = it * pages_per_block
         page_ids = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
         pages = tables_ref[pl.ds(first_page, pages_per_block)]
@@ -93,30 +100,15 @@ def _kernel(
             allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
         scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_rows, block_tokens]
         scores = jnp.where(allowed, scores, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
-        # A row that has seen no allowed key yet keeps m = -inf; keep its update finite.
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe[:, None])
-        l_next = alpha * l_prev + jnp.sum(probs, axis=1)
         v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
-        pv = plgpu.dot(probs.astype(v.dtype), v, precision=precision)
-        return alpha[:, None] * acc + pv, m_next, l_next
+        return online_softmax_update(state, scores, v, precision=precision)
 
-    init = (
-        jnp.zeros((block_rows, head_dim), jnp.float32),
-        jnp.full((block_rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_rows,), jnp.float32),
-    )
-    acc, m, l_sum = lax.fori_loop(jnp.minimum(first_key // block_tokens, n_iters), n_iters, body, init)
+    init = online_softmax_init(block_rows, head_dim)
+    state = lax.fori_loop(jnp.minimum(first_key // block_tokens, n_iters), n_iters, body, init)
     if has_new:  # the newest token, not in the cache, joins the softmax last
         s_new = jnp.sum(q.astype(jnp.float32) * new_k_ref[...].astype(jnp.float32), axis=1) * scale
-        m_next = jnp.maximum(m, s_new)  # finite: s_new is
-        alpha = jnp.exp(m - m_next)
-        p_new = jnp.exp(s_new - m_next)
-        l_sum = alpha * l_sum + p_new
-        acc = alpha[:, None] * acc + p_new[:, None] * new_v_ref[...].astype(jnp.float32)
-    out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        state = online_softmax_add_key(state, s_new[:, None], new_v_ref[...])
+    out = online_softmax_finish(state)
     o_ref[...] = jnp.where((row_tok < q_len)[:, None], out, 0.0).astype(o_ref.dtype)
 
 

@@ -13,8 +13,8 @@ pages ``pages_per_block`` at a time:
 - K/V pages stay in HBM (``memory_space=ANY``) and are copied page by page into a
   two-slot VMEM buffer with ``make_async_copy``: while block ``i`` is computed, block
   ``i + 1`` is already in flight (double buffering);
-- an online softmax (running max, running sum, float32 accumulator) lives in VMEM scratch
-  across KV blocks; the output block is written once, at the last KV step;
+- an online softmax (running max, running sum, float32 accumulator; ``online_softmax.py``,
+  shared with the GPU kernel) lives in VMEM scratch across KV blocks; the output block is written once, at the last KV step;
 - KV blocks past what the row block can see causally issue no DMA and no compute; in the
   last block, page slots past the sequence's last page re-read that page (no DMA follows
   an unused block-table entry), and key rows at or past the length are masked in both the
@@ -34,6 +34,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from rlax_kernels.paged_attention.online_softmax import (
+    online_softmax_add_key,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_update,
+)
 
 
 def _kernel(
@@ -106,9 +113,7 @@ def _kernel(
 
     @pl.when(i == 0)
     def _start():
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        m_ref[...], l_ref[...], acc_ref[...] = online_softmax_init(*acc_ref.shape, keepdims=True)
 
         @pl.when(n_steps > 0)
         def _fetch_first():
@@ -141,35 +146,20 @@ def _kernel(
             q_ref[...], k_buf[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         scores = jnp.where(allowed, scores * scale, -jnp.inf)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row that has seen no allowed key yet keeps m = -inf; keep its update finite.
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)
         v = v_buf[slot]
         v = jnp.where(key_valid, v, jnp.zeros_like(v))
-        pv = lax.dot_general(
-            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        acc_ref[...] = alpha * acc_ref[...] + pv
-        m_ref[...] = m_next
+        state = (m_ref[...], l_ref[...], acc_ref[...])
+        m_ref[...], l_ref[...], acc_ref[...] = online_softmax_update(state, scores, v)
 
     @pl.when(i == pl.num_programs(3) - 1)
     def _finish():
         row_tok = (rb * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)) // group
-        l_sum, acc = l_ref[...], acc_ref[...]
+        state = (m_ref[...], l_ref[...], acc_ref[...])
         if has_new:  # the newest token, not in the cache, joins the softmax last
             q = q_ref[...].astype(jnp.float32)
             s_new = jnp.sum(q * new_k_ref[...].astype(jnp.float32), axis=1, keepdims=True) * scale
-            m_prev = m_ref[...]
-            m_next = jnp.maximum(m_prev, s_new)  # finite: s_new is
-            alpha = jnp.exp(m_prev - m_next)
-            p_new = jnp.exp(s_new - m_next)
-            l_sum = alpha * l_sum + p_new
-            acc = alpha * acc + p_new * new_v_ref[...].astype(jnp.float32)
-        out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)
+            state = online_softmax_add_key(state, s_new, new_v_ref[...])
+        out = online_softmax_finish(state)
         o_ref[...] = jnp.where(row_tok < q_len, out, 0.0).astype(o_ref.dtype)
 
 
