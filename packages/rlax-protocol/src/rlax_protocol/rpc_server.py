@@ -1,8 +1,9 @@
 """A small request/reply server for RLAX services (verifier service, workers' control ports).
 
 `RpcServer` binds a ROUTER socket, runs the handshake (`Hello` -> `Welcome`, refusing
-other protocol versions), and hands every other request to the service in its own
-thread, either one at a time (``handler(message, frames)``) or in batches
+other protocol versions), and hands every other request to the service, from a thread
+of its own (`start()`) or the caller's (`serve_forever()`, for handlers that must run
+on the main thread), either one at a time (``handler(message, frames)``) or in batches
 (``batch_handler([(message, frames), ...])``): each time it wakes it drains the
 requests already waiting (at most `max_batch`, optionally waiting `batch_window_s`
 for more) and passes the well-formed ones to the batch handler in one call, then
