@@ -1,3 +1,8 @@
+"""The worker without a run config (`Worker(WorkerConfig, EngineConfig)`, model config from the
+pushed weights' metadata) against a real parameter server and the tiny random Llama: exact
+greedy tokens and logprobs, the j rule, request validation, unseeded seeds, the bounded
+inbox, hostile messages."""
+
 import dataclasses
 import threading
 import time
@@ -36,9 +41,9 @@ def push(address, params, version):
 
 
 class RunningWorker:
-    def __init__(self, ps_address, **cfg):
+    def __init__(self, ps_address, engine=ENGINE, **cfg):
         self.worker = Worker(
-            WorkerConfig(paramserver=ps_address, weights_poll_s=0.05, rpc_timeout_s=10, **cfg), ENGINE
+            WorkerConfig(paramserver=ps_address, weights_poll_s=0.05, rpc_timeout_s=10, **cfg), engine
         )
         self.address = self.worker.start()
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
@@ -118,7 +123,7 @@ def test_worker_serves_requests_and_reloads_when_j_behind(paramserver):
             assert r.weight_version == 1
             # Two behind: it reloads the newest version.
             push(paramserver, PARAMS_V3, 3)
-            wait_until(lambda: w.worker.num_reloads == 1)
+            wait_until(lambda: w.worker.reloads == 1)
             (r,) = roundtrip(client, [greedy_request("d", p1)])
             assert r.weight_version == 3 and list(r.samples[0].token_ids) == naive_greedy(PARAMS_V3, p1, 6)
     finally:
@@ -171,8 +176,12 @@ def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_re
             assert not w.worker.errors, w.worker.errors
         assert replies > 5_000
         assert w.thread.is_alive() and not w.worker.errors
+        # The fuzz client is gone: what it left in flight is cancelled (beyond the bound the
+        # worker answered busy), so the next client finds room.
+        wait_until(lambda: w.worker.io.num_inflight == 0, timeout_s=60)
         with rp.RpcClient(w.address, timeout_s=30, client_id="after-fuzz") as client:
             (r,) = roundtrip(client, [greedy_request("ok", [5, 6, 7], max_tokens=4)])
+        assert isinstance(r, rp.GenerateResult), r
         assert r.weight_version == 2 and list(r.samples[0].token_ids) == naive_greedy(PARAMS, [5, 6, 7], 4)
     finally:
         w.close()
@@ -210,4 +219,91 @@ def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
         )
     finally:
         socket.close(0)
+        w.close()
+
+
+def request_with(rid, prompt=(5, 6, 7), n=1, **sampling):
+    return rp.GenerateRequest(
+        request_id=rid, prompt_token_ids=tuple(prompt), n=n, sampling=rp.SamplingParams(**sampling)
+    )
+
+
+def test_an_out_of_range_field_is_refused_by_name_before_it_takes_blocks(paramserver):
+    push(paramserver, PARAMS, 1)
+    w = RunningWorker(paramserver)
+    try:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
+            (ok,) = roundtrip(client, [greedy_request("warm", [5, 6, 7], max_tokens=2)])
+            assert isinstance(ok, rp.GenerateResult)
+            engine = w.worker.engine
+            free = engine.num_free_blocks
+            # The review's case: 1,000 top logprobs on a 128-token vocabulary (it used to raise
+            # inside step() holding 2 blocks and leave an unfinished request forever).
+            bad_logprobs, bad_top_k, bad_stop, good = roundtrip(
+                client,
+                [
+                    request_with("lp", max_tokens=4, top_logprobs=1000),
+                    request_with("tk", max_tokens=4, top_k=CONFIG.vocab_size + 1),
+                    request_with("st", max_tokens=4, stop_token_ids=(3, 4000)),
+                    greedy_request("after", [5, 6, 7], max_tokens=4),
+                ],
+            )
+            for reply, rid, field in (
+                (bad_logprobs, "lp", "logprobs=1000"),
+                (bad_top_k, "tk", f"top_k={CONFIG.vocab_size + 1}"),
+                (bad_stop, "st", "stop_token_ids"),
+            ):
+                assert isinstance(reply, rp.ErrorReply) and reply.code == "malformed", reply
+                assert rid in reply.message and field in reply.message, reply.message
+            assert isinstance(good, rp.GenerateResult)
+            assert list(good.samples[0].token_ids) == naive_greedy(PARAMS, [5, 6, 7], 4)
+            wait_until(lambda: not engine.has_unfinished)
+            assert engine.num_free_blocks == free
+    finally:
+        w.close()
+
+
+def test_requests_without_a_seed_get_distinct_seeds(paramserver):
+    push(paramserver, PARAMS, 1)
+    w = RunningWorker(paramserver)
+    try:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
+            # The same request twice (same id, prompt and settings), sampled at temperature 1.
+            replies = roundtrip(
+                client, [request_with("same", max_tokens=12, temperature=1.0) for _ in range(2)]
+            )
+            first, second = (tuple(r.samples[0].token_ids) for r in replies)
+            assert first != second
+            # A seed still fixes the samples.
+            seeded = roundtrip(
+                client, [request_with("seeded", max_tokens=12, temperature=1.0, seed=3) for _ in range(2)]
+            )
+            assert seeded[0].samples == seeded[1].samples
+    finally:
+        w.close()
+
+
+def test_requests_beyond_the_inflight_bound_are_answered_busy_at_once(paramserver):
+    # No weights on the server yet: the engine thread admits nothing, so every request stays
+    # in flight and the bound decides alone.
+    w = RunningWorker(paramserver, max_inflight_requests=2)
+    try:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
+            ids = [client.send_request(greedy_request(f"r{i}", [5, 6, 7], max_tokens=3)) for i in range(3)]
+            rid, reply = client.recv_reply(set(ids), timeout_s=30, operation="busy")
+            assert rid == ids[2]
+            assert isinstance(reply.message, rp.ErrorReply) and reply.message.code == "busy"
+            assert "r2" in reply.message.message and "max_inflight_requests=2" in reply.message.message
+            assert w.worker.version is None  # answered while the engine thread had no weights
+            push(paramserver, PARAMS, 1)
+            results = {}
+            while len(results) < 2:
+                rid, reply = client.recv_reply(set(ids[:2]) - set(results), timeout_s=60, operation="result")
+                results[rid] = reply.message
+            for message in results.values():
+                assert isinstance(message, rp.GenerateResult) and message.weight_version == 1
+            # Room again once answered.
+            (again,) = roundtrip(client, [greedy_request("r3", [5, 6, 7], max_tokens=3)])
+            assert isinstance(again, rp.GenerateResult)
+    finally:
         w.close()

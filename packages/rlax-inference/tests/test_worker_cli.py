@@ -1,66 +1,69 @@
-"""The `rlax-worker` command as a real process: serves a request, then exits cleanly on SIGTERM."""
+"""`rlax-worker --config RUN.yaml --index I` as a real process: serves a request from the
+run's parameter server, exits on SIGTERM; a rejected config exits with the config error code."""
 
-import dataclasses
-import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
-from tiny_model import CONFIG, PARAMS, naive_greedy
+import zmq
+from rlax_core.config import EXIT_CONFIG_ERROR, load_config
 
 import rlax_protocol as rp
+from rlax_data.run_task import build_task
+from rlax_inference.worker import main
+from rlax_model import init_params
+from rlax_model.run_model import build_model_config
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 
 
-def test_rlax_worker_process(tmp_path: pathlib.Path):
+def write_config(tmp_path: pathlib.Path, ps: str, port: int) -> pathlib.Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"run:\n  output_dir: {tmp_path / 'run'}\n"
+        f"paramserver:\n  address: {ps}\n"
+        f"workers:\n  count: 1\n  addresses: [tcp://127.0.0.1:{port}]\n  max_batch_seqs: 8\n"
+        "model:\n  max_seq_len: 16\n  d_model: 32\n  n_heads: 2\n  n_kv_heads: 1\n  n_layers: 1\n"
+        "data:\n  task_args: {digits: 1}\n"
+    )
+    return path
+
+
+def test_rlax_worker_process(tmp_path: pathlib.Path, free_tcp_port: int):
     with running_server(tmp_path / "ps") as ps:
+        path = write_config(tmp_path, ps, free_tcp_port)
+        config = load_config(path)
+        model_config = build_model_config(config, build_task(config).tokenizer)
         with ParamClient(ps, timeout_s=10) as client:
-            client.push(jax.tree_util.tree_map(np.asarray, PARAMS), 4)
-        (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(CONFIG)))
-        (tmp_path / "engine.json").write_text(
-            json.dumps(
-                {
-                    "block_size": 8,
-                    "num_blocks": 96,
-                    "max_num_seqs": 32,
-                    "max_num_batched_tokens": 512,
-                    "max_model_len": 128,
-                    "eos_token_ids": [],
-                }
-            )
-        )
-        ready = tmp_path / "address"
+            client.push(jax.tree.map(np.asarray, init_params(model_config, jax.random.key(0))), 4)
         log = open(tmp_path / "worker.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlax_inference.worker", "--paramserver", ps, "--ready-file", str(ready),
-             "--model-config", str(tmp_path / "model.json"), "--engine-config", str(tmp_path / "engine.json")],
+            [sys.executable, "-m", "rlax_inference.worker", "--config", str(path), "--index", "0", "workers.j=2"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                assert proc.poll() is None, (tmp_path / "worker.log").read_text()
-                assert time.monotonic() < deadline, "worker did not start"
-                time.sleep(0.05)
-            with rp.RpcClient(ready.read_text(), timeout_s=10, client_id="cli-test") as rpc:
-                msg = rp.GenerateRequest(
+            address = config.workers.addresses[0]
+            with rp.RpcClient(address, timeout_s=300, client_id="cli-test") as rpc:
+                request = rp.GenerateRequest(
                     request_id="q",
-                    prompt_token_ids=(5, 6, 7),
-                    sampling=rp.SamplingParams(max_tokens=4, temperature=0.0),
+                    prompt_token_ids=(1, 5, 13),
+                    sampling=rp.SamplingParams(max_tokens=3, temperature=0.0, seed=1),
                 )
-                rid = rpc.send_request(msg)
-                _, reply = rpc.recv_reply({rid}, timeout_s=120, operation="GenerateResult")
+                rid = rpc.send_request(request)
+                _, reply = rpc.recv_reply({rid}, timeout_s=300, operation="GenerateResult")
             result = reply.message
-            assert isinstance(result, rp.GenerateResult) and result.weight_version == 4
-            assert list(result.samples[0].token_ids) == naive_greedy(PARAMS, [5, 6, 7], 4)
+            assert isinstance(result, rp.GenerateResult), (tmp_path / "worker.log").read_text()
+            assert result.weight_version == 4 and result.stats is not None and result.stats.compile_s > 0
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
+            assert proc.wait(timeout=30) == 143, (tmp_path / "worker.log").read_text()
+            # The socket was closed on the way out: the address can be bound again.
+            socket = zmq.Context.instance().socket(zmq.ROUTER)
+            socket.bind(address)
+            socket.close(0)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -68,31 +71,16 @@ def test_rlax_worker_process(tmp_path: pathlib.Path):
             log.close()
 
 
-def test_rlax_worker_exits_with_the_config_error_code_on_a_rejected_config(tmp_path: pathlib.Path, capsys):
-    from rlax_inference.worker import EXIT_CONFIG_ERROR, main
-
-    engine = tmp_path / "engine.json"
-    engine.write_text(json.dumps({"attention": "fast"}))
+def test_rlax_worker_exits_with_the_config_error_code_on_a_rejected_config(
+    tmp_path: pathlib.Path, free_tcp_port: int, capsys
+):
     # Rejected before the worker contacts anyone (nothing listens on port 9).
-    assert main(["--paramserver", "tcp://127.0.0.1:9", "--engine-config", str(engine)]) == EXIT_CONFIG_ERROR
-    assert "invalid config" in capsys.readouterr().err
-    engine.write_text(json.dumps({"no_such_field": 1}))
-    assert main(["--paramserver", "tcp://127.0.0.1:9", "--engine-config", str(engine)]) == EXIT_CONFIG_ERROR
-    assert "no_such_field" in capsys.readouterr().err
-    # Longer sequences than the model's positions: rejected once the weights (and so the
-    # model) are known, still as a config error, never as a crash to restart.
-    with running_server(tmp_path / "ps") as ps:
-        with ParamClient(ps, timeout_s=10) as client:
-            client.push(jax.tree_util.tree_map(np.asarray, PARAMS), 1)
-        (tmp_path / "model.json").write_text(json.dumps(dataclasses.asdict(CONFIG)))
-        engine.write_text(json.dumps({"max_model_len": 4 * CONFIG.max_position_embeddings}))
-        argv = [
-            "--paramserver",
-            ps,
-            "--model-config",
-            str(tmp_path / "model.json"),
-            "--engine-config",
-            str(engine),
-        ]
-        assert main(argv) == EXIT_CONFIG_ERROR
-        assert "max_position_embeddings" in capsys.readouterr().err
+    path = write_config(tmp_path, "tcp://127.0.0.1:9", free_tcp_port)
+    assert main(["--config", str(path), "--index", "0", "workers.attention=fast"]) == EXIT_CONFIG_ERROR
+    assert "EngineConfig.attention" in capsys.readouterr().err
+    assert main(["--config", str(path), "--index", "3", "--check-config"]) == EXIT_CONFIG_ERROR
+    assert "--index 3" in capsys.readouterr().err
+    bad = ["--config", str(path), "--index", "0", "workers.max_inflight_requests=1", "--check-config"]
+    assert main(bad) == EXIT_CONFIG_ERROR
+    assert "max_inflight_requests" in capsys.readouterr().err
+    assert main(["--config", str(path), "--index", "0", "--check-config"]) == 0

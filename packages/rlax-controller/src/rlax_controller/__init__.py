@@ -2,8 +2,8 @@
 
 The run config (`RunConfig`, `load_config`), the controller (`Controller`,
 `RolloutScheduler`), run snapshots, the local launcher and supervisor, metrics and the
-run summary. Importing this package imports no JAX; the trainer and worker process
-loops (`trainer_service`, `worker_service`) import it when they run.
+run summary. Importing this package imports no JAX; the trainer and worker processes
+(`rlax_trainer.service`, `rlax_inference.worker`) live in their own packages.
 """
 
 from rlax_core.config import (

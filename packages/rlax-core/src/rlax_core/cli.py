@@ -68,7 +68,7 @@ COMMANDS: dict[str, Command] = {
         "rlax_controller.components", "controller_main", "rlax-controller", "the controller"
     ),
     "trainer": Command("rlax_trainer.service", "main", "rlax-trainer", "the trainer process"),
-    "worker": Command("rlax_inference.worker_service", "main", "rlax-inference", "one inference worker"),
+    "worker": Command("rlax_inference.worker", "main", "rlax-inference", "one inference worker"),
     "paramserver": Command("rlax_paramserver.cli", "main", "rlax-paramserver", "the parameter server"),
     "verifier": Command("rlax_data.service", "main", "rlax-data", "the verifier service"),
     "eval": Command(

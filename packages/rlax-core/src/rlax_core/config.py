@@ -187,10 +187,9 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `attention`: the inference engine's attention backend (its `EngineConfig.attention`).
     `decode_steps`: decode steps per model call (`EngineConfig.num_decode_steps`; same tokens,
     fewer host round trips; requests join between calls).
-    `implementation`: `builtin` runs `rlax_inference.worker_service` (one loop that checks
-    the weights version before admitting new requests); `inference` runs `rlax_inference`'s
-    `rlax-worker` (I/O, weights and compute on separate threads; its asynchronous reload
-    makes rollouts about one version staler at j=1)."""
+    `max_inflight_requests`: requests one worker holds (queued or generating); beyond it a
+    request is answered `busy` at once, so the client sends it elsewhere. It must cover
+    what the controller sends one worker (`max_inflight_groups`, and as many eval requests)."""
 
     count: int = 2
     j: int = 1
@@ -200,7 +199,7 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     platform: str = "cpu"
     attention: str = "auto"
     decode_steps: int = 1
-    implementation: Literal["builtin", "inference"] = "builtin"
+    max_inflight_requests: int = 64
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, "count", self.count, "must be >= 1")
@@ -208,6 +207,12 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
         _check(self.max_inflight_groups >= 1, "max_inflight_groups", self.max_inflight_groups, "must be >= 1")
         _check(self.max_batch_seqs >= 1, "max_batch_seqs", self.max_batch_seqs, "must be >= 1")
         _check(self.decode_steps >= 1, "decode_steps", self.decode_steps, "must be >= 1")
+        _check(
+            self.max_inflight_requests >= 2 * self.max_inflight_groups,
+            "max_inflight_requests",
+            self.max_inflight_requests,
+            f"must be >= 2 * max_inflight_groups={self.max_inflight_groups} (training and eval requests)",
+        )
         _check(
             not self.addresses or len(self.addresses) == self.count,
             "addresses",

@@ -1,55 +1,70 @@
-"""`rlax-worker`: an inference worker process serving GenerateRequests over ZeroMQ.
+"""`rlax-worker` (also `rlax worker`): the inference worker process.
 
-Three threads, and only one of them runs the model:
+Two threads, and only one of them runs the model:
 
-- the I/O thread owns the ROUTER socket: it answers `Hello`, decodes `GenerateRequest`s
-  into the inbox queue and sends whatever the compute loop puts in the outbox;
-- the weights thread asks the parameter server for its latest version and, once the
-  worker is `reload_staleness` (the paper's j) or more versions behind, pulls it and hands
-  it over through a queue;
-- the compute loop (the caller of `Worker.run`) swaps weights between engine steps,
-  admits requests, steps the engine and queues `GenerateResult`s. It never touches a socket.
+- the I/O thread (`rlax_inference.worker_io.WorkerIO`) owns the ROUTER socket speaking
+  `rlax_protocol` (`Hello` -> `Welcome`, `GenerateRequest` -> `GenerateResult` or
+  `ErrorReply`). It answers `Hello` at once, whatever the engine is doing (compiling,
+  reloading, stepping), queues requests for the engine thread, answers ``busy`` beyond
+  `WorkerConfig.max_inflight_requests`, and cancels the requests of a client that
+  disconnected;
+- the engine thread (the caller of `Worker.run`; the main thread of the process) follows the
+  parameter server, admits requests, steps `LLMEngine` and posts results. It never touches
+  the socket.
 
-A request the engine refuses (prompt too long, token outside the vocabulary, ...) gets an
-`ErrorReply(code="malformed")` naming the problem; the others keep being served.
+Weights: before admitting new requests (and every `weights_poll_s` while generating) the
+engine thread asks the parameter server for its newest version, and reloads only when it is
+`reload_staleness` (the paper's j, `workers.j`) or more versions behind. A reload drops the
+partly generated samples (they restart under the new weights), so every result is generated
+by exactly one version, which it carries. A pull has a deadline per exchange and a bounded
+number of retries; a failed pull keeps the old weights, is logged, and is tried again later
+(backing off), so a reload can never stall the worker.
+
+At its first weights the worker compiles the shapes the run will use (`WarmUp`), so that
+generation runs at the engine's warm speed; every result carries the worker's running totals
+(`WorkerStats`), and an engine step that had to compile a new shape counts as compile time.
+
+A request the engine refuses (a field out of range for this model: `top_logprobs=1000` on a
+128-token vocabulary, a prompt token outside the vocabulary, a prompt too long, ...) gets an
+`ErrorReply(code="malformed")` naming the field before anything is scheduled. Stop strings
+are matched on the text the run's tokenizer decodes from each sample's latest tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import os
-import pathlib
 import queue
-import signal
-import sys
 import threading
-import zlib
+import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import numpy as np
-import zmq
+from rlax_core.cli import component_main, exit_on_sigterm, select_platform
+from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
 
 import rlax_protocol as rp
-from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput, SwapPolicy
+from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
 from rlax_inference.sequence import FinishReason, SamplingParams
+from rlax_inference.worker_io import Cancel, Job, WorkerIO
 from rlax_model import ModelConfig, Params, dtype_policy
 from rlax_paramserver import ParamClient
 
-log = logging.getLogger("rlax_inference.worker")
+__all__ = [
+    "EXIT_CONFIG_ERROR",
+    "WarmUp",
+    "Worker",
+    "WorkerConfig",
+    "WorkerConfigError",
+    "check",
+    "engine_config_fields",
+    "main",
+]
 
-# sysexits.h EX_CONFIG: `main` exits with it when the worker's config is rejected, as every
-# rlax component does; `rlax launch` stops the run on it instead of restarting the worker.
-EXIT_CONFIG_ERROR = 78
-
-
-class WorkerConfigError(ValueError):
-    """The worker's model or engine config is rejected (by itself or by the pulled weights)."""
-
+log = logging.getLogger("rlax.worker")
 
 _FINISH = {
     FinishReason.EOS: "stop",
@@ -57,6 +72,11 @@ _FINISH = {
     FinishReason.LENGTH: "length",
     FinishReason.ABORT: "abort",
 }
+_MAX_BACKOFF_S = 30.0
+
+
+class WorkerConfigError(ConfigError):
+    """The worker's model or engine config is rejected (by itself or by the pulled weights)."""
 
 
 @dataclass(frozen=True)
@@ -66,80 +86,134 @@ class WorkerConfig:
     bind: ZeroMQ address of the ROUTER socket (loopback by default; port * picks one).
     paramserver: address of the parameter server.
     reload_staleness: reload once the newest version is this many versions ahead (j >= 1).
-    weights_poll_s: how often the weights thread asks for the latest version.
-    first_weights_timeout_s: how long to wait for a first version before giving up.
-    rpc_timeout_s: deadline of each parameter-server exchange and socket send.
+    weights_poll_s: how often the version is checked while generating (it is also checked
+      before admitting new requests).
+    rpc_timeout_s: deadline of each exchange of a pull; pull_retries: how often a timed-out
+      exchange is repeated before the pull fails (the old weights stay; `reload_retry_s`
+      later, doubling up to 30 s, it is tried again).
+    first_weights_timeout_s: a worker without weights whose parameter server has not
+      answered for this long gives up (TimeoutError).
+    max_inflight_requests: requests queued or generating; beyond it a request is answered
+      ``busy``.
+    client_heartbeat_s: ZMTP heartbeat interval towards clients (a silent connection is
+      closed after five), so requests of a client whose host vanished are cancelled.
     """
 
     bind: str = "tcp://127.0.0.1:*"
     paramserver: str = "tcp://127.0.0.1:5555"
     reload_staleness: int = 1
-    weights_poll_s: float = 0.5
-    first_weights_timeout_s: float = 120.0
+    weights_poll_s: float = 0.05
     rpc_timeout_s: float = 30.0
+    pull_retries: int = 2
+    reload_retry_s: float = 1.0
+    first_weights_timeout_s: float = 120.0
+    max_inflight_requests: int = 64
+    client_heartbeat_s: float = 2.0
     worker_id: str = "worker"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reload_staleness, int) or self.reload_staleness < 1:
-            raise ValueError(
-                f"WorkerConfig.reload_staleness must be an int >= 1, got {self.reload_staleness!r}"
-            )
-        for name in ("weights_poll_s", "first_weights_timeout_s", "rpc_timeout_s"):
+        for name in ("reload_staleness", "max_inflight_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"WorkerConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.pull_retries, int) or self.pull_retries < 0:
+            raise ValueError(f"WorkerConfig.pull_retries must be an int >= 0, got {self.pull_retries!r}")
+        for name in ("weights_poll_s", "rpc_timeout_s", "reload_retry_s", "first_weights_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.client_heartbeat_s >= 0:
+            raise ValueError(f"WorkerConfig.client_heartbeat_s must be >= 0, got {self.client_heartbeat_s!r}")
+
+    @classmethod
+    def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> WorkerConfig:
+        """Worker `index` of the run `config` (`overrides`: any field, for tests and tools)."""
+        fields = {
+            "bind": config.workers.addresses[index],
+            "paramserver": config.paramserver.address,
+            "reload_staleness": config.workers.j,
+            "first_weights_timeout_s": config.controller.request_timeout_s,
+            "max_inflight_requests": config.workers.max_inflight_requests,
+            "worker_id": f"worker{index}",
+        }
+        return cls(**{**fields, **overrides})
 
 
-def to_engine_params(msg: rp.GenerateRequest) -> SamplingParams:
-    """Protocol sampling settings -> engine `SamplingParams` (raises ValueError on bad values).
+def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
+    """`rlax_inference.EngineConfig` fields sized for the run: every running sequence can
+    hold `model.max_seq_len` tokens. Unseeded requests draw from a stream seeded by the run
+    and the worker's index (distinct across workers)."""
+    max_len = config.model.max_seq_len
+    seqs = config.workers.max_batch_seqs
+    block = 16
+    return {
+        "block_size": block,
+        "num_blocks": seqs * (-(-max_len // block) + 1) + 8,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": max(2048, seqs * 4),
+        "max_model_len": max_len,
+        "swap_policy": "drop",
+        "attention": config.workers.attention,
+        "num_decode_steps": config.workers.decode_steps,
+        "seed": (config.run.seed * 1_000_003 + index) % 2**31,
+    }
 
-    A request without a seed gets one derived from its request id, so a retry reproduces it.
-    """
-    s = msg.sampling
-    seed = s.seed if s.seed is not None else zlib.crc32(msg.request_id.encode())
-    return SamplingParams(
-        n=msg.n,
-        temperature=float(s.temperature),
-        top_p=float(s.top_p),
-        top_k=s.top_k,
-        max_tokens=s.max_tokens,
-        seed=seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        stop=tuple(s.stop_strings),
-        logprobs=s.top_logprobs,
-    )
 
+@dataclass(frozen=True)
+class WarmUp:
+    """The shapes to compile at the first weights: decode for up to `rows` rows at every
+    block-table width and each of `decode_steps`; prefill of `sampling.n` samples of dummy
+    prompts of `prompt_lengths` tokens (one token each)."""
 
-def to_result(request_id: str, out: RequestOutput, *, with_logprobs: bool) -> rp.GenerateResult:
-    samples = tuple(
-        rp.Sample(
-            token_ids=tuple(c.tokens),
-            logprobs=tuple(c.logprobs) if with_logprobs else (),
-            finish_reason=_FINISH[c.finish_reason],  # type: ignore[arg-type]
-            top_logprobs=tuple(dict(t) for t in c.top_logprobs),
+    rows: int
+    decode_steps: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    sampling: SamplingParams
+
+    @classmethod
+    def for_run(cls, config: RunConfig, task: Any) -> WarmUp:
+        """One group's rows (up to the worker's in-flight groups), the shortest and the
+        longest of the task's first prompts."""
+        data, workers = config.data, config.workers
+        try:
+            lengths = sorted({len(task.encode_prompt(r)) for r in task.train_records()[:64]})
+        except Exception as error:  # the prompts are not readable here: prefill compiles on first use
+            log.warning("prefill warm-up skipped: cannot read the task's prompts (%s)", error)
+            lengths = []
+        room = config.model.max_seq_len - 1
+        return cls(
+            rows=min(workers.max_batch_seqs, data.group_size * max(1, workers.max_inflight_groups)),
+            decode_steps=tuple(sorted({1, workers.decode_steps})),
+            prompt_lengths=tuple(sorted({max(1, min(n, room)) for n in (lengths[:1] + lengths[-1:])})),
+            sampling=SamplingParams(
+                n=min(data.group_size, workers.max_batch_seqs),
+                temperature=data.temperature,
+                top_p=data.top_p,
+                top_k=data.top_k,
+                max_tokens=1,
+            ),
         )
-        for c in out.outputs
-    )
-    version = out.weight_version
-    return rp.GenerateResult(
-        request_id=request_id, samples=samples, weight_version=-1 if version is None else version
-    )
 
 
-def params_from_tree(tree: dict[str, Any], dtype: Any = None) -> Params:
-    """Pulled numpy tree -> device arrays (copies: pulled arrays are read-only views of frames),
-    cast to `dtype` when given (the model config's `param_jnp_dtype` after `dtype_policy`)."""
-    return jax.tree_util.tree_map(lambda a: jax.device_put(np.array(a, dtype=dtype)), tree)
+class _TailText:
+    """`LLMEngine`'s `detokenize`: the text of a sample's last tokens, as many as can hold
+    the longest stop string admitted so far (a character is at most 4 byte tokens), so each
+    new token costs a bounded decode, not one of the whole sample."""
 
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.window = 1
 
-@dataclass
-class _Pending:
-    identity: bytes
-    transport_id: int
-    request: rp.GenerateRequest
+    def need(self, stop: Sequence[str]) -> None:
+        if stop:
+            self.window = max(self.window, 4 * max(len(s) for s in stop) + 16)
+
+    def __call__(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens[-self.window :]))
 
 
 class Worker:
-    """The worker: `start()` the I/O and weights threads, then `run()` the compute loop."""
+    """The worker: `start()` binds and starts the I/O thread, `run()` is the engine loop
+    (until `stop()`); `Worker.from_run` builds the one a run config describes."""
 
     def __init__(
         self,
@@ -147,308 +221,398 @@ class Worker:
         engine_config: EngineConfig,
         model_config: ModelConfig | None = None,
         *,
-        detokenize: Any = None,
+        tokenizer: Any = None,
+        warm_up: WarmUp | None = None,
     ) -> None:
         self.config = config
         self.engine_config = engine_config
-        self.model_config = model_config
-        self.detokenize = detokenize
+        # bfloat16 on a CPU computes in float32 (and says so), as the trainer does: same numerics.
+        # Without a model config, the one the first pulled weights carry in their metadata.
+        self.model_config = None if model_config is None else dtype_policy(model_config)
+        self.detokenize = None if tokenizer is None else _TailText(tokenizer)
+        self.warm_up = warm_up
+        self.server_id = f"{config.worker_id}-{uuid.uuid4().hex[:8]}"
         self.engine: LLMEngine | None = None
-        self.address: str | None = None
-        self._inbox: queue.Queue[_Pending] = queue.Queue()
-        self._outbox: queue.Queue[tuple[bytes, int, rp.Message]] = queue.Queue()
-        self._weights: queue.Queue[tuple[Params, int]] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._bound = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._version_seen = -1  # newest version handed to the compute loop (weights thread's view)
-        self.num_weight_checks = 0
-        self.num_reloads = 0
+        self.version: int | None = None
+        self.io: WorkerIO | None = None
+        self.phase = "not started"  # for logs and tests: waiting for weights, loading, warming up, ...
         self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._queued: list[Job] = []  # decoded, not yet in the engine (no weights yet, or a reload first)
+        self._admitted: dict[int, rp.GenerateRequest] = {}
+        self._next_check = 0.0
+        self._backoff_s = config.reload_retry_s
+        self._backoff_until = 0.0
+        self._started = time.monotonic()
+        self.num_weight_checks = 0
+        self.num_failed_pulls = 0
+        self.num_aborted = 0
+        # WorkerStats totals.
+        self.reloads = 0
+        self.generated_tokens = 0
+        self.active_s = 0.0  # wall seconds with unfinished requests
+        self.engine_s = 0.0  # inside engine steps that compiled nothing
+        self.compile_s = 0.0  # start-up warm-up plus engine steps that compiled a new shape
+        self.reload_s = 0.0
+        self._version_client: ParamClient | None = None
+        self._pull_client: ParamClient | None = None
 
-    # -- lifecycle -----------------------------------------------------------------------
-    def start(self) -> str:
-        """Pull the first weights, build the engine, start the threads; returns the bound address."""
-        client = ParamClient(
-            self.config.paramserver, timeout_s=self.config.rpc_timeout_s, client_id=self.config.worker_id
+    @classmethod
+    def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> Worker:
+        """Worker `index` of the run: its address, the run's model, tokenizer, engine sizes
+        and warm-up (`overrides`: `WorkerConfig` fields)."""
+        from rlax_data.run_task import build_task
+        from rlax_model.run_model import build_model_config
+
+        task = build_task(config)
+        return cls(
+            WorkerConfig.from_run(config, index, **overrides),
+            EngineConfig(**engine_config_fields(config, index)),
+            build_model_config(config, task.tokenizer),
+            tokenizer=task.tokenizer,
+            warm_up=WarmUp.for_run(config, task),
         )
-        try:
-            version = client.wait_for_newer(None, self.config.first_weights_timeout_s)
-            if version is None:
-                raise TimeoutError(
-                    f"no weights on {self.config.paramserver} after {self.config.first_weights_timeout_s}s"
-                )
-            pulled = client.pull()
-            assert pulled is not None
-        finally:
-            client.close()
-        try:
-            model_config = dtype_policy(self.model_config or _model_config_from(pulled.metadata))
-            self.engine = LLMEngine(
-                model_config, params_from_tree(pulled.tree, model_config.param_jnp_dtype), self.engine_config,
-                weight_version=pulled.version, detokenize=self.detokenize,
-            )  # fmt: skip
-        except ValueError as e:  # e.g. max_model_len beyond the model's positions: a restart cannot help
-            raise WorkerConfigError(str(e)) from None
-        self.model_config = model_config
-        self._version_seen = pulled.version
-        for target, name in ((self._io_loop, "rlax-worker-io"), (self._weights_loop, "rlax-worker-weights")):
-            thread = threading.Thread(target=self._guard(target), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        if not self._bound.wait(self.config.rpc_timeout_s):
-            self.stop()
-            raise RuntimeError(f"I/O thread did not bind {self.config.bind}: {self.errors}")
-        assert self.address is not None
-        return self.address
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def address(self) -> str | None:
+        return None if self.io is None else self.io.address
+
+    def start(self) -> str:
+        """Bind and start answering (`Hello` at once, requests once weights arrive); returns the address."""
+        self.io = WorkerIO(
+            self.config.bind,
+            server_id=self.server_id,
+            max_inflight=self.config.max_inflight_requests,
+            heartbeat_s=self.config.client_heartbeat_s,
+        )
+        self.io.start()
+        self._started = time.monotonic()
+        self.phase = "waiting for weights"
+        return self.io.address
 
     def stop(self) -> None:
+        """Ask `run()` to return (from any thread or a signal handler)."""
         self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        self._threads.clear()
 
-    def _guard(self, target: Any) -> Any:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as e:  # a dead helper thread must stop the worker, loudly
-                log.exception("%s failed", threading.current_thread().name)
-                self.errors.append(e)
-                self._stop.set()
-                self._bound.set()
-
-        return run
-
-    # -- compute loop (no sockets here) ----------------------------------------------------
     def run(self) -> None:
-        """Serve until `stop()` (or a helper thread fails, which re-raises here)."""
-        engine = self.engine
-        assert engine is not None, "call start() first"
-        pending: dict[str, _Pending] = {}
-        counter = 0
-        while not self._stop.is_set():
-            try:
-                params, version = self._weights.get_nowait()
-                engine.update_weights(params, version)
-                self.num_reloads += 1
-                log.info("weights v%d loaded", version)
-            except queue.Empty:
-                pass
-            for item in self._drain_inbox(block=not engine.has_unfinished):
-                counter += 1
-                key = f"{counter}:{item.request.request_id}"
-                try:
-                    engine.add_request(key, item.request.prompt_token_ids, to_engine_params(item.request))
-                except Exception as e:  # a request the engine refuses fails alone
-                    if not isinstance(e, ValueError):
-                        log.exception("request %r refused", item.request.request_id)
-                    message = str(e).replace(f"request {key!r}", f"request {item.request.request_id!r}")
-                    self._outbox.put(
-                        (item.identity, item.transport_id, rp.ErrorReply(code="malformed", message=message))
-                    )
-                    continue
-                pending[key] = item
-            if engine.has_unfinished:
-                for out in engine.step():
-                    item = pending.pop(out.request_id)
-                    result = to_result(
-                        item.request.request_id, out, with_logprobs=item.request.sampling.logprobs
-                    )
-                    self._outbox.put((item.identity, item.transport_id, result))
-        if self.errors:
-            raise RuntimeError(f"worker stopped: {self.errors[0]!r}") from self.errors[0]
-
-    def _drain_inbox(self, *, block: bool) -> list[_Pending]:
-        items: list[_Pending] = []
-        try:
-            items.append(self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait())
-            while True:
-                items.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return items
-
-    # -- I/O thread ------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        context = zmq.Context.instance()
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            socket.bind(self.config.bind)
-            self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._bound.set()
-            peers = rp.PeerRegistry()
-            while not self._stop.is_set():
-                while True:
-                    try:
-                        identity, transport_id, message = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._send(socket, identity, transport_id, message)
-                if socket.poll(5, zmq.POLLIN):
-                    self._serve_one(socket, socket.recv_multipart(zmq.NOBLOCK, copy=False), peers)
-        finally:
-            socket.close(linger=0)
-
-    def _serve_one(self, socket: zmq.Socket[Any], parts: list[zmq.Frame], peers: rp.PeerRegistry) -> None:
-        """One request: whatever it makes fail is answered with an `ErrorReply` (where the
-        sender is known) and logged; the I/O thread, and so the worker, keeps serving."""
-        try:
-            self._handle(socket, rp.parse_request(parts), peers)
-        except Exception as e:
-            log.exception("error handling a request")
-            if parts:
-                reply = rp.ErrorReply(code="internal", message=f"{type(e).__name__}: {e}")
-                self._send(socket, parts[0].bytes, 0, reply)
-
-    def _send(self, socket: zmq.Socket[Any], identity: bytes, transport_id: int, message: rp.Message) -> None:
-        try:
-            rp.send_within(
-                socket, rp.reply_parts(identity, transport_id, message),
-                timeout_s=self.config.rpc_timeout_s, peer=identity.hex(), operation=type(message).__name__,
-            )  # fmt: skip
-        except (zmq.ZMQError, rp.ProtocolTimeoutError) as e:
-            # The client went away; its result is lost, the worker goes on.
-            log.warning("could not deliver %s to %s: %s", type(message).__name__, identity.hex(), e)
-
-    def _handle(self, socket: zmq.Socket[Any], request: rp.Request, peers: rp.PeerRegistry) -> None:
-        reply: rp.Message | None
-        if request.error is not None:
-            reply = rp.ErrorReply(code="malformed", message=str(request.error))
-        elif isinstance(request.message, rp.Hello):
-            reply = rp.welcome_for(request.message, server_id=self.config.worker_id)
-            if reply.accepted:
-                peers.admit(request.identity)
-        elif not peers.touch(request.identity):
-            reply = rp.ErrorReply(
-                code="handshake_required", message="say Hello (with the protocol version) first"
-            )
-        elif isinstance(request.message, rp.GenerateRequest):
-            self._inbox.put(_Pending(request.identity, request.request_id, request.message))
-            reply = None  # answered when generation finishes
-        else:
-            name = type(request.message).__name__
-            reply = rp.ErrorReply(
-                code="unknown_message", message=f"{name} is not an inference-worker request"
-            )
-        if reply is not None:
-            self._send(socket, request.identity, request.request_id, reply)
-
-    # -- weights thread ----------------------------------------------------------------------
-    def _weights_loop(self) -> None:
-        client = ParamClient(
-            self.config.paramserver, timeout_s=self.config.rpc_timeout_s, client_id=self.config.worker_id
+        """The engine loop, until `stop()`; closes the socket when it returns or raises."""
+        io = self.io
+        assert io is not None, "call start() first"
+        pc = self.config
+        self._version_client = ParamClient(
+            pc.paramserver, timeout_s=min(1.0, pc.rpc_timeout_s), retries=0, client_id=pc.worker_id
+        )
+        self._pull_client = ParamClient(
+            pc.paramserver, timeout_s=pc.rpc_timeout_s, retries=pc.pull_retries, client_id=pc.worker_id
         )
         try:
-            while not self._stop.wait(self.config.weights_poll_s):
-                try:
-                    latest = client.latest()
-                except rp.ProtocolTimeoutError as e:
-                    log.warning("parameter server unreachable: %s", e)
+            while not self._stop.is_set():
+                if io.error is not None:
+                    raise RuntimeError(f"the worker's I/O thread failed: {io.error!r}") from io.error
+                busy = self.engine is not None and self.engine.has_unfinished
+                self._take_inbox(0.0 if busy else pc.weights_poll_s)
+                round_start = time.monotonic()
+                self._maybe_reload(round_start, force=bool(self._queued))
+                if self.engine is None:
                     continue
-                self.num_weight_checks += 1
-                if latest is None or latest - self._version_seen < self.config.reload_staleness:
-                    continue
-                pulled = client.pull(if_newer_than=self._version_seen)
-                if pulled is None:
-                    continue
-                params = params_from_tree(pulled.tree, self.model_config.param_jnp_dtype)
-                while not self._stop.is_set():
-                    try:
-                        self._weights.put((params, pulled.version), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                self._version_seen = pulled.version
+                self._admit()
+                if self.engine.has_unfinished:
+                    self._step(round_start)
+        except BaseException as error:
+            if not isinstance(error, SystemExit | KeyboardInterrupt):
+                self.errors.append(error)
+            raise
         finally:
-            client.close()
+            io.stop()
+            self._version_client.close()
+            self._pull_client.close()
+
+    # -- weights -------------------------------------------------------------------------
+    def _maybe_reload(self, now: float, *, force: bool) -> None:
+        """Pull the newest weights if we have none or are `reload_staleness` or more versions behind."""
+        if now < self._backoff_until or (not force and now < self._next_check):
+            return
+        self._next_check = now + self.config.weights_poll_s
+        assert self._version_client is not None
+        try:
+            latest = self._version_client.latest()
+        except rp.ProtocolError as error:
+            waited = now - self._started
+            if self.version is None and waited > self.config.first_weights_timeout_s:
+                raise TimeoutError(
+                    f"{self.config.worker_id}: no answer from the parameter server at {self.config.paramserver} "
+                    f"for {waited:.0f}s (first_weights_timeout_s={self.config.first_weights_timeout_s}): {error}"
+                ) from None
+            self._failed("cannot reach the parameter server", error, now)
+            return
+        self.num_weight_checks += 1
+        if latest is None or (
+            self.version is not None and latest - self.version < self.config.reload_staleness
+        ):
+            self._backoff_s = self.config.reload_retry_s
+            return
+        self._reload(latest)
+
+    def _failed(self, what: str, error: Exception, now: float) -> None:
+        self._backoff_until = now + self._backoff_s
+        log.warning(
+            "%s (%s); generating with version %s, trying again in %.1fs",
+            what,
+            error,
+            self.version,
+            self._backoff_s,
+        )
+        self._backoff_s = min(_MAX_BACKOFF_S, 2 * self._backoff_s)
+
+    def _reload(self, latest: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        first = self.engine is None
+        previous, self.phase = self.phase, "loading" if first else "reloading"
+        started = time.monotonic()
+        assert self._pull_client is not None
+        try:
+            pulled = self._pull_client.pull("latest", if_newer_than=self.version)
+        except rp.ProtocolError as error:
+            self.num_failed_pulls += 1
+            self.phase = previous
+            self._failed(
+                f"pulling version {latest} from {self.config.paramserver} failed", error, time.monotonic()
+            )
+            return
+        if pulled is None:
+            self.phase = previous
+            return
+        self._backoff_s = self.config.reload_retry_s
+        if self.model_config is None:
+            self.model_config = dtype_policy(_model_config_from(pulled.metadata))
+        dtype = self.model_config.param_jnp_dtype
+        params: Params = jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), pulled.tree)
+        if self.engine is None:
+            try:
+                self.engine = LLMEngine(
+                    self.model_config, params, self.engine_config,
+                    weight_version=pulled.version, detokenize=self.detokenize,
+                )  # fmt: skip
+            except ValueError as error:  # e.g. max_model_len beyond the model's positions
+                raise WorkerConfigError(str(error)) from None
+        else:
+            self.engine.update_weights(params, pulled.version)
+            self.reloads += 1
+        self.reload_s += time.monotonic() - started
+        if first and self.warm_up is not None:
+            self.phase = "warming up"
+            self._warm_up(self.warm_up)
+        log.info("loaded weights version %d (was %s)", pulled.version, self.version)
+        self.version = pulled.version
+        self.phase = "serving"
+
+    def _warm_up(self, plan: WarmUp) -> None:
+        """Compile the shapes the run will use before serving, and count the time as compile time.
+
+        Decode: padding rows only (the cache is not written); prefill: a one-token request on a
+        dummy prompt of each length (its blocks go back to the pool).
+        """
+        engine = self.engine
+        assert engine is not None
+        started = time.monotonic()
+        row_count = min(8, plan.rows)
+        while True:
+            engine.runner.warmup(row_count, plan.decode_steps)
+            if row_count >= plan.rows:
+                break
+            row_count = min(plan.rows, row_count * 2)
+        for length in plan.prompt_lengths:
+            engine.generate([[0] * length], plan.sampling)
+        self.compile_s += time.monotonic() - started
+        log.info(
+            "compiled the run's shapes (up to %d rows) in %.1fs (%s)",
+            plan.rows,
+            self.compile_s,
+            dict(engine.runner.num_compilations),
+        )
+
+    # -- requests --------------------------------------------------------------------------
+    def _take_inbox(self, wait_s: float) -> None:
+        assert self.io is not None
+        inbox = self.io.inbox
+        try:
+            item = inbox.get(timeout=wait_s) if wait_s > 0 else inbox.get_nowait()
+            while True:
+                if isinstance(item, Job):
+                    self._queued.append(item)
+                else:
+                    self._cancel(item)
+                item = inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _cancel(self, cancel: Cancel) -> None:
+        """The client is gone: forget a queued request, abort an admitted one (its blocks are freed)."""
+        self._queued = [job for job in self._queued if job.key != cancel.key]
+        if self._admitted.pop(cancel.key, None) is not None and self.engine is not None:
+            self.engine.abort(str(cancel.key))
+            self.num_aborted += 1
+
+    def _admit(self) -> None:
+        engine, io = self.engine, self.io
+        assert engine is not None and io is not None
+        queued, self._queued = self._queued, []
+        for job in queued:
+            request = job.request
+            try:
+                params = _engine_params(request)
+                if self.detokenize is not None:
+                    self.detokenize.need(params.stop)
+                engine.add_request(str(job.key), request.prompt_token_ids, params)
+            except Exception as error:  # a request the engine refuses fails alone, before it is scheduled
+                if not isinstance(error, ValueError | TypeError | OverflowError):
+                    log.exception("request %r refused", request.request_id)
+                message = str(error).replace(f"request '{job.key}'", f"request {request.request_id!r}")
+                if request.request_id not in message:
+                    message = f"{request.request_id}: {message}"
+                io.post(job.key, rp.ErrorReply(code="malformed", message=message))
+                continue
+            self._admitted[job.key] = request
+
+    def _step(self, round_start: float) -> None:
+        engine = self.engine
+        assert engine is not None
+        compiled_before = dict(engine.runner.num_compilations)
+        started = time.monotonic()
+        outputs = engine.step()
+        ended = time.monotonic()
+        if engine.runner.num_compilations != compiled_before:
+            self.compile_s += ended - started  # a shape the warm-up did not cover
+            round_start = ended  # not generation time either
+            new = {k: v - compiled_before.get(k, 0) for k, v in engine.runner.num_compilations.items()}
+            log.info("compiled new shapes during the run in %.1fs: %s", ended - started, new)
+        else:
+            self.engine_s += ended - started
+        self.active_s += ended - round_start  # this round's version check, reload and step
+        for output in outputs:
+            self._finish(output)
+
+    def _finish(self, output: RequestOutput) -> None:
+        assert self.io is not None
+        key = int(output.request_id)
+        request = self._admitted.pop(key, None)
+        if request is None:
+            return  # cancelled
+        if output.error:
+            message = f"{request.request_id}: {output.error}"
+            self.io.post(key, rp.ErrorReply(code="internal", message=message))
+            return
+        with_logprobs = request.sampling.logprobs
+        samples = tuple(
+            rp.Sample(
+                token_ids=tuple(int(t) for t in c.tokens),
+                logprobs=tuple(float(x) for x in c.logprobs) if with_logprobs else (),
+                finish_reason=_FINISH[c.finish_reason],  # type: ignore[arg-type]
+                top_logprobs=tuple({int(i): float(lp) for i, lp in t} for t in c.top_logprobs),
+            )
+            for c in sorted(output.outputs, key=lambda c: c.sample_index)
+        )
+        version = output.weight_version
+        self.generated_tokens += sum(len(s.token_ids) for s in samples)
+        result = rp.GenerateResult(
+            request_id=request.request_id,
+            samples=samples,
+            weight_version=(self.version or 0) if version is None else version,
+            stats=self.stats(),
+        )
+        self.io.post(key, result)
+
+    def stats(self) -> rp.WorkerStats:
+        return rp.WorkerStats(
+            generated_tokens=self.generated_tokens,
+            active_s=self.active_s,
+            engine_s=self.engine_s,
+            compile_s=self.compile_s,
+            reload_s=self.reload_s,
+            reloads=self.reloads,
+        )
+
+
+def _engine_params(request: rp.GenerateRequest) -> SamplingParams:
+    """Protocol sampling settings -> engine `SamplingParams` (ValueError names a bad field).
+
+    A request without a seed keeps `seed=None`: the engine gives each such request its own.
+    """
+    s = request.sampling
+    return SamplingParams(
+        n=request.n,
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        stop=tuple(s.stop_strings),
+        logprobs=s.top_logprobs,
+    )
 
 
 def _model_config_from(metadata: dict[str, Any]) -> ModelConfig:
     raw = metadata.get("model_config")
     if not isinstance(raw, dict):
-        raise ValueError(
+        raise WorkerConfigError(
             "the pulled weights carry no metadata['model_config'] (a dict of ModelConfig fields); "
-            "pass --model-config FILE.json"
+            "give the worker its model config"
         )
-    return model_config_from_dict(raw, source="metadata['model_config']")
-
-
-def model_config_from_dict(raw: dict[str, Any], *, source: str) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ValueError(f"{source}: unknown ModelConfig fields {unknown}")
+        raise WorkerConfigError(f"metadata['model_config']: unknown ModelConfig fields {unknown}")
     return ModelConfig(**raw)
 
 
-def _worker_from_args(args: argparse.Namespace) -> Worker:
-    """The worker the command line describes; a rejected config raises `WorkerConfigError`."""
-    try:
-        model_config = None
-        if args.model_config:
-            model_config = model_config_from_dict(
-                json.loads(args.model_config.read_text()), source=str(args.model_config)
-            )
-        engine_kwargs = json.loads(args.engine_config.read_text()) if args.engine_config else {}
-        if not isinstance(engine_kwargs, dict):
-            raise ValueError(f"{args.engine_config}: expected a JSON object of EngineConfig fields")
-        if "eos_token_ids" in engine_kwargs and engine_kwargs["eos_token_ids"] is not None:
-            engine_kwargs["eos_token_ids"] = tuple(engine_kwargs["eos_token_ids"])
-        if "swap_policy" in engine_kwargs:
-            engine_kwargs["swap_policy"] = SwapPolicy(engine_kwargs["swap_policy"])
-        return Worker(
-            WorkerConfig(
-                bind=args.bind, paramserver=args.paramserver, reload_staleness=args.reload_staleness,
-                weights_poll_s=args.weights_poll_s, worker_id=args.worker_id,
-            ),
-            EngineConfig(**engine_kwargs),
-            model_config,
-        )  # fmt: skip
-    except (ValueError, TypeError, OSError) as e:
-        # TypeError: a field EngineConfig/ModelConfig lacks; OSError: an unreadable file.
-        raise WorkerConfigError(str(e)) from None
+def check(config: RunConfig, index: int) -> None:
+    """Build the worker's typed configs (`EngineConfig`, `WorkerConfig`, the task's tokenizer,
+    the model's shapes); a `ConfigError` names the component that rejects the config."""
+    from rlax_data.run_task import build_task
+    from rlax_model.run_model import checked_model_config
+
+    if not 0 <= index < len(config.workers.addresses):
+        raise ConfigError(f"--index {index}: the config has {len(config.workers.addresses)} worker addresses")
+    select_platform(config.workers.platform)  # before anything imports JAX
+    rejected_by(
+        "the inference engine (workers.*)", lambda: EngineConfig(**engine_config_fields(config, index))
+    )
+    rejected_by("the worker (workers.*)", lambda: WorkerConfig.from_run(config, index))
+    task = rejected_by("the task (data.*)", lambda: build_task(config))
+    checked_model_config(config, task.tokenizer)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlax-worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--paramserver", required=True, help="parameter server address (tcp://host:port)")
-    parser.add_argument("--bind", default="tcp://127.0.0.1:*", help="address to serve GenerateRequests on")
-    parser.add_argument(
-        "--reload-staleness", type=int, default=1, help="j: reload once this many versions behind"
-    )
-    parser.add_argument("--weights-poll-s", type=float, default=0.5)
-    parser.add_argument(
-        "--model-config", type=pathlib.Path, help="JSON of ModelConfig fields (default: pulled metadata)"
-    )
-    parser.add_argument("--engine-config", type=pathlib.Path, help="JSON of EngineConfig fields")
-    parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound address here once serving")
-    parser.add_argument("--worker-id", default="worker")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        worker = _worker_from_args(args)
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlax-worker --config FILE --index I [key=value ...] [--check-config]` (also `rlax worker`)."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--index", type=int, required=True, help="which of workers.addresses to serve")
+
+    def start(config: RunConfig, args: argparse.Namespace) -> int:
+        from rlax_model.run_model import use_compile_cache
+
+        use_compile_cache(config)
+        exit_on_sigterm()
+        worker = Worker.from_run(config, args.index)
         address = worker.start()
-    except WorkerConfigError as e:
-        print(f"rlax-worker: invalid config: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker._stop.set())
-    if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(address)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(args.ready_file)
-    log.info("serving on %s", address)
-    try:
+        log.info("worker %d serving at %s (j=%d)", args.index, address, config.workers.j)
         worker.run()
-    finally:
-        worker.stop()
-    return 0
+        return 0
+
+    return component_main(
+        "rlax worker",
+        argv,
+        start,
+        check=lambda config, args: check(config, args.index),
+        add_arguments=add_arguments,
+    )
 
 
 if __name__ == "__main__":
+    import sys
+
     sys.exit(main())
