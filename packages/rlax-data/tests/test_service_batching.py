@@ -14,7 +14,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import Record, service
-from rlax_data.service import BATCH_VERIFIER, RemoteVerifier, VerifierService, encode_batch
+from rlax_data.service import RemoteVerifier, VerifierService, encode_batch
 from rlax_data.tasks import ArithmeticTask
 from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.base import VerifyResult
@@ -79,9 +79,7 @@ def _reply(sock: zmq.Socket) -> tuple[int, rp.Message, list[zmq.Frame]]:
 
 
 def _header(n: int) -> bytes:
-    return rp.encode(
-        rp.VerifyRequest(request_id="b", verifier=BATCH_VERIFIER, completion="", extra={"items": str(n)})
-    )
+    return rp.encode(rp.VerifyBatch(request_id="b", items=n))
 
 
 def _arith(n: int, seed: int = 0) -> list[tuple[str, Record]]:
@@ -112,8 +110,8 @@ def test_a_batch_with_bad_items_scores_the_good_ones_and_refuses_each_bad_one():
     with running() as (svc, _), dealer(svc.bound_address) as sock:
         sock.send_multipart([pack_request_id(1), _header(len(items)), frame])
         rid, reply, frames = _reply(sock)
-        assert rid == 1 and isinstance(reply, rp.VerifyResult) and not reply.correct
-        assert reply.reward == 4.0  # four of nine scored
+        assert rid == 1 and isinstance(reply, rp.VerifyBatchResult) and reply.refused == 5
+        assert reply.items == 9  # four of nine scored
         outcome = msgspec.json.decode(frames[0].bytes)
         refused = {n: code for n, code, _ in outcome["refused"]}
         assert refused == {1: "malformed", 3: "bad_request", 4: "malformed", 5: "not_found", 7: "internal"}
@@ -171,7 +169,7 @@ def test_a_hostile_batch_message_is_answered_and_the_service_keeps_serving(parts
         items = _arith(2)
         sock.send_multipart([pack_request_id(8), _header(2), encode_batch(items)])
         rid, reply, frames = _reply(sock)
-        assert rid == 8 and reply.correct
+        assert rid == 8 and isinstance(reply, rp.VerifyBatchResult) and reply.refused == 0
         assert [r["correct"] for r in msgspec.json.decode(frames[0].bytes)["results"]] == [False, True]
 
 
@@ -252,14 +250,9 @@ def test_a_client_that_leaves_mid_batch_costs_the_others_nothing():
         leaves.close(0)  # ...when it goes away, its reply still to be sent
         gate.release.set()
         rid, reply, frames = _reply(stays)
-        assert rid == 1 and reply.correct
+        assert rid == 1 and isinstance(reply, rp.VerifyBatchResult) and reply.refused == 0
         assert [r["correct"] for r in msgspec.json.decode(frames[0].bytes)["results"]] == [False, True]
         assert svc.server.is_serving()
-
-
-def test_routes_may_not_take_the_batch_name():
-    with pytest.raises(ValueError, match="@"):
-        VerifierService(RoutingVerifier({"@batch": ExactMatchVerifier()}), address="tcp://127.0.0.1:*")
 
 
 def test_a_large_frame_is_counted_before_its_records_are_built(monkeypatch):
@@ -282,4 +275,4 @@ def test_a_large_frame_is_counted_before_its_records_are_built(monkeypatch):
         assert built == []  # refused on its count alone
         sock.send_multipart([pack_request_id(2), _header(1), b"[" + tiny + b"]"])
         _, reply, _ = _reply(sock)
-        assert isinstance(reply, rp.VerifyResult) and reply.correct and built
+        assert isinstance(reply, rp.VerifyBatchResult) and reply.refused == 0 and built

@@ -81,6 +81,8 @@ EXAMPLES: list[rp.Message] = [
     ),
     rp.VerifyRequest(request_id="v1", verifier="math", completion="\\boxed{2}", reference="2"),
     rp.VerifyResult(request_id="v1", reward=1.0, correct=True),
+    rp.VerifyBatch(request_id="b1", items=3, timeout_s=5.0),
+    rp.VerifyBatchResult(request_id="b1", items=3, refused=1),
 ]
 
 
@@ -197,3 +199,11 @@ def test_worker_stats_refuse_negative_or_non_finite_totals(field: str, value: fl
     forged = msgspec.msgpack.encode({"type": "WorkerStats", field: value})  # a hostile worker's totals
     with pytest.raises(MalformedMessageError, match=f"WorkerStats.{field}"):
         decode(forged)
+
+
+@pytest.mark.parametrize("fields", [{"items": 0}, {"items": -3}, {"items": 2, "timeout_s": float("nan")}])
+def test_a_verify_batch_with_impossible_fields_is_malformed(fields):
+    # Built by hand (not through the class, which refuses them), as a hostile peer would send it.
+    raw = msgspec.msgpack.encode({"type": "VerifyBatch", "request_id": "b", "timeout_s": 1.0, **fields})
+    with pytest.raises(rp.MalformedMessageError, match="VerifyBatch"):
+        rp.decode(raw)

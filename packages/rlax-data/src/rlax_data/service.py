@@ -4,13 +4,13 @@ Wire format: the `rlax_protocol` request/reply framing (DEALER client -> ROUTER 
 served by `rlax_protocol.RpcServer` with a batch handler. A client says `Hello`, then
 sends either
 
-* a batch (what `RemoteVerifier` sends): a `VerifyRequest` header with
-  ``verifier=BATCH_VERIFIER`` and ``extra={"items": "<n>"}``, followed by one raw frame
-  holding the JSON array of ``[completion, record]`` pairs (a `Record` as JSON; its
-  `task` names the verifier route). The reply is a `VerifyResult` header (``correct``
-  when every item was scored, ``reward`` how many were) followed by one raw frame holding the JSON array of
-  per-item outcomes ``[reward, correct, details, code, error]`` (trailing defaults
-  left out; a non-empty ``code`` means that item was refused and says why);
+* a batch (what `RemoteVerifier` sends): a `VerifyBatch` header (`items`: how many),
+  followed by one raw frame holding the JSON array of ``[completion, record]`` pairs
+  (a `Record` as JSON; its `task` names the verifier route). The reply is a
+  `VerifyBatchResult` header (`refused`: how many items were not scored) followed by one
+  raw frame holding the JSON array of per-item outcomes ``[reward, correct, details,
+  code, error]`` (trailing defaults left out; a non-empty ``code`` means that item was
+  refused and says why);
 * or single `VerifyRequest`s, pipelined, each answered with its own `VerifyResult`
   (or `ErrorReply`).
 
@@ -54,12 +54,11 @@ from rlax_data.verify.countdown import CountdownConfig
 from rlax_data.verify.registry import RoutingConfig, RoutingVerifier, build_verifier, load_verifier_config
 from rlax_protocol.rpc_server import BatchResult
 
-__all__ = ["BATCH_VERIFIER", "RemoteVerifier", "VerifierService", "default_routes", "main"]
+__all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
 
 log = logging.getLogger("rlax_data.service")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5599"
-BATCH_VERIFIER = "@batch"
 """The `VerifyRequest.verifier` of a batch header (never a route name: routes may not start with @)."""
 MAX_BATCH_ITEMS = 65_536
 """Most items one batch message may hold."""
@@ -223,7 +222,7 @@ class _Plan:
 
     __slots__ = ("batch", "count", "header", "refused", "start")
 
-    def __init__(self, header: rp.VerifyRequest, batch: bool, start: int) -> None:
+    def __init__(self, header: rp.VerifyRequest | rp.VerifyBatch, batch: bool, start: int) -> None:
         self.header = header
         self.batch = batch
         self.start = start
@@ -261,9 +260,6 @@ class VerifierService:
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
-        bad = [name for name in verifier.routes if name.startswith("@")]
-        if bad:
-            raise ValueError(f"verifier routes {bad}: a route name may not start with '@'")
         self.verifier = verifier
         self.max_items = max_items
         self.poll_s = poll_s
@@ -331,24 +327,23 @@ class VerifierService:
         return out
 
     def _plan(self, message: rp.Message, frames: list[zmq.Frame], items: list[VerifyItem]) -> _Plan:
-        if not isinstance(message, rp.VerifyRequest):
-            raise _BadRequest("unknown_message", f"{type(message).__name__} is not served here")
-        if message.verifier != BATCH_VERIFIER:
+        if isinstance(message, rp.VerifyRequest):
             if frames:
                 raise _BadRequest("malformed", f"a VerifyRequest takes no raw frames, got {len(frames)}")
             plan = _Plan(message, batch=False, start=len(items))
             items.append(request_to_item(message, list(self.verifier.routes)))
             plan.count = 1
             return plan
+        if not isinstance(message, rp.VerifyBatch):
+            raise _BadRequest("unknown_message", f"{type(message).__name__} is not served here")
         if len(frames) != 1:
             raise _BadRequest("malformed", f"a batch takes one raw frame (its items), got {len(frames)}")
         decoded = decode_batch(
             frames[0].buffer, self.verifier.routes, message.timeout_s, max_items=self.max_items
         )
-        if message.extra.get("items") != str(len(decoded)):
+        if message.items != len(decoded):
             raise _BadRequest(
-                "malformed",
-                f"batch header says {message.extra.get('items')!r} items, frame holds {len(decoded)}",
+                "malformed", f"batch header says {message.items} items, frame holds {len(decoded)}"
             )
         plan = _Plan(message, batch=True, start=len(items))
         plan.count = len(decoded)
@@ -396,9 +391,7 @@ class VerifierService:
                     refused.append((n, "internal", f"result cannot be sent: {why}"))
             frame = _ENCODER.encode(_BatchOutcome(scored, sorted(refused)))  # type: ignore[arg-type]
         self.stats["errors"] += len(refused)
-        reply = rp.VerifyResult(
-            request_id=header.request_id, reward=float(plan.count - len(refused)), correct=not refused
-        )
+        reply = rp.VerifyBatchResult(request_id=header.request_id, items=plan.count, refused=len(refused))
         return reply, [frame]
 
     def _verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
@@ -501,12 +494,8 @@ class RemoteVerifier:
         sent: dict[int, tuple[int, int]] = {}
         for s in range(0, len(items), self.chunk_items):
             for start, count, frame in self._chunks(items[s : s + self.chunk_items], s):
-                header = rp.VerifyRequest(
-                    request_id=f"batch-{start}",
-                    verifier=BATCH_VERIFIER,
-                    completion="",
-                    extra={"items": str(count)},
-                    timeout_s=self.sandbox_timeout_s,
+                header = rp.VerifyBatch(
+                    request_id=f"batch-{start}", items=count, timeout_s=self.sandbox_timeout_s
                 )
                 rid = self.client.send_request(header, [frame], timeout_s=max(deadline.remaining(), 1e-3))
                 sent[rid] = (start, count)
@@ -521,7 +510,7 @@ class RemoteVerifier:
             msg = reply.message
             if isinstance(msg, rp.ErrorReply):
                 raise rp.RemoteError(msg.code, msg.message, peer=self.client.peer)
-            if not isinstance(msg, rp.VerifyResult) or len(reply.frames) != 1:
+            if not isinstance(msg, rp.VerifyBatchResult) or len(reply.frames) != 1:
                 raise rp.MalformedMessageError(
                     f"verifier answered a batch with {type(msg).__name__} and {len(reply.frames)} frames"
                 )

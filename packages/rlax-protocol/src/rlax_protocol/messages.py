@@ -412,6 +412,31 @@ class VerifyResult(Message, frozen=True):
     detail: str = ""
 
 
+class VerifyBatch(Message, frozen=True):
+    """A batch of `items` verifications; one raw frame follows, the JSON array of
+    ``[completion, record]`` pairs (`rlax_data`'s record; its `task` names the verifier).
+    `timeout_s` caps each sandboxed job of the batch."""
+
+    request_id: str
+    items: int
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.items < 1:
+            raise ValueError(f"VerifyBatch.items={self.items}: must be >= 1")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"VerifyBatch.timeout_s={self.timeout_s}: must be a finite number > 0")
+
+
+class VerifyBatchResult(Message, frozen=True):
+    """The answer to a `VerifyBatch`: one raw frame follows, the JSON array of per-item
+    outcomes; `refused` items were not scored (their outcome says why)."""
+
+    request_id: str
+    items: int
+    refused: int = 0
+
+
 AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Hello,
     Welcome,
@@ -444,6 +469,8 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Rollout,
     VerifyRequest,
     VerifyResult,
+    VerifyBatch,
+    VerifyBatchResult,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
