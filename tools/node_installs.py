@@ -473,8 +473,25 @@ def launch_demo(
     elapsed = time.monotonic() - start
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise Failure(f"`{' '.join(command)}` exited {code} after {elapsed:.0f}s (logs in {output}):\n{tail}")
+        raise Failure(
+            f"`{' '.join(command)}` exited {code} after {elapsed:.0f}s (logs in {output}):\n{tail}"
+            + "".join(f"\n{line}" for line in last_errors(output / "logs"))
+        )
     return elapsed
+
+
+def last_errors(logs: Path) -> list[str]:
+    """The last exception line of each component log that has one."""
+    found = []
+    for path in sorted(logs.glob("*.log")):
+        errors = [
+            line
+            for line in path.read_text(errors="replace").splitlines()
+            if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)
+        ]
+        if errors:
+            found.append(f"{path.name}: {errors[-1]}")
+    return found
 
 
 def rewards(records: list[dict[str, object]]) -> list[float]:
