@@ -1,5 +1,7 @@
 """rlax_model: the Llama-family decoder shared by the RLAX trainer and inference engine."""
 
+from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
+
 from rlax_model.attention import (
     AttentionFn,
     DenseContext,
@@ -24,7 +26,6 @@ from rlax_model.config import (
     RopeScaling,
 )
 from rlax_model.dtype_policy import BF16_ON_CPU_ENV, dtype_policy, resolve_dtypes
-from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
 from rlax_model.gguf_import import gguf_config, load_gguf
 from rlax_model.logprobs import logprobs, token_logprobs_from_logits
 from rlax_model.transformer import (

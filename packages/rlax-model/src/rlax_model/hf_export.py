@@ -17,11 +17,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlax_core.fsutil import atomic_write_bytes
+from rlax_core.gguf_file import GGUFFile
 from rlax_core.tokenizer import CharTokenizer, Tokenizer
 
 from rlax_model.checkpoint_hf import CheckpointError, save_hf_checkpoint
 from rlax_model.config import ModelConfig
-from rlax_model.gguf_import import GGUFFile
 from rlax_model.transformer import Params
 
 __all__ = ["gguf_sampling_defaults", "generation_config", "save_hf_folder"]

@@ -46,9 +46,10 @@ def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
 def initial_params(config: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
     """(ModelConfig, params): random init for `tiny` (seeded by run.seed), else the file's weights."""
     import jax
+    from rlax_core.gguf_file import find_smollm2_gguf
 
     from rlax_model import init_params, load_hf_checkpoint
-    from rlax_model.gguf_import import find_smollm2_gguf, load_gguf
+    from rlax_model.gguf_import import load_gguf
 
     m = config.model
     if m.source == "tiny":

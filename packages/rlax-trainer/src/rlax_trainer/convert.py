@@ -79,9 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     out = pathlib.Path(args.out)
     if args.command == "gguf-to-hf":
+        from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
         from rlax_core.tokenizer import Tokenizer
 
-        from rlax_model.gguf_import import GGUFFile, find_smollm2_gguf, load_gguf
+        from rlax_model.gguf_import import load_gguf
         from rlax_model.hf_export import gguf_sampling_defaults
 
         file = GGUFFile(args.gguf or find_smollm2_gguf())
