@@ -18,7 +18,8 @@ engine thread asks the parameter server for its newest version, and reloads only
 partly generated samples (they restart under the new weights), so every result is generated
 by exactly one version, which it carries. A pull has a deadline per exchange and a bounded
 number of retries; a failed pull keeps the old weights, is logged, and is tried again later
-(backing off), so a reload can never stall the worker.
+(backing off): a parameter server that stops answering holds generation up for at most one
+pull's deadlines at a time, and the socket never.
 
 At its first weights the worker compiles the shapes the run will use (`WarmUp`), so that
 generation runs at the engine's warm speed; every result carries the worker's running totals
