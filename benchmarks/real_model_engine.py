@@ -21,7 +21,6 @@ from child_result import write_result
 
 def main(spec_path: str) -> None:
     from rlax_core.config import load_config
-
     from rlax_data.run_task import build_task
     from rlax_inference import EngineConfig, LLMEngine, SamplingParams
     from rlax_inference.worker import engine_config_fields

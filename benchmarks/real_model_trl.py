@@ -24,10 +24,10 @@ from child_result import write_result
 def main(spec_path: str) -> None:
     import torch
     from datasets import Dataset
-    from rlax_core.config import load_config
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rlax_core.config import load_config
     from rlax_data.run_task import build_task
 
     spec = json.loads(pathlib.Path(spec_path).read_text())

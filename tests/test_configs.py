@@ -5,8 +5,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from rlax_core.config import load_config
 
+from rlax_core.config import load_config
 from rlax_trainer import PRESET_NAMES
 from rlax_trainer.service import learner_config
 

@@ -71,10 +71,10 @@ def hf_tokenizer(ctok: Any) -> Any:
 def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from rlax_core.config import load_config
     from transformers import LlamaForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rlax_core.config import load_config
     from rlax_data.run_task import build_task
 
     torch.manual_seed(0)

@@ -9,6 +9,11 @@ from typing import Any
 
 import pytest
 import zmq
+
+from rlax_controller import controller as controller_module
+from rlax_controller.controller import Controller
+from rlax_controller.metrics import latest_per_step, read_metrics
+from rlax_controller.scheduling import PromptItem
 from rlax_core.config import load_config
 from rlax_core.control import (
     BatchRequest,
@@ -21,11 +26,6 @@ from rlax_core.control import (
     encode_control,
 )
 from rlax_core.links import ControlClient, PeerLink
-
-from rlax_controller import controller as controller_module
-from rlax_controller.controller import Controller
-from rlax_controller.metrics import latest_per_step, read_metrics
-from rlax_controller.scheduling import PromptItem
 from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError
 from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
 from rlax_protocol.messages import (

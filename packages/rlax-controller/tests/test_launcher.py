@@ -6,14 +6,14 @@ import sys
 import time
 
 import pytest
+
+from rlax_controller import launcher
+from rlax_controller.launcher import build_specs, resolve_addresses
+from rlax_controller.supervisor import SupervisorReport
+from rlax_core.cli import main as rlax_main
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
 from rlax_core.control import BatchRequest, decode_control, encode_control
 from rlax_core.links import ControlClient
-
-from rlax_controller import launcher
-from rlax_core.cli import main as rlax_main
-from rlax_controller.launcher import build_specs, resolve_addresses
-from rlax_controller.supervisor import SupervisorReport
 from rlax_protocol.errors import ProtocolTimeoutError
 
 
@@ -71,7 +71,10 @@ def test_launch_of_a_valid_config_passes_every_component_check(tmp_path: pathlib
     ("argv", "needle"),
     [
         (["trainer", "--config", "{config}", "trainer.micro_batch=5"], "micro_batch=5 must divide"),
-        (["worker", "--config", "{config}", "--index", "0", "workers.attention=fast"], "EngineConfig.attention"),
+        (
+            ["worker", "--config", "{config}", "--index", "0", "workers.attention=fast"],
+            "EngineConfig.attention",
+        ),
         (["worker", "--config", "{config}", "--index", "7"], "--index 7"),
         (["controller", "--config", "{config}", "model.max_seq_len=3"], "no room to generate"),
         (["paramserver", "--bind", "tcp://127.0.0.1:9", "--state-dir", "{file}"], "is a file"),

@@ -12,9 +12,9 @@ import textwrap
 import time
 
 import pytest
-from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
 FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
 

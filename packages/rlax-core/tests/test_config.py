@@ -4,6 +4,7 @@ import pathlib
 
 import pytest
 import yaml
+
 from rlax_core.config import ConfigError, RunConfig, dump_config, load_config, parse_config
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import transformers
+
 from rlax_core import (
     CharTokenizer,
     ChatTemplate,

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rlax_core.tokenizer import Tokenizer
 
+from rlax_core.tokenizer import Tokenizer
 from rlax_inference import EngineConfig, LLMEngine, SamplingParams
 from rlax_model import DenseContext, ModelConfig, dtype_policy, find_smollm2_gguf, load_gguf, logprobs
 

@@ -8,6 +8,7 @@ if _HERE not in sys.path:
 
 
 import pytest  # noqa: E402
+
 from rlax_core.testing import LoopThread  # noqa: E402
 
 

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rlax_core.tokenizer import Tokenizer
 from tiny_model import teacher_forced_logprobs
 
 import rlax_protocol as rp
+from rlax_core.tokenizer import Tokenizer
 from rlax_inference import EngineConfig, LLMEngine, SamplingParams
 from rlax_inference.worker import Worker, WorkerConfig
 from rlax_model import (
@@ -171,7 +171,6 @@ def test_worker_and_learner_follow_the_same_dtype_policy(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("forced", [False, True], ids=["default", "RLAX_BF16_ON_CPU=1"])
 def test_trainer_process_learner_config_follows_the_policy(monkeypatch, forced):
     from rlax_core.config import load_config
-
     from rlax_trainer.service import learner_config
 
     if forced:

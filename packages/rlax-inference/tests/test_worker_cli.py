@@ -10,9 +10,9 @@ import sys
 import jax
 import numpy as np
 import zmq
-from rlax_core.config import EXIT_CONFIG_ERROR, load_config
 
 import rlax_protocol as rp
+from rlax_core.config import EXIT_CONFIG_ERROR, load_config
 from rlax_data.run_task import build_task
 from rlax_inference.worker import main
 from rlax_model import init_params

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 import zmq
-from rlax_core.config import load_config
 
 import rlax_protocol as rp
+from rlax_core.config import load_config
 from rlax_data.run_task import build_task
 from rlax_inference.worker import Worker
 from rlax_model import init_params

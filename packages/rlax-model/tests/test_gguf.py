@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+
 from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
 from rlax_core.tokenizer import Tokenizer
-
 from rlax_model import ModelConfig, forward, init_params
 from rlax_model.gguf_import import gguf_config, load_gguf, unpermute_rope_rows
 

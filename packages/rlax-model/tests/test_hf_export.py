@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from rlax_model_greedy import greedy_generate
+
 from rlax_core.gguf_file import GGUFFile
 from rlax_core.testing import CHATML, tiny_bpe
 from rlax_core.tokenizer import CharTokenizer, Tokenizer
-from rlax_model_greedy import greedy_generate
-
 from rlax_model import ModelConfig, init_params
 from rlax_model.checkpoint_hf import CheckpointError, load_hf_checkpoint
 from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder

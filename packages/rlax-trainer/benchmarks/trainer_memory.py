@@ -22,9 +22,9 @@ import time
 
 import jax
 import numpy as np
-from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
 
 import rlax_model
+from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
 from rlax_model.gguf_import import gguf_config
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, preset
 

@@ -42,7 +42,6 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 @pytest.mark.slow  # ~30-60 s on 2 shared cores: trainer state, orbax restore, two model loads
 def test_to_hf_exports_a_run_checkpoint_with_its_tokenizer(tmp_path):
     from rlax_core.config import load_config
-
     from rlax_data.run_task import build_task
     from rlax_model.run_model import initial_params
     from rlax_trainer import Learner
@@ -88,7 +87,6 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 def test_gguf_to_hf_smollm2_loads_and_matches_rlax(tmp_path):
     from rlax_core.gguf_file import find_smollm2_gguf
     from rlax_core.tokenizer import Tokenizer
-
     from rlax_model.gguf_import import load_gguf
 
     out = tmp_path / "smollm2"

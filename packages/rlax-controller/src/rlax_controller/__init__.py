@@ -6,16 +6,6 @@ run summary. Importing this package imports no JAX; the trainer and worker proce
 (`rlax_trainer.service`, `rlax_inference.worker`) live in their own packages.
 """
 
-from rlax_core.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    dump_config,
-    load_config,
-    parse_config,
-)
-from rlax_core.control import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
-
 from rlax_controller.controller import Controller, RolloutScorer
 from rlax_controller.launcher import build_specs, launch, resolve_addresses
 from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
@@ -30,6 +20,15 @@ from rlax_controller.scheduling import (
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotError, SnapshotStore
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
+from rlax_core.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+    parse_config,
+)
+from rlax_core.control import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
 
 __all__ = [
     "Batch",

@@ -7,10 +7,9 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_controller import preflight
 from rlax_core.cli import component_main, exit_on_sigterm
 from rlax_core.config import RunConfig
-
-from rlax_controller import preflight
 
 __all__ = ["controller_main", "run_controller"]
 

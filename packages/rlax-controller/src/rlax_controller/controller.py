@@ -24,18 +24,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import zmq
-from rlax_core.config import RunConfig
-from rlax_core.control import (
-    BatchRequest,
-    NoBatchYet,
-    RunComplete,
-    RunStatus,
-    StatusQuery,
-    TrainBatch,
-    decode_control,
-    encode_control,
-)
-from rlax_core.links import PeerLink
 
 from rlax_controller.metrics import MetricsWriter, generation_record, plot_run, read_metrics, summary_rows
 from rlax_controller.scheduling import (
@@ -50,6 +38,18 @@ from rlax_controller.scheduling import (
     stable_seed,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
+from rlax_core.config import RunConfig
+from rlax_core.control import (
+    BatchRequest,
+    NoBatchYet,
+    RunComplete,
+    RunStatus,
+    StatusQuery,
+    TrainBatch,
+    decode_control,
+    encode_control,
+)
+from rlax_core.links import PeerLink
 from rlax_data.evaluation import pass_at_k
 from rlax_protocol.errors import MalformedMessageError, ProtocolError
 from rlax_protocol.messages import (

@@ -12,11 +12,11 @@ from typing import Any
 
 import msgspec
 from rich.console import Console
-from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
 
 from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
+from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
 
 __all__ = ["build_specs", "launch", "resolve_addresses"]
 

@@ -18,6 +18,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
 from rlax_core.fsutil import append_line_durable
 
 __all__ = [

@@ -44,10 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import rlax_protocol as rp
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
-
-import rlax_protocol as rp
 from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
 from rlax_inference.sequence import FinishReason, SamplingParams
 from rlax_inference.worker_io import Cancel, Job, WorkerIO

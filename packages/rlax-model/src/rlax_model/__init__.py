@@ -1,7 +1,6 @@
 """rlax_model: the Llama-family decoder shared by the RLAX trainer and inference engine."""
 
 from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
-
 from rlax_model.attention import (
     AttentionFn,
     DenseContext,

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.flax
-from rlax_core.fsutil import atomic_write_bytes
 from safetensors import safe_open
 
+from rlax_core.fsutil import atomic_write_bytes
 from rlax_model.config import (
     ConfigError,
     LinearRopeScaling,

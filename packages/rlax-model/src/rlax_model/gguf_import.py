@@ -12,8 +12,8 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from rlax_core.gguf_file import GGUFError, GGUFFile
 
+from rlax_core.gguf_file import GGUFError, GGUFFile
 from rlax_model.config import ConfigError, ModelConfig
 from rlax_model.transformer import Params, param_shapes
 

@@ -19,7 +19,6 @@ from typing import Any
 from rlax_core.fsutil import atomic_write_bytes
 from rlax_core.gguf_file import GGUFFile
 from rlax_core.tokenizer import CharTokenizer, Tokenizer
-
 from rlax_model.checkpoint_hf import CheckpointError, save_hf_checkpoint
 from rlax_model.config import ModelConfig
 from rlax_model.transformer import Params

@@ -34,7 +34,6 @@ def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
         )
     if m.source == "gguf":
         from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
-
         from rlax_model.gguf_import import gguf_config
 
         return gguf_config(GGUFFile(m.path or find_smollm2_gguf()), param_dtype=m.param_dtype)
@@ -46,8 +45,8 @@ def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
 def initial_params(config: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
     """(ModelConfig, params): random init for `tiny` (seeded by run.seed), else the file's weights."""
     import jax
-    from rlax_core.gguf_file import find_smollm2_gguf
 
+    from rlax_core.gguf_file import find_smollm2_gguf
     from rlax_model import init_params, load_hf_checkpoint
     from rlax_model.gguf_import import load_gguf
 

@@ -14,7 +14,6 @@ from rlax_paramserver.config import DEFAULT_BIND, ServerConfig
 from rlax_paramserver.server import ParamServer
 from rlax_protocol import CurveServerConfig, load_curve_keypair, load_curve_public_key
 
-
 # sysexits.h EX_CONFIG, the exit code of every RLAX component whose config is rejected.
 EXIT_CONFIG_ERROR = 78
 

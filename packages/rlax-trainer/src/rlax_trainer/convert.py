@@ -81,7 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "gguf-to-hf":
         from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
         from rlax_core.tokenizer import Tokenizer
-
         from rlax_model.gguf_import import load_gguf
         from rlax_model.hf_export import gguf_sampling_defaults
 
@@ -98,7 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out} ({model_config.num_params():,} parameters)")
         return 0
     from rlax_core.config import load_config
-
     from rlax_data.run_task import build_task
 
     config = load_config(args.config, list(args.overrides))

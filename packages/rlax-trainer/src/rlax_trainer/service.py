@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import RunConfig, rejected_by
 from rlax_core.control import (
