@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def run_seed(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[int, dict[str, float]]:
     config = pathlib.Path(args.root) / "configs" / "demo.yaml"
     cmd = [
-        sys.executable, "-m", args.cli_module, "launch", str(config), "--overwrite",
+        sys.executable, "-m", args.cli_module, "launch", "--overwrite", str(config),
         f"run.seed={seed}", f"run.output_dir={out}", *args.overrides,
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

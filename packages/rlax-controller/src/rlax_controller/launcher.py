@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="delete the run's output folder first (else resume)"
     )
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # `CONFIG --overwrite k=v` as well as `--overwrite CONFIG k=v`
     setup_logging(args.log_level)
     try:
         report = launch(args.config, list(args.overrides), overwrite=args.overwrite)
