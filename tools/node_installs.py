@@ -32,6 +32,7 @@ new dependency or an old source file. `--fresh` always recreates.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -531,29 +532,35 @@ def demo(
         *extra,
     ]
     tmp = Path(tempfile.mkdtemp(prefix="rlax-node-demo-", dir=keep))
-    timings: dict[str, float] = {}
     interpreters = [f"supervisor.interpreters.{r}={env_python(e)}" for r, e in envs.items()]
-    log(f"demo: {steps} steps, every component from its own environment (output {tmp / 'five'})")
-    timings["five environments"] = launch_demo(
-        [str(envs["controller"] / "bin" / "rlax")],
-        tmp / "five",
-        [*overrides, *interpreters],
-        tmp / "five.log",
-        timeout,
-    )
+    runs = {
+        "five environments": (
+            [str(envs["controller"] / "bin" / "rlax")],
+            tmp / "five",
+            [*overrides, *interpreters],
+        )
+    }
+    if reference is None or not reference.exists():
+        log(f"demo: no single-environment reference ({reference} missing): that comparison is SKIPPED")
+    else:
+        runs["one environment"] = ([str(reference), "-m", "rlax_core.cli"], tmp / "single", overrides)
+    # Both runs at once: at k=0 a run's trajectory does not depend on timing, and two runs
+    # share the 2-core machine's idle time (start-up, compilation waits) well.
+    log(f"demo: {steps} steps, every component from its own environment (output {tmp / 'five'}), "
+        f"and {'the same from one environment, side by side' if len(runs) > 1 else 'no reference'}")  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = {
+            name: pool.submit(launch_demo, launcher, out, args, out.with_suffix(".log"), timeout)
+            for name, (launcher, out, args) in runs.items()
+        }
+        timings = {name: future.result() for name, future in futures.items()}
     resolved = (tmp / "five" / "config.yaml").read_text()
     missing = [r for r, e in envs.items() if str(env_python(e)) not in resolved]
     if missing:
         raise Failure(f"the five-environment run's config names no interpreter for {missing}")
     five = train_records(tmp / "five" / "metrics.jsonl")
     single: list[dict[str, object]] = []
-    if reference is None or not reference.exists():
-        log(f"demo: no single-environment reference ({reference} missing): that comparison is SKIPPED")
-    else:
-        log(f"demo: the same {steps} steps from one environment ({reference})")
-        timings["one environment"] = launch_demo(
-            [str(reference), "-m", "rlax_core.cli"], tmp / "single", overrides, tmp / "single.log", timeout
-        )
+    if "one environment" in runs:
         single = train_records(tmp / "single" / "metrics.jsonl")
         envs_root = next(iter(envs.values())).parent
         a = comparable_config(tmp / "five" / "config.yaml", tmp, envs_root, cache)
