@@ -65,7 +65,9 @@ def main() -> int:
         for m in metrics:
             values = [per_seed[s][step][m] for s in args.seeds]
             spread = statistics.pstdev(values)
-            cells.append(f"{statistics.mean(values):.3f} ± {spread:.3f} ({min(values):.2f}-{max(values):.2f})")
+            cells.append(
+                f"{statistics.mean(values):.3f} ± {spread:.3f} ({min(values):.2f}-{max(values):.2f})"
+            )
         print(f"{step:>5} " + " ".join(f"{c:>24}" for c in cells))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({str(s): e for s, e in per_seed.items()}, indent=1))
