@@ -25,9 +25,11 @@ __all__ = [
     "ControllerConfig",
     "DataConfig",
     "EvalConfig",
+    "LauncherConfig",
     "ModelConfigSection",
     "ParamServerConfig",
     "RunConfig",
+    "RoleResources",
     "RunSection",
     "SupervisorConfig",
     "TrainerConfig",
@@ -383,6 +385,59 @@ class SupervisorConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_onl
         _check(self.shutdown_grace_s > 0, "shutdown_grace_s", self.shutdown_grace_s, "must be > 0")
 
 
+class RoleResources(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What one process of a role asks of the cluster under `launcher.backend: ray`.
+
+    `resources`: Ray custom resources (e.g. `{TPU: 4}` on a GKE TPU slice, or a label-like
+    `{trainer_node: 1}` that only some nodes carry); `memory_gb`: Ray's heap-memory request.
+    `python`: the interpreter of the role's own environment on its nodes (empty: the
+    cluster's default); `max_restarts`: how often Ray restarts a process of this role that
+    died (-1: without limit)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    memory_gb: float = 0.0
+    resources: dict[str, float] = {}
+    python: str = ""
+    max_restarts: int = -1
+
+    def __post_init__(self) -> None:
+        _check(self.num_cpus >= 0, "num_cpus", self.num_cpus, "must be >= 0")
+        _check(self.num_gpus >= 0, "num_gpus", self.num_gpus, "must be >= 0")
+        _check(self.memory_gb >= 0, "memory_gb", self.memory_gb, "must be >= 0")
+        for name, amount in self.resources.items():
+            _check(
+                bool(name) and amount > 0, f"resources.{name}", amount, "must be a name with an amount > 0"
+            )
+        _check(self.max_restarts >= -1, "max_restarts", self.max_restarts, "must be >= -1")
+
+
+class LauncherConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How `rlax launch` runs the components: `local` (processes under the built-in
+    supervisor) or `ray` (Ray actors on a cluster). `address`: the Ray cluster to join
+    (`auto`: the one this node belongs to; `ray://HOST:PORT`: a remote one through Ray
+    Client; empty: start a local one). `resources`: per role (controller, trainer, worker,
+    paramserver, verifier); a role not named asks for one CPU."""
+
+    backend: Literal["local", "ray"] = "local"
+    address: str = ""
+    namespace: str = "rlax"
+    resources: dict[str, RoleResources] = {}
+
+    def __post_init__(self) -> None:
+        _check(
+            self.address in ("", "auto") or self.address.startswith("ray://") or ":" in self.address,
+            "address",
+            self.address,
+            "must be empty, 'auto', 'ray://HOST:PORT' or HOST:PORT",
+        )
+        for role in self.resources:
+            _check(role in ROLES, "resources", role, f"roles are {', '.join(ROLES)}")
+
+    def of(self, role: str) -> RoleResources:
+        return self.resources.get(role, RoleResources())
+
+
 class AddressesConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Where `auto` addresses bind in a local launch (a multi-host run writes endpoints instead)."""
 
@@ -407,6 +462,7 @@ class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     addresses: AddressesConfig = msgspec.field(default_factory=AddressesConfig)
+    launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         # Batch s needs rollouts of version >= s - k while the newest version is s; a worker
