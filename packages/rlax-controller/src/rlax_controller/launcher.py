@@ -117,9 +117,13 @@ def launch(
     overwrite: bool = False,
     console: Console | None = None,
 ) -> SupervisorReport:
-    """Run a whole RL job locally. Raises `ConfigError` before anything starts (or is
+    """Run a whole RL job locally (or on Ray with `launcher.backend: ray`). Raises `ConfigError` before anything starts (or is
     written) on a config that the run config or any component rejects."""
     console = console or Console()
+    if load_config(config_path, overrides).launcher.backend == "ray":
+        from rlax_controller import ray_launcher  # imports ray: the optional extra
+
+        return ray_launcher.launch(config_path, overrides, overwrite=overwrite, console=console)
     config = resolve_addresses(load_config(config_path, overrides))
     validate_components(config)
     output = config.output_dir
