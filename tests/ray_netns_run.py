@@ -148,13 +148,68 @@ def chaos(out: pathlib.Path, names: list[str], stop: threading.Event, kills: lis
                 pass
 
 
+def run_case(
+    out: pathlib.Path,
+    address: str,
+    nodes: dict[str, dict[str, float]],
+    roles: dict[str, str],
+    extra: list[str],
+    chaos_names: list[str],
+    pythons: dict[str, str],
+) -> dict[str, Any]:
+    from rich.console import Console
+
+    from rlax_controller.launcher import launch
+    from rlax_core.config import ConfigError
+
+    resources = ", ".join(
+        f"{role}: {{num_cpus: 0.5, resources: {{{node}: 1}}, max_restarts: -1"
+        + (f", python: '{pythons[role]}'" if role in pythons else "")
+        + "}"
+        for role, node in roles.items()
+    )
+    overrides = [
+        f"run.output_dir={out / 'run'}",
+        *FAST,
+        "launcher.backend=ray",
+        f"launcher.address={address}",
+        f"launcher.resources={{{resources}}}",
+        *extra,
+    ]
+    result: dict[str, Any] = {}
+    stop, kills = threading.Event(), []
+    if chaos_names:
+        threading.Thread(target=chaos, args=(out, chaos_names, stop, kills), daemon=True).start()
+    t1 = time.monotonic()
+    try:
+        report = launch(
+            str(ROOT / "configs" / "demo.yaml"), overrides, overwrite=True, console=Console(stderr=True)
+        )
+        result.update(success=report.success, reason=report.reason, restarts=report.restarts)
+    except ConfigError as error:
+        result.update(success=False, config_error=str(error))
+    finally:
+        stop.set()
+    result["launch_s"] = round(time.monotonic() - t1, 1)
+    result["kills"] = kills
+    placement_path = out / "run" / "logs" / "placement.json"
+    placement = json.loads(placement_path.read_text()) if placement_path.exists() else {}
+    result["placed"] = {
+        name: sorted(k for k, v in nodes.get(p["node_id"], {}).items() if k in NODES and v > 0)
+        for name, p in placement.items()
+    }
+    result["roles"] = {name: p["role"] for name, p in placement.items()}
+    result["left"] = leftovers(address, out)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--bad-resource", action="store_true")
-    parser.add_argument("--chaos", action="store_true")
+    parser.add_argument("--cases", default="run", help="comma-separated: bad_resource, missing, run, chaos")
+    parser.add_argument("--missing-python", default="", help="an interpreter with ray and rlax-core only")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     out = pathlib.Path(args.out).resolve()
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -164,55 +219,15 @@ def main() -> int:
         start_cluster(port)
         result["cluster_s"] = round(time.monotonic() - t0, 1)
         nodes = node_resources(address)
-        resources = ", ".join(
-            f"{role}: {{num_cpus: 0.5, resources: {{{node}: 1}}, max_restarts: -1}}"
-            for role, node in ROLES.items()
-        )
-        if args.bad_resource:
-            resources += ", trainer: {num_cpus: 0.5, resources: {tpu_v5p_slice: 1}}"
-            resources = resources.replace(
-                "trainer: {num_cpus: 0.5, resources: {trainer_node: 1}, max_restarts: -1}, ", ""
-            )
-        overrides = [
-            f"run.output_dir={out / 'run'}",
-            *FAST,
-            "launcher.backend=ray",
-            f"launcher.address={address}",
-            f"launcher.resources={{{resources}}}",
-            *args.overrides,
-        ]
-        from rich.console import Console
-
-        from rlax_controller.launcher import launch
-        from rlax_core.config import ConfigError
-
-        stop, kills = threading.Event(), []
-        killer = None
-        if args.chaos:
-            killer = threading.Thread(
-                target=chaos, args=(out, ["worker0", "paramserver"], stop, kills), daemon=True
-            )
-            killer.start()
-        t1 = time.monotonic()
-        try:
-            report = launch(
-                str(ROOT / "configs" / "demo.yaml"), overrides, overwrite=True, console=Console(stderr=True)
-            )
-            result.update(success=report.success, reason=report.reason, restarts=report.restarts)
-        except ConfigError as error:
-            result.update(success=False, config_error=str(error))
-        finally:
-            stop.set()
-        result["launch_s"] = round(time.monotonic() - t1, 1)
-        result["kills"] = kills
-        placement_path = out / "run" / "logs" / "placement.json"
-        placement = json.loads(placement_path.read_text()) if placement_path.exists() else {}
-        result["placed"] = {
-            name: sorted(k for k, v in nodes.get(p["node_id"], {}).items() if k in NODES and v > 0)
-            for name, p in placement.items()
-        }
-        result["roles"] = {name: p["role"] for name, p in placement.items()}
-        result["left"] = leftovers(address, out)
+        for case in args.cases.split(","):
+            roles, extra, chaos_names, pythons = dict(ROLES), list(args.overrides), [], {}
+            if case == "bad_resource":
+                roles["trainer"] = "tpu_v5p_slice"
+            elif case == "missing":
+                pythons["verifier"] = args.missing_python
+            elif case == "chaos":
+                chaos_names = ["worker0", "paramserver"]
+            result[case] = run_case(out / case, address, nodes, roles, extra, chaos_names, pythons)
     except Exception as error:  # reported to the test, which fails with it
         result["error"] = repr(error)
     finally:

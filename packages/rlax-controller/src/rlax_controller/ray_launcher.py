@@ -206,7 +206,7 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             return
     except (OSError, ValueError) as error:
-        raise ConnectionError(
+        raise ConfigError(
             f"launcher.address={address!r}: no Ray cluster answers there ({error}); "
             "give the head's GCS address HOST:PORT (or ray://HOST:PORT, or auto on a cluster node)"
         ) from error
