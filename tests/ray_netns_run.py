@@ -206,7 +206,9 @@ def run_case(
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--cases", default="run", help="comma-separated: bad_resource, missing, run, chaos")
+    parser.add_argument(
+        "--cases", default="run", help="comma-separated: bad_resource, missing, run, chaos, chaos_config"
+    )
     parser.add_argument("--missing-python", default="", help="an interpreter with ray and rlax-core only")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
@@ -227,6 +229,8 @@ def main() -> int:
                 pythons["verifier"] = args.missing_python
             elif case == "chaos":
                 chaos_names = ["worker0", "paramserver"]
+            elif case == "chaos_config":  # the launcher's own chaos mode: every targeted role
+                extra += ["chaos.interval=4", "chaos.max_kills=4", "chaos.seed=1"]
             result[case] = run_case(out / case, address, nodes, roles, extra, chaos_names, pythons)
     except Exception as error:  # reported to the test, which fails with it
         result["error"] = repr(error)

@@ -156,9 +156,10 @@ def test_ray_cluster_short(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.slow
 def test_ray_cluster_40_steps_with_chaos(tmp_path: pathlib.Path) -> None:
-    """The issue's acceptance run (40 steps, every role on its node), and the same run
-    while worker0's and the parameter server's component processes are SIGKILLed."""
-    result = netns_run(tmp_path, "--cases=run,chaos", "run.steps=40", timeout=900)
+    """The issue's acceptance run (40 steps, every role on its node); the same run while
+    worker0's and the parameter server's component processes are SIGKILLed from outside;
+    and with the launcher's chaos mode (a kill of every targeted role)."""
+    result = netns_run(tmp_path, "--cases=run,chaos,chaos_config", "run.steps=40", timeout=900)
     check_run(result["run"], 40)
     assert metrics_steps(tmp_path / "run" / "run") == list(range(1, 41))
     chaos = result["chaos"]
@@ -166,3 +167,15 @@ def test_ray_cluster_40_steps_with_chaos(tmp_path: pathlib.Path) -> None:
     assert chaos["kills"] == ["worker0", "paramserver"], chaos
     assert chaos["restarts"]["worker0"] >= 1 and chaos["restarts"]["paramserver"] >= 1, chaos["restarts"]
     assert metrics_steps(tmp_path / "chaos" / "run") == list(range(1, 41))
+    # chaos.interval on Ray: the launcher SIGKILLs one component of each targeted role
+    # (worker, trainer, controller, paramserver) through its actor; the run finishes.
+    own = result["chaos_config"]
+    check_run(own, 40)
+    assert sum(own["restarts"].values()) >= 4, own["restarts"]
+    killed = [
+        json.loads(line)
+        for line in (tmp_path / "chaos_config" / "run" / "logs" / "events.jsonl").read_text().splitlines()
+    ]
+    roles = {e["role"] for e in killed if e["event"] == "chaos_kill"}
+    assert roles == {"worker", "trainer", "controller", "paramserver"}, roles
+    assert metrics_steps(tmp_path / "chaos_config" / "run") == list(range(1, 41))

@@ -23,7 +23,9 @@
 - Logs: each actor appends its component's output to `<run>/logs/<process>.log`; the run
   folder must be shared storage visible to every node at the same path (it is, for the
   checkpoints, snapshots and metrics, anyway). Where each process ran is written to
-  `<run>/logs/placement.json`.
+  `<run>/logs/placement.json`, and every start, exit and chaos kill to `events.jsonl`.
+- `chaos.*` works as in the local launcher: a seeded random component is SIGKILLed every
+  ~`chaos.interval` seconds (through its actor), and Ray restarts its actor.
 - The progress display, summary table and plot are the local launcher's; at the end, on
   an error or Ctrl-C every actor the launcher created is stopped (component SIGTERM, then
   SIGKILL) and killed, so nothing is left running on the cluster.
@@ -38,6 +40,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -439,6 +442,41 @@ def _supervise(
     roles = {s.name: s.role for s in specs}
     completes = {s.name for s in specs if s.completes_run}
     seen_exits: dict[str, int] = {}
+    seen_starts: dict[str, int] = {}
+    chaos = config.chaos
+    rng = random.Random(chaos.seed)
+    chaos_kills: list[tuple[str, str]] = []
+    chaos_round: list[str] = []
+    next_kill = time.monotonic() + chaos.interval * rng.uniform(0.5, 1.5)
+
+    def chaos_tick(now: float, snap: dict[str, Any]) -> None:
+        """The local supervisor's chaos mode: SIGKILL a component (its actor then restarts)."""
+        nonlocal next_kill
+        if (
+            chaos.interval <= 0
+            or now < next_kill
+            or (chaos.max_kills and len(chaos_kills) >= chaos.max_kills)
+        ):
+            return
+        targets = sorted({r for r in roles.values() if r in chaos.targets})
+        if not targets:
+            return
+        if not chaos_round:
+            chaos_round.extend(rng.sample(targets, len(targets)))
+        running = [
+            n
+            for n, r in roles.items()
+            if r == chaos_round[0]
+            and snap.get(n, {}).get("starts", 0) > len(snap.get(n, {}).get("exits", []))
+        ]
+        if not running:
+            return  # restarting: try again at the next tick
+        role = chaos_round.pop(0)
+        victim = rng.choice(running)
+        event("chaos_kill", name=victim, role=role)
+        ray.get(actors[victim].kill_component.remote(), timeout=30)
+        chaos_kills.append((victim, role))
+        next_kill = now + chaos.interval * rng.uniform(0.5, 1.5)
 
     def report(
         success: bool, reason: str, snap: dict[str, Any], *, config_error: bool = False
@@ -447,7 +485,7 @@ def _supervise(
             success=success,
             reason=reason,
             restarts={n: max(0, snap.get(n, {}).get("starts", 1) - 1) for n in actors},
-            chaos_kills=[],
+            chaos_kills=list(chaos_kills),
             exit_codes={n: list(snap.get(n, {}).get("exits", [])) for n in actors},
             log_dir=log_dir,
             config_error=config_error,
@@ -462,6 +500,17 @@ def _supervise(
             for code in exits[seen_exits.get(name, 0) :]:
                 event("exit", name=name, role=roles[name], code=code)
             seen_exits[name] = len(exits)
+            if entry["starts"] > seen_starts.setdefault(name, 1):
+                seen_starts[name] = entry["starts"]
+                node = entry.get("node", {})
+                event(
+                    "start",
+                    name=name,
+                    role=roles[name],
+                    pid=node.get("pid"),
+                    node=node.get("node_id"),
+                    restart=True,
+                )
             final, log_path = entry["final"], log_dir / f"{name}.log"
             if final == 0 and name in completes:
                 return report(True, f"{name} completed the run", snap)
@@ -484,7 +533,8 @@ def _supervise(
                     config_error=True,
                 )
             limit = config.launcher.of(roles[name]).max_restarts
-            if limit < 0 and len(exits) > config.supervisor.max_restarts:
+            by_chaos = sum(1 for n, _ in chaos_kills if n == name)
+            if limit < 0 and len(exits) - by_chaos > config.supervisor.max_restarts:
                 return report(
                     False,
                     f"{name} exited {len(exits)} time(s) (last code {exits[-1]}), over the limit "
@@ -493,6 +543,7 @@ def _supervise(
                     snap,
                 )
         now = time.monotonic()
+        chaos_tick(now, snap)
         if now - last_state_check >= 1.0:
             last_state_check = now
             for name, actor in actors.items():
