@@ -310,7 +310,12 @@ def launch(
     validate_components(resolve_addresses(config))  # placeholder addresses: the checks only
     launcher = config.launcher
     _probe(launcher.address)
-    import ray  # the optional extra: rlax-controller[ray]
+    try:
+        import ray  # the optional extra
+    except ImportError as error:
+        raise ConfigError(
+            "launcher.backend=ray needs Ray on this machine: pip install 'rlax-controller[ray]'"
+        ) from error
 
     output = config.output_dir.resolve()
     if overwrite and output.exists():
