@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tiny_run import DEMO_CONFIG, TINY_RUN
+
 RAY = str(pathlib.Path(sys.executable).with_name("ray"))
 NODES = {"service_node": 3, "trainer_node": 1, "worker_node": 2}
 ROLES = {
@@ -32,28 +33,7 @@ ROLES = {
     "trainer": "trainer_node",
     "worker": "worker_node",
 }
-FAST = [
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=64",
-    "model.max_seq_len=16",
-    "data.task_args={digits: 1}",
-    "data.group_size=4",
-    "data.prompts_per_step=4",
-    "data.max_new_tokens=4",
-    "workers.count=2",
-    "workers.max_batch_seqs=16",
-    "trainer.sft_steps=2",
-    "trainer.sft_batch=16",
-    "trainer.preset=rloo",
-    "eval.num_prompts=0",
-    "verifier.mode=service",
-    "controller.heartbeat_timeout_s=15",
-    "controller.request_timeout_s=60",
-    "supervisor.max_restarts=10",
-]
+FAST = TINY_RUN
 
 
 def free_port() -> int:
@@ -182,9 +162,7 @@ def run_case(
         threading.Thread(target=chaos, args=(out, chaos_names, stop, kills), daemon=True).start()
     t1 = time.monotonic()
     try:
-        report = launch(
-            str(ROOT / "configs" / "demo.yaml"), overrides, overwrite=True, console=Console(stderr=True)
-        )
+        report = launch(str(DEMO_CONFIG), overrides, overwrite=True, console=Console(stderr=True))
         result.update(success=report.success, reason=report.reason, restarts=report.restarts)
     except ConfigError as error:
         result.update(success=False, config_error=str(error))

@@ -22,33 +22,15 @@ import time
 from typing import Any
 
 import pytest
+from tiny_run import DEMO_CONFIG, TINY_RUN
 
 from rlax_controller.metrics import latest_per_step, read_metrics
 
 STEPS = 10
 BASE = [
     f"run.steps={STEPS}",
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "model.n_kv_heads=1",
-    "model.d_ff=64",
-    "model.max_seq_len=16",
-    "data.task_args={digits: 1}",
-    "data.group_size=4",
-    "data.prompts_per_step=4",
-    "data.max_new_tokens=4",
-    "workers.count=2",
-    "workers.max_batch_seqs=16",
-    "trainer.sft_steps=2",
-    "trainer.sft_batch=16",
+    *TINY_RUN,
     "trainer.lr=3e-4",
-    "trainer.preset=rloo",
-    "eval.num_prompts=0",
-    "verifier.mode=service",
-    "controller.heartbeat_timeout_s=15",
-    "controller.request_timeout_s=60",
-    "supervisor.max_restarts=10",
     "supervisor.backoff_initial_s=0.2",
     "supervisor.backoff_max_s=1.0",
 ]
@@ -64,7 +46,7 @@ def launch(
         "-m",
         "rlax_core.cli",
         "launch",
-        str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
+        str(DEMO_CONFIG),
         f"run.output_dir={out}",
         f"run.jax_cache_dir={cache}",
         *BASE,
