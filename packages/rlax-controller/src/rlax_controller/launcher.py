@@ -120,11 +120,12 @@ def launch(
     """Run a whole RL job locally (or on Ray with `launcher.backend: ray`). Raises `ConfigError` before anything starts (or is
     written) on a config that the run config or any component rejects."""
     console = console or Console()
-    if load_config(config_path, overrides).launcher.backend == "ray":
+    config = load_config(config_path, overrides)
+    if config.launcher.backend == "ray":
         from rlax_controller import ray_launcher  # imports ray: the optional extra
 
         return ray_launcher.launch(config_path, overrides, overwrite=overwrite, console=console)
-    config = resolve_addresses(load_config(config_path, overrides))
+    config = resolve_addresses(config)
     validate_components(config)
     output = config.output_dir
     if overwrite and output.exists():
@@ -147,13 +148,18 @@ def launch(
     finally:
         tail()
         display.close()
+    summarise(console, config, output, report)
+    return report
+
+
+def summarise(console: Console, config: RunConfig, output: pathlib.Path, report: SupervisorReport) -> None:
+    """The end of a run, whichever launcher ran it: summary table, plot, then the report."""
     records = read_metrics(output / "metrics.jsonl")
     if any(r.get("kind") in ("train", "eval") for r in records):
         console.print(summary_table(records, title=f"RLAX run {config.run.name}"))
         plot = plot_run(records, output / "summary.png", title=f"RLAX run {config.run.name}")
         console.print(f"plot: {plot}")
     console.print(report.render())
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,8 +50,8 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses
-from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
+from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, summarise
+from rlax_controller.metrics import ProgressDisplay
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import SupervisorReport
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, dump_config, load_config
@@ -400,16 +400,19 @@ def launch(
         )
         specs = _ray_specs(config, resolved)
         cwd = os.getcwd()
-        for spec in specs:
-            plan = {
+        plans = {
+            spec.name: {
                 "argv": spec.argv,
                 "env": dict(spec.env or {}),
                 "cwd": spec.cwd or cwd,
                 "log": str(log_dir / f"{spec.name}.log"),
             }
-            ray.get(registry.set_plan.remote(spec.name, plan))
+            for spec in specs
+        }
+        for name, plan in plans.items():  # kept by the registry for an actor Ray restarts
+            ray.get(registry.set_plan.remote(name, plan))
         for spec in specs:  # servers first, as build_specs orders them
-            pid = ray.get(actors[spec.name].start.remote(ray.get(registry.plan.remote(spec.name))))
+            pid = ray.get(actors[spec.name].start.remote(plans[spec.name]))
             event("start", name=spec.name, role=spec.role, pid=pid, node=placement[spec.name]["node_id"])
 
         display = ProgressDisplay(config.run.steps)
@@ -423,12 +426,7 @@ def launch(
         _teardown(ray, actors, registry)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    records = read_metrics(output / "metrics.jsonl")
-    if any(r.get("kind") in ("train", "eval") for r in records):
-        console.print(summary_table(records, title=f"RLAX run {config.run.name}"))
-        plot = plot_run(records, output / "summary.png", title=f"RLAX run {config.run.name}")
-        console.print(f"plot: {plot}")
-    console.print(report.render())
+    summarise(console, config, output, report)
     return report
 
 
