@@ -6,7 +6,11 @@ back-off, stops the run with a report when one process needs too many restarts o
 exits with `EXIT_CONFIG_ERROR` (its config was rejected: a restart would fail the same
 way, so the run stops with the component's message), and
 shuts everything down on SIGINT/SIGTERM (SIGTERM to each group, SIGKILL after a grace
-period). Chaos mode SIGKILLs a random component at seeded random moments; each round
+period). Processes of one gang (a multi-host trainer joined by `jax.distributed`, which
+cannot continue without any of its members) live and die together: when a member exits
+for any reason, the others are stopped (SIGTERM, SIGKILL after the grace period) and all
+restart together once every member is down (`gang_restart` event); `max_restarts` counts
+the gang's restarts after failures, not the N exits one failure causes. Chaos mode SIGKILLs a random component at seeded random moments; each round
 of kills visits every targeted role once, in a shuffled order, so a short run still
 hits all of them. Every start, exit, restart and kill is appended to `events.jsonl`.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import random
@@ -33,7 +38,9 @@ __all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport"]
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSpec:
-    """One component to run. `completes_run`: its clean exit (code 0) ends the whole run."""
+    """One component to run. `completes_run`: its clean exit (code 0) ends the whole run.
+    `gang`: processes that share a gang name live and die together (a multi-host trainer
+    joined by `jax.distributed`): when one exits, the others are stopped and all restart."""
 
     name: str
     role: str
@@ -41,6 +48,7 @@ class ProcessSpec:
     env: dict[str, str] | None = None
     cwd: str | None = None
     completes_run: bool = False
+    gang: str = ""
 
 
 @dataclasses.dataclass
@@ -85,6 +93,25 @@ class SupervisorReport:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class _Gang:
+    """Supervision state of one gang. While `stopping`, the members still running are
+    being stopped because `cause` exited; `down` holds the members that have exited."""
+
+    name: str
+    members: list[ManagedProcess]
+    stopping: bool = False
+    cause: str = ""
+    cause_code: int = 0
+    by_chaos: bool = False
+    delay_s: float = 0.0
+    kill_at: float = 0.0
+    down: set[str] = dataclasses.field(default_factory=set)
+    failures: int = 0  # restarts after a non-chaos exit: what supervisor.max_restarts limits
+    consecutive_failures: int = 0
+    started_at: float = 0.0
+
+
 def _tail(path: pathlib.Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -114,6 +141,10 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.log_dir / "events.jsonl"
         self.procs = [ManagedProcess(spec) for spec in specs]
+        self._gangs: dict[str, _Gang] = {}
+        for proc in self.procs:
+            if proc.spec.gang:
+                self._gangs.setdefault(proc.spec.gang, _Gang(proc.spec.gang, [])).members.append(proc)
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._stop_reason = ""
@@ -201,7 +232,7 @@ class Supervisor:
         if not self._chaos_round:
             self._chaos_round = self._rng.sample(roles, len(roles))
         role = self._chaos_round[0]
-        candidates = [p for p in self.procs if p.spec.role == role and p.running]
+        candidates = [p for p in self.procs if p.spec.role == role and p.running and not self._stopping(p)]
         if not candidates:
             return  # that role is restarting; try again at the next tick
         self._chaos_round.pop(0)
@@ -223,7 +254,9 @@ class Supervisor:
     def _on_exit(self, proc: ManagedProcess, code: int, now: float) -> SupervisorReport | None:
         proc.exit_codes.append(code)
         by_chaos = proc.killed_by_chaos
-        self._event("exit", name=proc.spec.name, role=proc.spec.role, code=code, chaos=by_chaos)
+        gang = self._gangs.get(proc.spec.gang)
+        fields: dict[str, Any] = {} if gang is None else {"gang": gang.name, "gang_stop": gang.stopping}
+        self._event("exit", name=proc.spec.name, role=proc.spec.role, code=code, chaos=by_chaos, **fields)
         if proc.spec.completes_run and code == 0:
             self._stop_reason = f"{proc.spec.name} completed the run"
             return self._finish(True, self._stop_reason)
@@ -235,6 +268,8 @@ class Supervisor:
             )
             self._stop_reason = reason
             return self._finish(False, reason, config_error=True)
+        if gang is not None:
+            return self._on_gang_exit(gang, proc, code, now)
         if by_chaos:
             proc.consecutive_failures = 0
         else:
@@ -253,6 +288,81 @@ class Supervisor:
         proc.restart_at = now + delay
         self._event("restart_scheduled", name=proc.spec.name, delay_s=delay)
         return None
+
+    def _on_gang_exit(
+        self, gang: _Gang, proc: ManagedProcess, code: int, now: float
+    ) -> SupervisorReport | None:
+        """A gang member exited: the first exit stops the others (all restart together in
+        `_gang_tick` once every member is down); later ones are members going down with it."""
+        proc.restart_at = math.inf  # waits for its gang (never polled again until restarted)
+        gang.down.add(proc.spec.name)
+        if gang.stopping:
+            return None
+        if proc.killed_by_chaos:
+            gang.consecutive_failures = 0
+            delay = self.policy.backoff_initial_s
+        else:
+            if now - gang.started_at >= self.policy.stable_after_s:
+                gang.consecutive_failures = 0
+            gang.consecutive_failures += 1
+            if gang.failures >= self.policy.max_restarts:
+                log_path = self.log_dir / f"{proc.spec.name}.log"
+                reason = (
+                    f"{proc.spec.name} (gang {gang.name}) exited with code {code}; the gang was "
+                    f"restarted {gang.failures} time(s) after failures, over the limit "
+                    f"supervisor.max_restarts={self.policy.max_restarts}. "
+                    f"Last lines of {log_path}:\n{_tail(log_path)}"
+                )
+                self._stop_reason = reason
+                return self._finish(False, reason)
+            delay = min(
+                self.policy.backoff_initial_s * 2 ** max(0, gang.consecutive_failures - 1),
+                self.policy.backoff_max_s,
+            )
+        gang.stopping, gang.cause, gang.cause_code = True, proc.spec.name, code
+        gang.by_chaos, gang.delay_s = proc.killed_by_chaos, delay
+        gang.kill_at = now + self.policy.shutdown_grace_s
+        for member in gang.members:
+            if member is not proc and member.running:
+                self._signal_group(member, signal.SIGTERM)
+        self._event("gang_stop", gang=gang.name, cause=proc.spec.name, code=code, chaos=gang.by_chaos)
+        return None
+
+    def _gang_tick(self, now: float) -> None:
+        """Stopping gangs: SIGKILL members past the grace period; once every member is
+        down, schedule all of them to restart together."""
+        for gang in self._gangs.values():
+            if not gang.stopping:
+                continue
+            if now >= gang.kill_at:
+                for member in gang.members:
+                    if member.spec.name not in gang.down:
+                        self._signal_group(member, signal.SIGKILL)
+            if len(gang.down) < len(gang.members):
+                continue
+            for member in gang.members:
+                self._signal_group(member, signal.SIGKILL)  # children of a member may linger
+                member.restart_at = now + gang.delay_s
+                self._event("restart_scheduled", name=member.spec.name, delay_s=gang.delay_s)
+            if not gang.by_chaos:
+                gang.failures += 1
+            self._event(
+                "gang_restart",
+                gang=gang.name,
+                cause=gang.cause,
+                code=gang.cause_code,
+                chaos=gang.by_chaos,
+                delay_s=gang.delay_s,
+                members=[m.spec.name for m in gang.members],
+                failures=gang.failures,
+            )
+            gang.stopping = False
+            gang.down.clear()
+            gang.started_at = now + gang.delay_s
+
+    def _stopping(self, proc: ManagedProcess) -> bool:
+        gang = self._gangs.get(proc.spec.gang)
+        return gang is not None and gang.stopping
 
     def _chaos_restarts(self, proc: ManagedProcess) -> int:
         return sum(1 for name, _ in self.chaos_kills if name == proc.spec.name)
@@ -281,6 +391,8 @@ class Supervisor:
         try:
             for proc in self.procs:
                 self._start(proc)
+            for gang in self._gangs.values():
+                gang.started_at = time.monotonic()
             self._schedule_kill(time.monotonic())
             last_tick = 0.0
             while True:
@@ -297,6 +409,7 @@ class Supervisor:
                     if proc.restart_at is not None and now >= proc.restart_at:
                         proc.restarts += 1
                         self._start(proc)
+                self._gang_tick(now)
                 self._chaos_tick(now)
                 if on_tick is not None and now - last_tick >= 0.25:
                     last_tick = now
