@@ -9,6 +9,12 @@ The checkpoint is the commit point of a step: a crash before it retrains the sam
 (the controller resends the same batch, or rebuilds it from the snapshot of step s); a
 crash after it resumes at s+1 and re-pushes the weights if the parameter server lacks
 them. The controller learns that step s is done from the next request (step s+1).
+
+Several hosts (`trainer.hosts` > 1, `--process-id I`): the processes join one gang
+(`rlax_trainer.gang`) before any JAX computation and run this same loop over one mesh;
+process 0 alone talks to the controller and the parameter server and writes
+trainer_metrics.jsonl, and broadcasts every reply and decision to the others, so that all
+of them run the same collectives (updates, checkpoints, gathers of the weights) in order.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from rlax_core.control import (
 )
 from rlax_core.fsutil import append_line_durable
 from rlax_core.links import ControlClient
+from rlax_trainer.gang import Gang, gang_mesh, join_gang
 
 __all__ = ["TrainerLoop", "check", "learner_config", "main", "run"]
 
@@ -96,7 +103,7 @@ def _to_numpy_tree(tree: Any, dtype: str) -> Any:
 class TrainerLoop:
     """State and steps of the trainer process (constructed once per process life)."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, gang: Gang | None = None) -> None:
         import jax
 
         from rlax_data.run_task import build_task
@@ -107,6 +114,8 @@ class TrainerLoop:
         from rlax_trainer.checkpoint import CheckpointManager
 
         self.config = config
+        self.gang = gang or Gang()
+        self.mesh = gang_mesh(config)
         self.output = config.output_dir
         self.task = build_task(config)
         self.pad_id = int(self.task.tokenizer.pad_id)
@@ -117,11 +126,14 @@ class TrainerLoop:
         self.checkpoints = CheckpointManager(
             self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True
         )
-        self.params_client = ParamClient(
-            config.paramserver.address, timeout_s=config.controller.request_timeout_s
+        # Only the leader talks to the parameter server (and writes the metrics).
+        self.params_client = (
+            ParamClient(config.paramserver.address, timeout_s=config.controller.request_timeout_s)
+            if self.gang.leader
+            else None
         )
         self.metrics_path = self.output / "trainer_metrics.jsonl"
-        template = Learner(self.model_config, self.rl_config, init, seed=config.run.seed)
+        template = Learner(self.model_config, self.rl_config, init, mesh=self.mesh, seed=config.run.seed)
         restored = self.checkpoints.restore(template.state)
         reference_store = CheckpointManager(
             self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False
@@ -132,7 +144,9 @@ class TrainerLoop:
             # still be alive while the learner below allocates its own: free them first.
             del template
             params = self.sft_warm_start(init) if config.trainer.sft_steps else init
-            self.learner = Learner(self.model_config, self.rl_config, params, seed=config.run.seed)
+            self.learner = Learner(
+                self.model_config, self.rl_config, params, mesh=self.mesh, seed=config.run.seed
+            )
             if self.learner.uses_reference:
                 reference_store.save(self.learner.state, version=0)
                 reference_store.wait()
@@ -150,7 +164,12 @@ class TrainerLoop:
                 del found
             del template
             self.learner = Learner(
-                self.model_config, self.rl_config, init, reference_params=reference, seed=config.run.seed
+                self.model_config,
+                self.rl_config,
+                init,
+                reference_params=reference,
+                mesh=self.mesh,
+                seed=config.run.seed,
             )
             self.learner.load_state(state)
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
@@ -165,7 +184,8 @@ class TrainerLoop:
         from rlax_trainer import Learner, collate
 
         cfg = self.config
-        learner = Learner(self.model_config, learner_config(cfg, mode="sft"), params, seed=cfg.run.seed)
+        sft_config = learner_config(cfg, mode="sft")
+        learner = Learner(self.model_config, sft_config, params, mesh=self.mesh, seed=cfg.run.seed)
         records = self.task.train_records()
         order = np.random.default_rng(cfg.data.seed + 17).permutation(len(records))
         batch_size = cfg.trainer.sft_batch
@@ -196,29 +216,36 @@ class TrainerLoop:
                     cfg.trainer.sft_steps,
                     {k: round(v, 4) for k, v in metrics.items()},
                 )
-        append_line_durable(
-            self.metrics_path,
-            json.dumps(
-                {
-                    "kind": "sft",
-                    "steps": cfg.trainer.sft_steps,
-                    "seconds": time.monotonic() - started,
-                    **metrics,
-                }
-            ),
+        self._log_metrics(
+            {"kind": "sft", "steps": cfg.trainer.sft_steps, "seconds": time.monotonic() - started, **metrics}
         )
-        return learner.host_params()["policy"]
+        return learner.host_params()["policy"]  # a gather across the gang: every process calls it
+
+    def _log_metrics(self, record: dict[str, Any]) -> None:
+        if self.gang.leader:
+            append_line_durable(self.metrics_path, json.dumps(record))
 
     # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
         """Push the weights of `self.step` unless the parameter server already has them,
-        retrying while the parameter server restarts (up to controller.request_timeout_s)."""
+        retrying while the parameter server restarts (up to controller.request_timeout_s).
+
+        Every process of the gang calls it (the gather of the weights is a collective);
+        the leader decides whether a push is needed, tells the others, and pushes."""
+        needed = self.gang.broadcast_flag(self._needs_push() if self.gang.leader else None)
+        if not needed:
+            return
+        tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
+        if self.gang.leader:
+            self._retrying(lambda: self._push(tree))
+
+    def _retrying(self, attempt: Any) -> Any:
         from rlax_protocol.errors import ProtocolTimeoutError
 
         deadline = time.monotonic() + self.config.controller.request_timeout_s
         while True:
             try:
-                return self._publish_once()
+                return attempt()
             except (ProtocolTimeoutError, ConnectionError) as error:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -227,15 +254,22 @@ class TrainerLoop:
                 log.warning("publishing version %d failed (%s); retrying", self.step, error)
                 time.sleep(0.5)
 
-    def _publish_once(self) -> None:
+    def _needs_push(self) -> bool:
+        assert self.params_client is not None
+        client = self.params_client
+        latest = self._retrying(client.latest)
+        return latest is None or latest < self.step
+
+    def _push(self, tree: Any) -> None:
         from rlax_paramserver import StaleVersionError
 
-        latest = self.params_client.latest()
+        assert self.params_client is not None
+        client = self.params_client
+        latest = client.latest()  # a retry after a push whose reply was lost
         if latest is not None and latest >= self.step:
             return
-        tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
         try:
-            self.params_client.push(tree, self.step, {"step": self.step})
+            client.push(tree, self.step, {"step": self.step})
         except StaleVersionError:
             return  # pushed by a previous life of this process, or concurrently
         log.info("published version %d", self.step)
@@ -258,11 +292,8 @@ class TrainerLoop:
         metrics["train_seconds"] = time.monotonic() - started
         release_free_memory()  # the update's temporaries, before the checkpoint allocates
         # Logged before the checkpoint commits: the last line of a step is the committed one.
-        append_line_durable(
-            self.metrics_path,
-            json.dumps(
-                {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
-            ),
+        self._log_metrics(
+            {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
         )
         self.checkpoints.save(
             self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)}
@@ -275,40 +306,44 @@ class TrainerLoop:
 
     def close(self) -> None:
         self.checkpoints.close()
-        self.params_client.close()
+        if self.params_client is not None:
+            self.params_client.close()
 
 
-def run(config: RunConfig) -> int:
-    """Serve the controller until it says the run is complete."""
-    from rlax_protocol.errors import ProtocolTimeoutError
-
+def run(config: RunConfig, process_id: int = 0) -> int:
+    """Serve the controller until it says the run is complete (`process_id`: this process
+    in the gang of `trainer.hosts`)."""
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it touches at INFO
 
-    loop = TrainerLoop(config)
-    client = ControlClient(
-        config.controller.address,
-        encode=encode_control,
-        decode=decode_control,
-        timeout_s=min(10.0, config.controller.request_timeout_s),
-        role="trainer",
+    gang = join_gang(config, process_id)  # before any JAX computation
+    if gang.size > 1:
+        check(config, process_id)  # what main's check left for after joining
+    loop = TrainerLoop(config, gang)
+    client = (
+        ControlClient(
+            config.controller.address,
+            encode=encode_control,
+            decode=decode_control,
+            timeout_s=min(10.0, config.controller.request_timeout_s),
+            role="trainer",
+        )
+        if gang.leader
+        else None
     )
     metrics: dict[str, float] = {}
-    last_contact = time.monotonic()
     last_publish_check = 0.0
     try:
         loop.publish()
         while True:
-            try:
-                reply = client.call(BatchRequest(trainer_step=loop.step, metrics=metrics))
-            except ProtocolTimeoutError as error:
-                silent = time.monotonic() - last_contact
-                if silent > config.controller.request_timeout_s:
-                    raise TimeoutError(
-                        f"no answer from the controller at {config.controller.address} for {silent:.0f}s "
-                        f"(controller.request_timeout_s={config.controller.request_timeout_s}): {error}"
-                    ) from None
-                continue
-            last_contact = time.monotonic()
+            # The leader asks; every process acts on the same reply (and the same "time
+            # to check the parameter server" decision, a clock only the leader reads).
+            message = None
+            if client is not None:
+                reply = _ask(client, config, BatchRequest(trainer_step=loop.step, metrics=metrics))
+                recheck = isinstance(reply, NoBatchYet) and time.monotonic() - last_publish_check > 5.0
+                message = bytes([recheck]) + encode_control(reply)
+            message = gang.broadcast_bytes(message)
+            recheck, reply = bool(message[0]), decode_control(message[1:])
             if isinstance(reply, RunComplete):
                 log.info("run complete at step %d; waiting to be stopped", reply.final_step)
                 # Exiting now would look like a crash to the supervisor, which would restart
@@ -316,9 +351,9 @@ def run(config: RunConfig) -> int:
                 time.sleep(config.controller.request_timeout_s)
                 return 0
             if isinstance(reply, NoBatchYet):
-                if last_contact - last_publish_check > 5.0:
+                if recheck:
                     # A restarted parameter server may have lost the newest version.
-                    last_publish_check = last_contact
+                    last_publish_check = time.monotonic()
                     loop.publish()
                 time.sleep(reply.retry_after_s)
                 continue
@@ -328,17 +363,43 @@ def run(config: RunConfig) -> int:
                 continue
             raise RuntimeError(f"unexpected reply from the controller: {type(reply).__name__}")
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         loop.close()
 
 
-def check(config: RunConfig) -> None:
+def _ask(client: ControlClient, config: RunConfig, request: BatchRequest) -> Any:
+    """The controller's reply, waiting through timeouts up to controller.request_timeout_s."""
+    from rlax_protocol.errors import ProtocolTimeoutError
+
+    started = time.monotonic()
+    while True:
+        try:
+            return client.call(request)
+        except ProtocolTimeoutError as error:
+            silent = time.monotonic() - started
+            if silent > config.controller.request_timeout_s:
+                raise TimeoutError(
+                    f"no answer from the controller at {config.controller.address} for {silent:.0f}s "
+                    f"(controller.request_timeout_s={config.controller.request_timeout_s}): {error}"
+                ) from None
+
+
+def check(config: RunConfig, process_id: int = 0, *, backend: bool = True) -> None:
     """Build the trainer's typed configs (`LearnerConfig` for RL and the SFT warm start, the
-    task, the model's shapes); a `ConfigError` names the component that rejects the config."""
+    task, the model's shapes); a `ConfigError` names the component that rejects the config.
+    `backend=False`: only what needs no JAX backend (a gang member must join the gang
+    before JAX starts its backend; `run` checks the rest once it has joined)."""
+    from rlax_core.config import ConfigError
     from rlax_data.run_task import build_task
     from rlax_model.run_model import checked_model_config
 
     select_platform(config.trainer.platform)  # before anything imports JAX
+    hosts = config.trainer.hosts
+    if not 0 <= process_id < hosts:
+        raise ConfigError(f"--process-id {process_id}: trainer.hosts = {hosts} (ids 0..{hosts - 1})")
+    if not backend:
+        return
     for mode in ["rl", "sft"] if config.trainer.sft_steps else ["rl"]:
         rejected_by("the trainer", functools.partial(learner_config, config, mode=mode))
     task = rejected_by("the task (data.*)", lambda: build_task(config))
@@ -346,16 +407,33 @@ def check(config: RunConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`rlax-trainer --config FILE [key=value ...]` (also `rlax trainer`)."""
+    """`rlax-trainer --config FILE [--process-id I] [key=value ...]` (also `rlax trainer`)."""
 
     def start(config: RunConfig, args: argparse.Namespace) -> int:
         from rlax_model.run_model import use_compile_cache
 
         use_compile_cache(config)
         exit_on_sigterm()
-        return run(config)
+        return run(config, args.process_id)
 
-    return component_main("rlax trainer", argv, start, check=lambda config, args: check(config))
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--process-id",
+            type=int,
+            default=0,
+            help="this process in the gang of trainer.hosts processes joined by jax.distributed (0: the leader)",
+        )
+
+    return component_main(
+        "rlax trainer",
+        argv,
+        start,
+        # `--check-config` (the launcher's preflight) checks everything without joining.
+        check=lambda config, args: check(
+            config, args.process_id, backend=args.check_config or config.trainer.hosts == 1
+        ),
+        add_arguments=add_arguments,
+    )
 
 
 if __name__ == "__main__":
