@@ -1,16 +1,19 @@
 """Helper of tests/test_ray_launcher.py, run INSIDE a loopback-only network namespace
-(`unshare --net`, `ip link set lo up`): starts a three-node Ray cluster on 127.0.0.1 (a
-service node, a trainer node, a worker node, each with its custom resource), runs
-`rlax launch` with `launcher.backend=ray` on it, checks what was left running, stops the
-cluster (`ray stop --force`) whatever happened, and prints one JSON line
-`RESULT {...}` for the test to read.
+(`unshare --net`, `ip link set lo up`): starts a Ray cluster whose nodes each have an
+address of their own on the loopback network (127.0.0.1 the head, which only runs the
+launcher; 127.0.0.2 a service node; 127.0.0.3 a trainer node; 127.0.0.4 a worker node;
+with `--spare-nodes`, a second service node 127.0.0.5 and a second trainer node
+127.0.0.6), runs `rlax launch` with `launcher.backend=ray` on it for each case, checks
+what was left running, stops the cluster (`ray stop --force`) whatever happened, and
+prints one JSON line `RESULT {...}` for the test to read.
 
-    python tests/ray_netns_run.py OUT_DIR [--bad-resource] [--chaos] [override ...]
+    python tests/ray_netns_run.py OUT_DIR --cases=run,... [--spare-nodes] [override ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -25,7 +28,13 @@ from typing import Any
 from tiny_run import DEMO_CONFIG, TINY_RUN
 
 RAY = str(pathlib.Path(sys.executable).with_name("ray"))
-NODES = {"service_node": 3, "trainer_node": 1, "worker_node": 2}
+ROLE_RESOURCES = ("service_node", "trainer_node", "worker_node")
+NODES = [
+    ("127.0.0.2", {"service_node": 3}),
+    ("127.0.0.3", {"trainer_node": 1}),
+    ("127.0.0.4", {"worker_node": 2}),
+]
+SPARE_NODES = [("127.0.0.5", {"service_node": 3}), ("127.0.0.6", {"trainer_node": 1})]
 ROLES = {
     "controller": "service_node",
     "paramserver": "service_node",
@@ -33,7 +42,8 @@ ROLES = {
     "trainer": "trainer_node",
     "worker": "worker_node",
 }
-FAST = TINY_RUN
+# The GCS declares a node dead after ~10 s without health checks (default: 30 s).
+GCS_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "10"}
 
 
 def free_port() -> int:
@@ -42,28 +52,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_cluster(port: int) -> None:
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"]
-    first, *others = NODES.items()
+def start_cluster(port: int, client_port: int, nodes: list[tuple[str, dict[str, int]]]) -> None:
+    common = ["--num-cpus=4", "--disable-usage-stats"]
+    env = {**os.environ, **GCS_ENV}
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common]
-    subprocess.run(
-        [*head, f"--resources={json.dumps({first[0]: first[1]})}"], check=True, capture_output=True
-    )
-    for name, amount in others:
+    head += ["--node-ip-address=127.0.0.1", f"--ray-client-server-port={client_port}"]
+    subprocess.run(head, check=True, capture_output=True, env=env)
+    for ip, resources in nodes:
         subprocess.run(
             [
                 RAY,
                 "start",
                 f"--address=127.0.0.1:{port}",
+                f"--node-ip-address={ip}",
                 *common,
-                f"--resources={json.dumps({name: amount})}",
+                f"--resources={json.dumps(resources)}",
             ],
             check=True,
             capture_output=True,
+            env=env,
         )
 
 
-def node_resources(address: str) -> dict[str, dict[str, float]]:
+def node_resources(address: str, count: int) -> dict[str, dict[str, float]]:
     import ray
 
     ray.init(address=address, log_to_driver=False)
@@ -71,7 +82,7 @@ def node_resources(address: str) -> dict[str, dict[str, float]]:
         deadline = time.monotonic() + 30
         while True:
             nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-            if len(nodes) >= len(NODES) or time.monotonic() > deadline:
+            if len(nodes) >= count or time.monotonic() > deadline:
                 return nodes
             time.sleep(0.2)
     finally:
@@ -79,13 +90,15 @@ def node_resources(address: str) -> dict[str, dict[str, float]]:
 
 
 def leftovers(address: str, out: pathlib.Path) -> dict[str, Any]:
-    """Actors still alive on the cluster and component processes still running."""
+    """Actors and placement groups still alive on the cluster, component processes still running."""
     import ray
-    from ray._private.state import state
+    from ray._private.state import state  # every actor, named or not (test code only)
+    from ray.util import placement_group_table
 
     ray.init(address=address, log_to_driver=False)
     try:
         alive = [a["Name"] or a["ActorID"] for a in state.actor_table(None).values() if a["State"] != "DEAD"]
+        groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
     finally:
         ray.shutdown()
     procs = []
@@ -98,34 +111,76 @@ def leftovers(address: str, out: pathlib.Path) -> dict[str, Any]:
             continue
         if str(out) in cmdline and "ray_netns_run" not in cmdline:
             procs.append(cmdline[:200])
-    return {"actors": alive, "processes": procs}
+    return {"actors": alive, "groups": groups, "processes": procs}
 
 
-def chaos(out: pathlib.Path, names: list[str], stop: threading.Event, kills: list[str]) -> None:
-    """SIGKILL each named component's process once, at steps 3, 6, ... of the run."""
-    metrics = out / "run" / "metrics.jsonl"
-    for i, name in enumerate(names):
-        while not stop.is_set():
-            steps = 0
-            if metrics.exists():
-                steps = sum(1 for line in metrics.read_text().splitlines() if '"train"' in line)
-            if steps >= 3 * (i + 1):
-                break
+def train_steps(run: pathlib.Path) -> int:
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    return sum(1 for line in metrics.read_text().splitlines() if '"train"' in line)
+
+
+def last_start_pid(run: pathlib.Path, name: str) -> int | None:
+    pid = None
+    for line in (run / "logs" / "events.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "start" and record.get("name") == name:
+            pid = record["pid"]
+    return pid
+
+
+def disturb(run: pathlib.Path, plan: list[tuple[int, str]], stop: threading.Event, done: list[str]) -> None:
+    """At each (step, target): SIGKILL the component `target`, or with `node_of:NAME` the
+    raylet of the node that process was placed on (the node is lost with everything on it)."""
+    for step, target in plan:
+        while not stop.is_set() and train_steps(run) < step:
             time.sleep(0.2)
         if stop.is_set():
             return
-        events = out / "run" / "logs" / "events.jsonl"
-        pid = None
-        for line in events.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == "start" and record.get("name") == name:
-                pid = record["pid"]
+        if target.startswith("node_of:"):  # the node a process was first placed on
+            placed = json.loads((run / "logs" / "placement.json").read_text())
+            ip = placed[target.removeprefix("node_of:")]["node_ip"]
+            listing = subprocess.run(["pgrep", "-af", "raylet"], capture_output=True, text=True).stdout
+            for line in listing.splitlines():
+                pid, exe, *args = line.split()
+                if exe.endswith("/raylet") and f"--node_ip_address={ip}" in args:
+                    os.kill(int(pid), signal.SIGKILL)
+                    done.append(f"node:{ip}")
+            continue
+        pid = last_start_pid(run, target)
         if pid:
             try:
                 os.kill(pid, signal.SIGKILL)
-                kills.append(name)
+                done.append(target)
             except ProcessLookupError:
                 pass
+
+
+def run_summary(run: pathlib.Path) -> dict[str, Any]:
+    """What the acceptance checks compare: prompts consumed per step, the steps, whether
+    every accepted rollout was trained exactly once, and the final weights' hash."""
+    from rlax_controller.metrics import latest_per_step, read_metrics
+    from rlax_paramserver.persist import load_newest
+
+    train = latest_per_step(read_metrics(run / "metrics.jsonl", kind="train"))
+    trainer = latest_per_step(r for r in read_metrics(run / "trainer_metrics.jsonl") if r["kind"] == "train")
+    accepted = {r["step"]: r["rollout_ids"] for r in train}
+    trained = {r["step"]: r["rollout_ids"] for r in trainer}
+    ids = [i for step in sorted(trained) for i in trained[step]]
+    state, _ = load_newest(run / "paramserver")
+    digest = hashlib.sha256()
+    if state is not None:
+        digest.update(str(state.version).encode())
+        for frame in state.frames:
+            digest.update(frame)
+    return {
+        "steps": sorted(accepted),
+        "consumed": [r["consumed_prompt_ids"] for r in train],
+        "trained_exactly_once": accepted == trained and len(ids) == len(set(ids)),
+        "weights_version": None if state is None else state.version,
+        "weights_sha256": digest.hexdigest(),
+    }
 
 
 def run_case(
@@ -134,8 +189,9 @@ def run_case(
     nodes: dict[str, dict[str, float]],
     roles: dict[str, str],
     extra: list[str],
-    chaos_names: list[str],
+    disturbances: list[tuple[int, str]],
     pythons: dict[str, str],
+    placement: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     from rich.console import Console
 
@@ -145,21 +201,22 @@ def run_case(
     resources = ", ".join(
         f"{role}: {{num_cpus: 0.5, resources: {{{node}: 1}}, max_restarts: -1"
         + (f", python: '{pythons[role]}'" if role in pythons else "")
+        + (f", placement: {placement[role]}" if placement and role in placement else "")
         + "}"
         for role, node in roles.items()
     )
     overrides = [
         f"run.output_dir={out / 'run'}",
-        *FAST,
+        *TINY_RUN,
         "launcher.backend=ray",
         f"launcher.address={address}",
         f"launcher.resources={{{resources}}}",
         *extra,
     ]
     result: dict[str, Any] = {}
-    stop, kills = threading.Event(), []
-    if chaos_names:
-        threading.Thread(target=chaos, args=(out, chaos_names, stop, kills), daemon=True).start()
+    stop, done = threading.Event(), []
+    if disturbances:
+        threading.Thread(target=disturb, args=(out / "run", disturbances, stop, done), daemon=True).start()
     t1 = time.monotonic()
     try:
         report = launch(str(DEMO_CONFIG), overrides, overwrite=True, console=Console(stderr=True))
@@ -169,49 +226,99 @@ def run_case(
     finally:
         stop.set()
     result["launch_s"] = round(time.monotonic() - t1, 1)
-    result["kills"] = kills
+    result["disturbed"] = done
     placement_path = out / "run" / "logs" / "placement.json"
-    placement = json.loads(placement_path.read_text()) if placement_path.exists() else {}
+    placed = json.loads(placement_path.read_text()) if placement_path.exists() else {}
+    # Every node a process ran on (a restart may move it), by the role resources it carries.
     result["placed"] = {
-        name: sorted(k for k, v in nodes.get(p["node_id"], {}).items() if k in NODES and v > 0)
-        for name, p in placement.items()
+        name: sorted(
+            {
+                k
+                for node in p.get("nodes", [p["node_id"]])
+                for k, v in nodes.get(node, {}).items()
+                if k in ROLE_RESOURCES and v > 0
+            }
+        )
+        for name, p in placed.items()
     }
-    result["roles"] = {name: p["role"] for name, p in placement.items()}
+    result["nodes_of"] = {name: p.get("nodes", [p["node_id"]]) for name, p in placed.items()}
+    result["first_ip"] = {name: p["node_ip"] for name, p in placed.items()}
+    result["roles"] = {name: p["role"] for name, p in placed.items()}
     result["left"] = leftovers(address, out)
+    events = out / "run" / "logs" / "events.jsonl"
+    result["events"] = (
+        [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    )
+    if result.get("success"):
+        result["summary"] = run_summary(out / "run")
     return result
+
+
+def local_reference(out: pathlib.Path, extra: list[str]) -> dict[str, Any]:
+    """The same run with the local launcher, undisturbed."""
+    from rich.console import Console
+
+    from rlax_controller.launcher import launch
+
+    overrides = [f"run.output_dir={out / 'run'}", *TINY_RUN, *extra]
+    report = launch(str(DEMO_CONFIG), overrides, overwrite=True, console=Console(stderr=True))
+    return {"success": report.success, "reason": report.reason, "summary": run_summary(out / "run")}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument(
-        "--cases", default="run", help="comma-separated: bad_resource, missing, run, chaos, chaos_config"
+        "--cases",
+        default="run",
+        help="comma-separated: bad_resource, missing, run, chaos, acceptance, gang, client",
     )
     parser.add_argument("--missing-python", default="", help="an interpreter with ray and rlax-core only")
+    parser.add_argument("--spare-nodes", action="store_true", help="a second service and trainer node")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     out = pathlib.Path(args.out).resolve()
-    port = free_port()
+    port, client_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
+    cluster = NODES + (SPARE_NODES if args.spare_nodes else [])
     result: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
-        start_cluster(port)
+        start_cluster(port, client_port, cluster)
         result["cluster_s"] = round(time.monotonic() - t0, 1)
-        nodes = node_resources(address)
+        nodes = node_resources(address, len(cluster) + 1)
         for case in args.cases.split(","):
-            roles, extra, chaos_names, pythons = dict(ROLES), list(args.overrides), [], {}
+            roles, extra, disturbances, pythons = dict(ROLES), list(args.overrides), [], {}
+            case_address, placement = address, None
             if case == "bad_resource":
                 roles["trainer"] = "tpu_v5p_slice"
             elif case == "missing":
                 pythons["verifier"] = args.missing_python
-            elif case == "chaos":
-                chaos_names = ["worker0", "paramserver"]
-            elif case == "chaos_config":  # the launcher's own chaos mode: every targeted role
-                extra += ["chaos.interval=4", "chaos.max_kills=4", "chaos.seed=1"]
-            result[case] = run_case(out / case, address, nodes, roles, extra, chaos_names, pythons)
+            elif case == "chaos":  # components SIGKILLed from outside Ray
+                disturbances = [(3, "worker0"), (6, "paramserver")]
+            elif case == "acceptance":
+                # The launcher's chaos mode kills a worker, the trainer, the controller and the
+                # parameter server at seeded random moments; the parameter server's node is
+                # lost at step 20 and the servers on it move to the other service node.
+                # Compared with an undisturbed local run at k=0.
+                extra += ["trainer.k=0", "workers.j=1"]
+                chaos = ["chaos.interval=15", "chaos.max_kills=4", "chaos.seed=3"]
+                disturbances = [(20, "node_of:paramserver")]
+                result["local_reference"] = local_reference(out / "local", extra)
+                extra += chaos
+            elif case == "gang":  # a trainer gang of two, one per trainer node; a member killed
+                extra += ["trainer.hosts=2", "trainer.k=0", "workers.j=1"]
+                placement = {"trainer": "STRICT_SPREAD"}
+                disturbances = [(3, "trainer1")]
+            elif case == "client":
+                case_address = f"ray://127.0.0.1:{client_port}"
+            result[case] = run_case(
+                out / case, case_address, nodes, roles, extra, disturbances, pythons, placement
+            )
     except Exception as error:  # reported to the test, which fails with it
-        result["error"] = repr(error)
+        import traceback
+
+        result["error"] = repr(error) + "\n" + traceback.format_exc()[-3000:]
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True)
     print("RESULT " + json.dumps(result), flush=True)

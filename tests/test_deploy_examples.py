@@ -226,7 +226,19 @@ def pack(config: RunConfig, groups: list[tuple[str, dict[str, Any], int]]) -> li
             count = 1 if config.verifier.mode == "service" else 0
         elif role == "trainer":
             # A multi-host trainer is one process per host of its slice (the gang).
-            count = int(holders[0][1].get("numOfHosts", 1))
+            count = config.trainer.hosts
+            slice_hosts = int(holders[0][1].get("numOfHosts", 1))
+            if count != slice_hosts:
+                problems.append(
+                    f"trainer.hosts={count}, but the trainer's group {holders[0][0]} has "
+                    f"numOfHosts={slice_hosts} (one trainer process per host)"
+                )
+            chips = count * request.get("TPU", request.get("GPU", 1.0))
+            mesh = math.prod(config.trainer.mesh.values()) if config.trainer.mesh else chips
+            if mesh != chips:
+                problems.append(
+                    f"trainer.mesh={config.trainer.mesh} spans {mesh} devices, the gang has {chips:g}"
+                )
         else:
             count = 1
         processes += [(role, request)] * count
@@ -331,6 +343,8 @@ def test_tpu_example_puts_the_trainer_on_a_multi_host_slice() -> None:
     assert "google.com/tpu" in _container(trainer)["resources"]["limits"]
     config = load_config(DEPLOY / "kuberay/run-tpu.yaml")
     assert config.launcher.of("trainer").resources["TPU"] == node_capacity(trainer)["TPU"]
+    assert config.trainer.hosts == int(trainer["numOfHosts"])
+    assert config.launcher.of("trainer").placement == "STRICT_SPREAD"
 
 
 def test_resources_value_forms() -> None:
@@ -430,6 +444,11 @@ BREAKS = {
         GPU,
         lambda d: _set(_rayjob(d)["spec"], "entrypoint", "rlax launch /etc/run.yaml launcher.backend=ray"),
         "head mounts nothing at /etc",
+    ),
+    "trainer gang smaller than its slice": (
+        TPU,
+        lambda d: _run_config(d, lambda raw: _set(raw["trainer"], "hosts", 2)),
+        "numOfHosts=4",
     ),
     "trainer asks for more memory than its pod": (
         GPU,

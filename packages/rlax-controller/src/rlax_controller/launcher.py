@@ -28,15 +28,20 @@ def _free_port(host: str) -> int:
 
 
 def resolve_addresses(config: RunConfig) -> RunConfig:
-    """Replace every `auto` address by a free loopback (or `addresses.host`) TCP port."""
+    """Replace every `auto` address by a free loopback (or `addresses.host`) TCP port (and
+    a multi-host trainer's `auto` coordinator by HOST:PORT)."""
     host = config.addresses.host
 
     def pick(address: str) -> str:
         return f"tcp://{host}:{_free_port(host)}" if address == AUTO else address
 
     workers = list(config.workers.addresses) or [AUTO] * config.workers.count
+    coordinator = config.trainer.coordinator
+    if coordinator == AUTO and config.trainer.hosts > 1:
+        coordinator = f"{host}:{_free_port(host)}"
     return msgspec.structs.replace(
         config,
+        trainer=msgspec.structs.replace(config.trainer, coordinator=coordinator),
         controller=msgspec.structs.replace(config.controller, address=pick(config.controller.address)),
         paramserver=msgspec.structs.replace(config.paramserver, address=pick(config.paramserver.address)),
         verifier=msgspec.structs.replace(config.verifier, address=pick(config.verifier.address)),
@@ -73,7 +78,12 @@ def build_specs(config: RunConfig, config_path: pathlib.Path) -> list[ProcessSpe
     for i in range(config.workers.count):
         command = _rlax(config, "worker", "--config", path, "--index", str(i))
         specs.append(ProcessSpec(f"worker{i}", "worker", command, env))
-    specs.append(ProcessSpec("trainer", "trainer", _rlax(config, "trainer", "--config", path), env))
+    hosts = config.trainer.hosts
+    if hosts == 1:
+        specs.append(ProcessSpec("trainer", "trainer", _rlax(config, "trainer", "--config", path), env))
+    for i in range(hosts if hosts > 1 else 0):  # one gang, joined by jax.distributed
+        command = _rlax(config, "trainer", "--config", path, "--process-id", str(i))
+        specs.append(ProcessSpec(f"trainer{i}", "trainer", command, env, gang="trainer"))
     specs.append(
         ProcessSpec(
             "controller", "controller", _rlax(config, "controller", "--config", path), env, completes_run=True

@@ -1,34 +1,48 @@
 """`rlax launch` with `launcher.backend: ray`: every component as a Ray actor on a cluster.
 
 - Connects with `ray.init(address=launcher.address, namespace=launcher.namespace)` (an
-  empty address starts a local Ray); an unreachable address fails within seconds (a TCP
-  probe of HOST:PORT first), naming it.
-- One `RoleProcess` actor per process of the local launcher (`build_specs`), placed with
-  its role's `launcher.resources` (CPUs, GPUs, memory, custom resources), restarted by Ray
-  up to the role's `max_restarts`, and run by the role's own interpreter
+  empty address starts a local Ray; `ray://HOST:PORT` goes through Ray Client); an
+  unreachable address fails within seconds (a TCP probe of HOST:PORT first), naming it.
+- Placement: one placement group per role, one bundle per process of the role, each
+  bundle the role's `launcher.resources` (CPUs, GPUs, memory, custom resources such as
+  TPU), spread by the role's `placement` strategy (`STRICT_SPREAD`: one per node). Then one
+  `RoleProcess` actor per process of the local launcher (`build_specs`) in its bundle,
+  restarted by Ray up to the role's `max_restarts`, run by the role's own interpreter
   (`runtime_env.py_executable`) when `python` is set. A request no alive node can hold
-  fails at once, naming the role and the resources; one that stays unscheduled fails after
-  `READY_TIMEOUT_S`.
-- Addresses are discovered through Ray: every server actor reports `tcp://<its node IP>:
-  <a free port there>`, the launcher writes the resolved config into the run folder, and
-  only then is each actor told to start its component (the same command line as the local
-  launcher). The plan of every process (command, address) lives in a small registry actor:
-  an actor that Ray restarts reads it back in its constructor and restarts the component on
-  the SAME address, which the other components already know.
+  fails at once, naming the role and the resources; a group or actor still unplaced after
+  `READY_TIMEOUT_S` fails naming it. When a node is lost, Ray re-places its bundles on
+  nodes that have the resources, and the actors restart there.
+- Addresses are discovered through Ray: every server actor (and a trainer gang's process
+  0, the `jax.distributed` coordinator) reports `tcp://<its node IP>:<a free port there>`,
+  the launcher writes the resolved config into the run folder, and only then is each
+  actor told to start its component (the same command line as the local launcher). The
+  plan of every process lives in a small registry actor on the launcher's node: an actor
+  that Ray restarts reads it back and restarts its component on the SAME address, which
+  the other components already know.
+- A server restarted on ANOTHER node (its node was lost) cannot keep its address: it
+  tells the registry, the launcher reserves a port on the new node, rewrites the config,
+  starts it there and restarts every other process, each of which reads the new address
+  and resumes from its state (`moved` in events.jsonl).
+- A multi-host trainer (`trainer.hosts > 1`) is a gang: when one member exits or is lost,
+  the launcher stops the others and all restart together from the last checkpoint
+  (`gang_restart`); exits of lives older than the gang's last restart are that restart's
+  own, so one failure restarts the gang once.
 - A component that exits non-zero makes its actor exit, so Ray restarts the actor; exit 78
   (config rejected) or 69 (component not installed in the role's environment) stop the
   run with the component's message; so does an actor that Ray gave up on (its
-  `max_restarts`) or, with `max_restarts: -1`, more than `supervisor.max_restarts`
-  restarts of one process.
+  `max_restarts`: `ActorDiedError` on two pings a second apart) or, with `max_restarts:
+  -1`, more than `supervisor.max_restarts` failures of one process (kills by chaos, gang
+  restarts and moves are not failures).
 - Logs: each actor appends its component's output to `<run>/logs/<process>.log`; the run
   folder must be shared storage visible to every node at the same path (it is, for the
-  checkpoints, snapshots and metrics, anyway). Where each process ran is written to
-  `<run>/logs/placement.json`, and every start, exit and chaos kill to `events.jsonl`.
+  checkpoints, snapshots, parameter-server state and metrics, anyway). Every node each
+  process ran on is written to `<run>/logs/placement.json`, and every start, exit, move,
+  gang restart and chaos kill to `events.jsonl`.
 - `chaos.*` works as in the local launcher: a seeded random component is SIGKILLed every
   ~`chaos.interval` seconds (through its actor), and Ray restarts its actor.
 - The progress display, summary table and plot are the local launcher's; at the end, on
-  an error or Ctrl-C every actor the launcher created is stopped (component SIGTERM, then
-  SIGKILL) and killed, so nothing is left running on the cluster.
+  an error or Ctrl-C every actor and placement group the launcher created is stopped
+  (component SIGTERM, then SIGKILL) and removed, so nothing is left on the cluster.
 
 Ray is imported only here, and only when this backend runs (`pip install
 rlax-controller[ray]`); the rest of the controller never needs it.
@@ -36,6 +50,7 @@ rlax-controller[ray]`); the rest of the controller never needs it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -59,18 +74,27 @@ from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, du
 __all__ = ["READY_TIMEOUT_S", "launch"]
 
 EXIT_MISSING_COMPONENT = 69  # rlax_core.cli: the role's package is not installed in its environment
+LOST_EXIT = -9  # the exit recorded for a life that went down with its node (as if SIGKILLed)
 READY_TIMEOUT_S = 45.0
 PYTHON = "{python}"  # in a command: the interpreter of the actor that runs it
 _STOP_GRACE_S = 5.0
 
 
 def _registry_class() -> type:
-    """The plan of every process and what happened to it, kept by one small actor."""
+    """The plan of every process and what happened to it, kept by one small actor. Every
+    start, exit and move takes the next number of one sequence, so the launcher can tell
+    which life of a process an exit belongs to (a gang restarts once per failure)."""
 
     class Registry:
         def __init__(self) -> None:
             self.plans: dict[str, dict[str, Any]] = {}
             self.state: dict[str, dict[str, Any]] = {}
+            self.seq = 0
+
+        def _entry(self, name: str) -> dict[str, Any]:
+            return self.state.setdefault(
+                name, {"starts": 0, "exits": [], "exit_runs": [], "final": None, "run": 0}
+            )
 
         def set_plan(self, name: str, plan: dict[str, Any]) -> None:
             self.plans[name] = plan
@@ -78,19 +102,40 @@ def _registry_class() -> type:
         def plan(self, name: str) -> dict[str, Any] | None:
             return self.plans.get(name)
 
-        def started(self, name: str, node: dict[str, Any]) -> None:
-            entry = self.state.setdefault(name, {"starts": 0, "exits": [], "final": None})
+        def _close_lost_life(self, entry: dict[str, Any]) -> None:
+            # A life that never reported its exit went down with its node (or its actor).
+            if entry["starts"] > len(entry["exits"]):
+                self.seq += 1
+                entry["exits"].append(LOST_EXIT)
+                entry["exit_runs"].append(entry["run"])
+
+        def started(self, name: str, node: dict[str, Any]) -> int:
+            entry = self._entry(name)
+            self._close_lost_life(entry)
+            self.seq += 1
             entry["starts"] += 1
             entry["node"] = node
+            entry["run"] = self.seq
+            entry.pop("moved", None)
+            return self.seq
 
-        def exited(self, name: str, code: int, final: bool) -> None:
-            entry = self.state.setdefault(name, {"starts": 0, "exits": [], "final": None})
+        def exited(self, name: str, code: int, final: bool, run: int) -> None:
+            self.seq += 1
+            entry = self._entry(name)
             entry["exits"].append(code)
+            entry["exit_runs"].append(run)
             if final:
                 entry["final"] = code
 
-        def snapshot(self) -> dict[str, dict[str, Any]]:
-            return self.state
+        def moved(self, name: str, node: dict[str, Any]) -> None:
+            """Restarted on a node other than the one its address is on: waits for a new plan."""
+            entry = self._entry(name)
+            self._close_lost_life(entry)
+            self.seq += 1
+            entry["moved"] = {**node, "seq": self.seq}
+
+        def snapshot(self) -> dict[str, Any]:
+            return {"seq": self.seq, "procs": self.state}
 
     return Registry
 
@@ -116,9 +161,16 @@ def _role_process_class() -> type:
                 "hostname": socket.gethostname(),
                 "actor_pid": os.getpid(),
             }
+            self.run = 0
             plan = ray.get(registry.plan.remote(name))
-            if plan is not None:  # restarted by Ray: the component again, on its known address
-                self.start(plan)
+            if plan is None:
+                return  # first life: the launcher plans, then calls start
+            if plan.get("bind_ip") and plan["bind_ip"] != self.node["node_ip"]:
+                # Restarted on another node (its node was lost): the known address is not
+                # this node's, so the launcher gives it a new one and restarts its clients.
+                ray.get(registry.moved.remote(name, self.node))
+                return
+            self.start(plan)  # restarted by Ray: the component again, on its known address
 
         def info(self) -> dict[str, Any]:
             return self.node
@@ -156,11 +208,11 @@ def _role_process_class() -> type:
                 self.popen = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, preexec_fn=die_with_parent
                 )
-            ray.get(self.registry.started.remote(self.name, {**self.node, "pid": self.popen.pid}))
-            threading.Thread(target=self._watch, args=(self.popen,), daemon=True).start()
+            run = ray.get(self.registry.started.remote(self.name, {**self.node, "pid": self.popen.pid}))
+            threading.Thread(target=self._watch, args=(self.popen, run), daemon=True).start()
             return int(self.popen.pid)
 
-        def _watch(self, popen: Any) -> None:
+        def _watch(self, popen: Any, run: int) -> None:
             import ray
 
             code = popen.wait()
@@ -168,7 +220,7 @@ def _role_process_class() -> type:
                 return
             final = (code == 0 and self.completes_run) or code in (78, EXIT_MISSING_COMPONENT)
             try:
-                ray.get(self.registry.exited.remote(self.name, code, final))
+                ray.get(self.registry.exited.remote(self.name, code, final, run))
             except Exception:  # the launcher is going away: nothing to tell
                 pass
             if not final:
@@ -177,10 +229,13 @@ def _role_process_class() -> type:
         def pid(self) -> int:
             return -1 if self.popen is None else int(self.popen.pid)
 
-        def kill_component(self) -> None:
-            """Chaos: SIGKILL the component's process group (the actor then restarts)."""
+        def kill_component(self) -> bool:
+            """SIGKILL the component's process group (the actor then restarts); False when
+            no component is running."""
             if self.popen is not None and self.popen.poll() is None:
                 os.killpg(self.popen.pid, signal.SIGKILL)
+                return True
+            return False
 
         def stop(self, grace_s: float) -> None:
             popen, self.popen = self.popen, None
@@ -215,7 +270,7 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         ) from error
 
 
-def _actor_options(config: RunConfig, role: str) -> dict[str, Any]:
+def _actor_options(config: RunConfig, role: str, group: Any = None, bundle: int = 0) -> dict[str, Any]:
     res = config.launcher.of(role)
     options: dict[str, Any] = {
         "num_cpus": res.num_cpus,
@@ -229,6 +284,12 @@ def _actor_options(config: RunConfig, role: str) -> dict[str, Any]:
         options["resources"] = dict(res.resources)
     if res.python:
         options["runtime_env"] = {"py_executable": res.python}
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=bundle
+        )
     return options
 
 
@@ -241,20 +302,24 @@ def _request(config: RunConfig, role: str) -> dict[str, float]:
 
 
 def _check_schedulable(ray: Any, config: RunConfig, roles: list[str]) -> None:
-    """A request that no alive node can hold fails now, naming the role and what it asks."""
+    """A request that no alive node can hold fails now, naming the role and what it asks
+    (and a `STRICT_SPREAD` role with fewer fitting nodes than processes)."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    for role in dict.fromkeys(roles):
+    for role, count in collections.Counter(roles).items():
         need = _request(config, role)
-        if any(all(n["Resources"].get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
+        fitting = sum(1 for n in nodes if all(n["Resources"].get(k, 0.0) >= v for k, v in need.items()))
+        strict = config.launcher.of(role).placement == "STRICT_SPREAD"
+        if fitting >= (count if strict else 1):
             continue
         have = "; ".join(
             f"{n['NodeManagerAddress']} {n['NodeID'][:8]}: "
             + ", ".join(f"{k}={v:g}" for k, v in sorted(n["Resources"].items()) if "node:" not in k)
             for n in nodes
         )
+        wanted = f"{count} nodes (placement STRICT_SPREAD) with {need}" if strict else f"{need}"
         raise ConfigError(
-            f"launcher.resources.{role}: no node of the Ray cluster has {need} "
-            f"(nodes: {have or 'none alive'})"
+            f"launcher.resources.{role}: no node of the Ray cluster has {wanted} "
+            f"({fitting} fit; nodes: {have or 'none alive'})"
         )
 
 
@@ -267,10 +332,25 @@ def _ray_specs(config: RunConfig, config_path: pathlib.Path) -> list[Any]:
     return specs
 
 
+def _servers(config: RunConfig) -> dict[str, str]:
+    """Process name -> its address in the config, for every process others connect to (a
+    multi-host trainer's process 0 hosts the gang's `jax.distributed` coordinator)."""
+    workers = list(config.workers.addresses) or [AUTO] * config.workers.count
+    servers = {"paramserver": config.paramserver.address, "controller": config.controller.address}
+    servers |= {f"worker{i}": a for i, a in enumerate(workers)}
+    if config.verifier.mode == "service":
+        servers["verifier"] = config.verifier.address
+    if config.trainer.hosts > 1:
+        servers["trainer0"] = config.trainer.coordinator
+    return servers
+
+
 def _with_addresses(config: RunConfig, found: dict[str, str]) -> RunConfig:
     workers = list(config.workers.addresses) or [AUTO] * config.workers.count
+    coordinator = found.get("trainer0", "").removeprefix("tcp://") or config.trainer.coordinator
     return msgspec.structs.replace(
         config,
+        trainer=msgspec.structs.replace(config.trainer, coordinator=coordinator),
         controller=msgspec.structs.replace(
             config.controller, address=found.get("controller", config.controller.address)
         ),
@@ -322,22 +402,13 @@ def launch(
         shutil.rmtree(output)
     resumed = (output / "snapshots").is_dir()
     output.mkdir(parents=True, exist_ok=True)
-    log_dir = output / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    events = log_dir / "events.jsonl"
-
-    def event(kind: str, **fields: Any) -> None:
-        with open(events, "a") as handle:
-            handle.write(json.dumps({"time": time.time(), "event": kind, **fields}) + "\n")
-
     ray.init(
         address=launcher.address or None,
         namespace=launcher.namespace,
         log_to_driver=False,
         include_dashboard=False if not launcher.address else None,
     )
-    actors: dict[str, Any] = {}
-    registry: Any = None
+    run = _RayRun(ray, config, output)
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(_signum: int, _frame: Any) -> None:
@@ -349,235 +420,404 @@ def launch(
         previous = None
     display: ProgressDisplay | None = None
     try:
-        placeholder = output / "config.yaml"
-        specs = _ray_specs(config, placeholder)
-        _check_schedulable(ray, config, [s.role for s in specs])
-        registry = ray.remote(_registry_class()).options(num_cpus=0, max_restarts=0).remote()
-        actor_class = ray.remote(_role_process_class())
-        for spec in specs:
-            actors[spec.name] = actor_class.options(
-                name=f"{config.run.name}.{spec.name}", **_actor_options(config, spec.role)
-            ).remote(spec.name, registry, spec.completes_run)
-        # Ready: every actor placed (a timeout names what could not be scheduled).
-        placement: dict[str, Any] = {}
+        run.place()
+        run.resolve()
+        console.print(
+            f"[bold]RLAX[/bold] run [cyan]{config.run.name}[/cyan] on Ray "
+            f"({launcher.address or 'local'}, namespace {launcher.namespace}) in {output} "
+            f"({'resuming' if resumed else 'new'}; {config.workers.count} workers, j={config.workers.j}, "
+            f"k={config.trainer.k}, preset {config.trainer.preset}"
+            + (f", trainer gang of {config.trainer.hosts}" if config.trainer.hosts > 1 else "")
+            + ")"
+        )
+        run.start()
+        display = ProgressDisplay(config.run.steps)
+        report = run.supervise(_MetricsTail(output / "metrics.jsonl", display))
+    except (KeyboardInterrupt, _Interrupted) as interrupt:
+        report = SupervisorReport(False, f"interrupted ({interrupt or 'Ctrl-C'})", {}, [], {}, run.log_dir)
+    finally:
+        if display is not None:
+            display.close()
+        run.teardown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    summarise(console, run.config, output, report)
+    return report
+
+
+class _RayRun:
+    """One run on Ray: its placement groups, actors, registry, plans and supervision."""
+
+    def __init__(self, ray: Any, config: RunConfig, output: pathlib.Path) -> None:
+        self.ray = ray
+        self.config = config
+        self.output = output
+        self.log_dir = output / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.events = self.log_dir / "events.jsonl"
+        self.specs = _ray_specs(config, output / "config.yaml")
+        self.roles = {s.name: s.role for s in self.specs}
+        self.actors: dict[str, Any] = {}
+        self.groups: dict[str, Any] = {}
+        self.registry: Any = None
+        self.placement: dict[str, dict[str, Any]] = {}
+        self.found: dict[str, str] = {}  # process -> the tcp:// address it was given
+        self.plans: dict[str, dict[str, Any]] = {}
+
+    def event(self, kind: str, **fields: Any) -> None:
+        with open(self.events, "a") as handle:
+            handle.write(json.dumps({"time": time.time(), "event": kind, **fields}) + "\n")
+
+    # ------------------------------------------------------------------ placement
+    def place(self) -> None:
+        """A placement group per role (one bundle per process), then one actor per process
+        in its bundle; both must be placed within READY_TIMEOUT_S, or the error names the role."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray, config = self.ray, self.config
+        _check_schedulable(ray, config, [s.role for s in self.specs])
+        # The registry lives on the launcher's own node: it goes when the launcher goes.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.registry = (
+            ray.remote(_registry_class())
+            .options(num_cpus=0, max_restarts=0, scheduling_strategy=here)
+            .remote()
+        )
+        members = collections.defaultdict(list)
+        for spec in self.specs:
+            members[spec.role].append(spec.name)
+        for role, names in members.items():
+            bundle = _request(config, role)
+            if bundle:  # a role that asks for nothing needs no reservation
+                self.groups[role] = placement_group(
+                    [dict(bundle) for _ in names],
+                    strategy=config.launcher.of(role).placement,
+                    name=f"{config.run.name}.{role}",
+                )
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for spec in specs:
+        for role, group in self.groups.items():
             try:
-                info = ray.get(actors[spec.name].info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                ray.get(group.ready(), timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise ConfigError(
+                    f"launcher.resources.{role}: the placement group of {len(members[role])} x "
+                    f"{_request(config, role)} ({config.launcher.of(role).placement}) was not placed "
+                    f"within {READY_TIMEOUT_S:g}s (busy cluster?)"
+                ) from None
+        actor_class = ray.remote(_role_process_class())
+        for spec in self.specs:
+            group = self.groups.get(spec.role)
+            bundle = members[spec.role].index(spec.name)
+            self.actors[spec.name] = actor_class.options(
+                name=f"{config.run.name}.{spec.name}", **_actor_options(config, spec.role, group, bundle)
+            ).remote(spec.name, self.registry, spec.completes_run)
+        for spec in self.specs:
+            try:
+                info = ray.get(
+                    self.actors[spec.name].info.remote(), timeout=max(1.0, deadline - time.monotonic())
+                )
             except ray.exceptions.GetTimeoutError:
                 raise ConfigError(
                     f"launcher.resources.{spec.role}: {spec.name} was not placed within "
                     f"{READY_TIMEOUT_S:g}s; it asks for {_request(config, spec.role)} "
                     "(busy cluster, or a runtime_env/python that does not start)"
                 ) from None
-            placement[spec.name] = {"role": spec.role, **info, "request": _request(config, spec.role)}
-        # Addresses: each server binds a free port on its own node.
-        servers = ["paramserver", "controller", *(f"worker{i}" for i in range(config.workers.count))]
-        if config.verifier.mode == "service":
-            servers.append("verifier")
-        wanted = {
-            "paramserver": config.paramserver.address,
-            "controller": config.controller.address,
-            "verifier": config.verifier.address,
-            **{
-                f"worker{i}": a
-                for i, a in enumerate(list(config.workers.addresses) or [AUTO] * config.workers.count)
-            },
-        }
-        found = {
-            name: ray.get(actors[name].reserve_port.remote())
-            for name in servers
-            if name in actors and wanted.get(name) == AUTO
-        }
-        config = _with_addresses(config, found)
-        resolved = dump_config(config, output / "config.yaml")
-        (log_dir / "placement.json").write_text(json.dumps(placement, indent=1, sort_keys=True))
-        console.print(
-            f"[bold]RLAX[/bold] run [cyan]{config.run.name}[/cyan] on Ray "
-            f"({launcher.address or 'local'}, namespace {launcher.namespace}) in {output} "
-            f"({'resuming' if resumed else 'new'}; {config.workers.count} workers, j={config.workers.j}, "
-            f"k={config.trainer.k}, preset {config.trainer.preset})"
-        )
-        specs = _ray_specs(config, resolved)
+            self.placement[spec.name] = {
+                "role": spec.role,
+                **info,
+                "request": _request(config, spec.role),
+                "nodes": [info["node_id"]],
+            }
+
+    # ------------------------------------------------------------------ addresses and plans
+    def resolve(self) -> None:
+        """Each server binds a free port on its own node; the resolved config is written."""
+        ray = self.ray
+        for name, address in _servers(self.config).items():
+            if address == AUTO and name in self.actors:
+                self.found[name] = ray.get(self.actors[name].reserve_port.remote(), timeout=30)
+        self.config = _with_addresses(self.config, self.found)
+        self.replan()
+
+    def replan(self) -> None:
+        """Write the config with the current addresses and give the registry every plan (an
+        actor Ray restarts reads its plan there)."""
+        resolved = dump_config(self.config, self.output / "config.yaml")
+        self._write_placement()
         cwd = os.getcwd()
-        plans = {
-            spec.name: {
+        for spec in _ray_specs(self.config, resolved):
+            address = self.found.get(spec.name, "")
+            self.plans[spec.name] = {
                 "argv": spec.argv,
                 "env": dict(spec.env or {}),
                 "cwd": spec.cwd or cwd,
-                "log": str(log_dir / f"{spec.name}.log"),
+                "log": str(self.log_dir / f"{spec.name}.log"),
+                # The node the address belongs to: restarted elsewhere, the actor asks for a new one.
+                "bind_ip": address.removeprefix("tcp://").rpartition(":")[0],
             }
-            for spec in specs
-        }
-        for name, plan in plans.items():  # kept by the registry for an actor Ray restarts
-            ray.get(registry.set_plan.remote(name, plan))
-        for spec in specs:  # servers first, as build_specs orders them
-            pid = ray.get(actors[spec.name].start.remote(plans[spec.name]))
-            event("start", name=spec.name, role=spec.role, pid=pid, node=placement[spec.name]["node_id"])
+            self.ray.get(self.registry.set_plan.remote(spec.name, self.plans[spec.name]), timeout=30)
 
-        display = ProgressDisplay(config.run.steps)
-        tail = _MetricsTail(output / "metrics.jsonl", display)
-        report = _supervise(ray, config, specs, actors, registry, log_dir, tail, event)
-    except (KeyboardInterrupt, _Interrupted) as interrupt:
-        report = SupervisorReport(False, f"interrupted ({interrupt or 'Ctrl-C'})", {}, [], {}, log_dir)
-    finally:
-        if display is not None:
-            display.close()
-        _teardown(ray, actors, registry)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    summarise(console, config, output, report)
-    return report
+    def _write_placement(self) -> None:
+        (self.log_dir / "placement.json").write_text(json.dumps(self.placement, indent=1, sort_keys=True))
+
+    def start(self) -> None:
+        for spec in self.specs:  # servers first, as build_specs orders them
+            pid = self.ray.get(self.actors[spec.name].start.remote(self.plans[spec.name]), timeout=60)
+            self.event(
+                "start", name=spec.name, role=spec.role, pid=pid, node=self.placement[spec.name]["node_id"]
+            )
+
+    # ------------------------------------------------------------------ supervision
+    def supervise(self, tail: _MetricsTail) -> SupervisorReport:
+        return _Supervision(self).loop(tail)
+
+    def teardown(self) -> None:
+        """Stop every component (SIGTERM, then SIGKILL), kill every actor and remove every
+        placement group we created."""
+        ray = self.ray
+        stops = []
+        for actor in self.actors.values():
+            try:
+                stops.append(actor.stop.remote(_STOP_GRACE_S))
+            except Exception:  # a dead actor has nothing to stop
+                pass
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=_STOP_GRACE_S + 10)
+        for actor in [*self.actors.values(), *([self.registry] if self.registry is not None else [])]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception:
+                pass
+        ray.shutdown()
 
 
-def _supervise(
-    ray: Any,
-    config: RunConfig,
-    specs: list[Any],
-    actors: dict[str, Any],
-    registry: Any,
-    log_dir: pathlib.Path,
-    tail: _MetricsTail,
-    event: Any,
-) -> SupervisorReport:
-    from ray._private.state import state as gcs_state
+class _Supervision:
+    """The launcher's loop over the registry's snapshot: exits, restarts, gangs, moves,
+    chaos, and actors Ray gave up on."""
 
-    roles = {s.name: s.role for s in specs}
-    completes = {s.name for s in specs if s.completes_run}
-    seen_exits: dict[str, int] = {}
-    seen_starts: dict[str, int] = {}
-    chaos = config.chaos
-    rng = random.Random(chaos.seed)
-    chaos_kills: list[tuple[str, str]] = []
-    chaos_round: list[str] = []
-    next_kill = time.monotonic() + chaos.interval * rng.uniform(0.5, 1.5)
-
-    def chaos_tick(now: float, snap: dict[str, Any]) -> None:
-        """The local supervisor's chaos mode: SIGKILL a component (its actor then restarts)."""
-        nonlocal next_kill
-        if (
-            chaos.interval <= 0
-            or now < next_kill
-            or (chaos.max_kills and len(chaos_kills) >= chaos.max_kills)
-        ):
-            return
-        targets = sorted({r for r in roles.values() if r in chaos.targets})
-        if not targets:
-            return
-        if not chaos_round:
-            chaos_round.extend(rng.sample(targets, len(targets)))
-        running = [
-            n
-            for n, r in roles.items()
-            if r == chaos_round[0]
-            and snap.get(n, {}).get("starts", 0) > len(snap.get(n, {}).get("exits", []))
-        ]
-        if not running:
-            return  # restarting: try again at the next tick
-        role = chaos_round.pop(0)
-        victim = rng.choice(running)
-        event("chaos_kill", name=victim, role=role)
-        ray.get(actors[victim].kill_component.remote(), timeout=30)
-        chaos_kills.append((victim, role))
-        next_kill = now + chaos.interval * rng.uniform(0.5, 1.5)
+    def __init__(self, run: _RayRun) -> None:
+        self.run = run
+        self.config = run.config
+        self.seen_exits: dict[str, int] = {}
+        self.seen_starts: dict[str, int] = {}
+        self.rng = random.Random(run.config.chaos.seed)
+        self.chaos_kills: list[tuple[str, str]] = []
+        self.chaos_round: list[str] = []
+        interval = run.config.chaos.interval
+        self.next_kill = time.monotonic() + interval * self.rng.uniform(0.5, 1.5)
+        self.completes = {s.name for s in run.specs if s.completes_run}
+        self.gangs: dict[str, list[str]] = collections.defaultdict(list)
+        for spec in run.specs:
+            if spec.gang:
+                self.gangs[spec.gang].append(spec.name)
+        self.gang_of = {name: gang for gang, names in self.gangs.items() for name in names}
+        # A gang restarts once per failure: exits of lives that began before the last restart
+        # of the gang (the sequence number) are that restart's own, not new failures.
+        self.gang_epoch: dict[str, int] = dict.fromkeys(self.gangs, 0)
+        self.induced: collections.Counter[str] = collections.Counter()  # kills by gang restarts and moves
+        self.killed_lives: set[tuple[str, int]] = set()
+        self.moves_done: set[int] = set()
+        self.pings: dict[str, Any] = {}
+        self.dead_pings: collections.Counter[str] = collections.Counter()
 
     def report(
-        success: bool, reason: str, snap: dict[str, Any], *, config_error: bool = False
+        self, success: bool, reason: str, procs: dict[str, Any], *, config_error: bool = False
     ) -> SupervisorReport:
         return SupervisorReport(
             success=success,
             reason=reason,
-            restarts={n: max(0, snap.get(n, {}).get("starts", 1) - 1) for n in actors},
-            chaos_kills=list(chaos_kills),
-            exit_codes={n: list(snap.get(n, {}).get("exits", [])) for n in actors},
-            log_dir=log_dir,
+            restarts={n: max(0, procs.get(n, {}).get("starts", 1) - 1) for n in self.run.actors},
+            chaos_kills=list(self.chaos_kills),
+            exit_codes={n: list(procs.get(n, {}).get("exits", [])) for n in self.run.actors},
+            log_dir=self.run.log_dir,
             config_error=config_error,
         )
 
-    last_state_check = 0.0
-    while True:
-        tail()
-        snap: dict[str, Any] = ray.get(registry.snapshot.remote(), timeout=30)
-        for name, entry in snap.items():
-            exits = entry["exits"]
-            for code in exits[seen_exits.get(name, 0) :]:
-                event("exit", name=name, role=roles[name], code=code)
-            seen_exits[name] = len(exits)
-            if entry["starts"] > seen_starts.setdefault(name, 1):
-                seen_starts[name] = entry["starts"]
-                node = entry.get("node", {})
-                event(
-                    "start",
-                    name=name,
-                    role=roles[name],
-                    pid=node.get("pid"),
-                    node=node.get("node_id"),
-                    restart=True,
-                )
-            final, log_path = entry["final"], log_dir / f"{name}.log"
-            if final == 0 and name in completes:
-                return report(True, f"{name} completed the run", snap)
-            if final == EXIT_CONFIG_ERROR:
-                return report(
-                    False,
-                    f"{name} rejected its configuration (exit code {final}); not restarted, since the "
-                    f"same config would be rejected again. Last lines of {log_path}:\n{_tail(log_path)}",
-                    snap,
-                    config_error=True,
-                )
-            if final == EXIT_MISSING_COMPONENT:
-                return report(
-                    False,
-                    f"{name}: its component is not installed in the {roles[name]} role's environment "
-                    f"(exit code {final}; launcher.resources.{roles[name]}.python="
-                    f"{config.launcher.of(roles[name]).python or '(the cluster default)'}). "
-                    f"Last lines of {log_path}:\n{_tail(log_path)}",
-                    snap,
-                    config_error=True,
-                )
-            limit = config.launcher.of(roles[name]).max_restarts
-            by_chaos = sum(1 for n, _ in chaos_kills if n == name)
-            if limit < 0 and len(exits) - by_chaos > config.supervisor.max_restarts:
-                return report(
-                    False,
-                    f"{name} exited {len(exits)} time(s) (last code {exits[-1]}), over the limit "
-                    f"supervisor.max_restarts={config.supervisor.max_restarts}. "
-                    f"Last lines of {log_path}:\n{_tail(log_path)}",
-                    snap,
-                )
-        now = time.monotonic()
-        chaos_tick(now, snap)
-        if now - last_state_check >= 1.0:
-            last_state_check = now
-            for name, actor in actors.items():
-                row = gcs_state.actor_table(actor._actor_id.hex())
-                if row and row.get("State") == "DEAD":
-                    log_path = log_dir / f"{name}.log"
-                    restarts = row.get("NumRestarts", 0)
-                    return report(
+    def loop(self, tail: _MetricsTail) -> SupervisorReport:
+        run, ray = self.run, self.run.ray
+        last_ping = 0.0
+        while True:
+            tail()
+            snap = ray.get(run.registry.snapshot.remote(), timeout=30)
+            procs: dict[str, Any] = snap["procs"]
+            for name, entry in procs.items():
+                ended = self.observe(name, entry, snap["seq"], procs)
+                if ended is not None:
+                    return ended
+            self.restart_gangs(procs)
+            for name, entry in procs.items():
+                moved = entry.get("moved")
+                if moved and moved["seq"] not in self.moves_done:
+                    self.moves_done.add(moved["seq"])
+                    self.move(name, moved)
+            now = time.monotonic()
+            self.chaos_tick(now, procs)
+            if now - last_ping >= 1.0:
+                last_ping = now
+                dead = self.dead_actor(procs)
+                if dead is not None:
+                    return dead
+            time.sleep(0.25)
+
+    def observe(
+        self, name: str, entry: dict[str, Any], seq: int, procs: dict[str, Any]
+    ) -> SupervisorReport | None:
+        run = self.run
+        role = run.roles[name]
+        exits = entry["exits"]
+        for index in range(self.seen_exits.get(name, 0), len(exits)):
+            code, life = exits[index], entry["exit_runs"][index]
+            run.event("exit", name=name, role=role, code=code)
+            gang = self.gang_of.get(name)
+            if gang and life > self.gang_epoch[gang]:
+                self.gang_epoch[gang] = seq
+                run.event("gang_restart", gang=gang, cause=name, code=code)
+        self.seen_exits[name] = len(exits)
+        if entry["starts"] > self.seen_starts.setdefault(name, 1):
+            self.seen_starts[name] = entry["starts"]
+            node = entry.get("node", {})
+            run.event(
+                "start", name=name, role=role, pid=node.get("pid"), node=node.get("node_id"), restart=True
+            )
+            nodes = run.placement[name]["nodes"]
+            if node.get("node_id") and node["node_id"] != nodes[-1]:
+                nodes.append(node["node_id"])
+                run._write_placement()
+        final, log_path = entry["final"], run.log_dir / f"{name}.log"
+        if final == 0 and name in self.completes:
+            return self.report(True, f"{name} completed the run", procs)
+        if final == EXIT_CONFIG_ERROR:
+            return self.report(
+                False,
+                f"{name} rejected its configuration (exit code {final}); not restarted, since the "
+                f"same config would be rejected again. Last lines of {log_path}:\n{_tail(log_path)}",
+                procs,
+                config_error=True,
+            )
+        if final == EXIT_MISSING_COMPONENT:
+            return self.report(
+                False,
+                f"{name}: its component is not installed in the {role} role's environment "
+                f"(exit code {final}; launcher.resources.{role}.python="
+                f"{self.config.launcher.of(role).python or '(the cluster default)'}). "
+                f"Last lines of {log_path}:\n{_tail(log_path)}",
+                procs,
+                config_error=True,
+            )
+        limit = self.config.launcher.of(role).max_restarts
+        by_chaos = sum(1 for n, _ in self.chaos_kills if n == name)
+        failures = len(exits) - by_chaos - self.induced[name]
+        if limit < 0 and failures > self.config.supervisor.max_restarts:
+            return self.report(
+                False,
+                f"{name} exited {len(exits)} time(s) (last code {exits[-1]}), over the limit "
+                f"supervisor.max_restarts={self.config.supervisor.max_restarts}. "
+                f"Last lines of {log_path}:\n{_tail(log_path)}",
+                procs,
+            )
+        return None
+
+    def restart_gangs(self, procs: dict[str, Any]) -> None:
+        """Stop every member still running a life older than its gang's last restart."""
+        for gang, names in self.gangs.items():
+            for name in names:
+                entry = procs.get(name)
+                if not entry or entry["starts"] <= len(entry["exits"]):
+                    continue  # not running (restarting, or waiting for a move)
+                life = entry["run"]
+                if life < self.gang_epoch[gang] and (name, life) not in self.killed_lives:
+                    self.killed_lives.add((name, life))
+                    if self.run.ray.get(self.run.actors[name].kill_component.remote(), timeout=30):
+                        self.induced[name] += 1
+
+    def move(self, name: str, moved: dict[str, Any]) -> None:
+        """`name` restarted on another node (its node was lost): give it an address there,
+        rewrite the config, start it, and restart every other process so that each reads the
+        new address (every component resumes from its state)."""
+        run, ray = self.run, self.run.ray
+        address = ray.get(run.actors[name].reserve_port.remote(), timeout=30)
+        old = run.found.get(name, "")
+        run.found[name] = address
+        run.config = _with_addresses(run.config, run.found)
+        run.placement[name]["nodes"].append(moved["node_id"])
+        run.replan()
+        run.event("moved", name=name, node=moved["node_id"], old=old, address=address)
+        ray.get(run.actors[name].start.remote(run.plans[name]), timeout=60)
+        for other, actor in run.actors.items():
+            if other != name and ray.get(actor.kill_component.remote(), timeout=30):
+                self.induced[other] += 1
+        snap_seq = ray.get(run.registry.snapshot.remote(), timeout=30)["seq"]
+        for gang in self.gangs:  # those kills are this move's, not a gang failure
+            self.gang_epoch[gang] = snap_seq
+
+    def chaos_tick(self, now: float, procs: dict[str, Any]) -> None:
+        """The local supervisor's chaos mode: SIGKILL a component (its actor then restarts)."""
+        chaos, run = self.config.chaos, self.run
+        if (
+            chaos.interval <= 0
+            or now < self.next_kill
+            or (chaos.max_kills and len(self.chaos_kills) >= chaos.max_kills)
+        ):
+            return
+        targets = sorted({r for r in run.roles.values() if r in chaos.targets})
+        if not targets:
+            return
+        if not self.chaos_round:
+            self.chaos_round.extend(self.rng.sample(targets, len(targets)))
+        running = [
+            n
+            for n, r in run.roles.items()
+            if r == self.chaos_round[0]
+            and procs.get(n, {}).get("starts", 0) > len(procs.get(n, {}).get("exits", []))
+        ]
+        if not running:
+            return  # restarting: try again at the next tick
+        role = self.chaos_round.pop(0)
+        victim = self.rng.choice(running)
+        run.event("chaos_kill", name=victim, role=role)
+        run.ray.get(run.actors[victim].kill_component.remote(), timeout=30)
+        self.chaos_kills.append((victim, role))
+        self.next_kill = now + chaos.interval * self.rng.uniform(0.5, 1.5)
+
+    def dead_actor(self, procs: dict[str, Any]) -> SupervisorReport | None:
+        """An actor Ray will not restart (`ActorDiedError` twice in a row, a second apart;
+        a restarting one answers `ActorUnavailableError` or waits) ends the run."""
+        run, ray = self.run, self.run.ray
+        done: set[str] = set()
+        if self.pings:
+            ready, _ = ray.wait(list(self.pings.values()), num_returns=len(self.pings), timeout=0)
+            done = {ref.hex() for ref in ready}
+        for name, ref in list(self.pings.items()):
+            if ref.hex() not in done:
+                continue
+            del self.pings[name]
+            try:
+                ray.get(ref)
+                self.dead_pings[name] = 0
+            except ray.exceptions.ActorUnavailableError:
+                self.dead_pings[name] = 0
+            except ray.exceptions.ActorDiedError as error:
+                self.dead_pings[name] += 1
+                if self.dead_pings[name] >= 2:
+                    role, log_path = run.roles[name], run.log_dir / f"{name}.log"
+                    return self.report(
                         False,
-                        f"{name} died and Ray will not restart it (restarted {restarts} time(s); "
-                        f"launcher.resources.{roles[name]}.max_restarts="
-                        f"{config.launcher.of(roles[name]).max_restarts}): "
-                        f"{(row.get('DeathCause') or {})!s:.300}. Last lines of {log_path}:\n{_tail(log_path)}",
-                        snap,
+                        f"{name} died and Ray will not restart it (restarted "
+                        f"{max(0, procs.get(name, {}).get('starts', 1) - 1)} time(s); "
+                        f"launcher.resources.{role}.max_restarts="
+                        f"{self.config.launcher.of(role).max_restarts}): {str(error)[:300]}. "
+                        f"Last lines of {log_path}:\n{_tail(log_path)}",
+                        procs,
                     )
-        time.sleep(0.25)
-
-
-def _teardown(ray: Any, actors: dict[str, Any], registry: Any) -> None:
-    """Stop every component (SIGTERM, then SIGKILL) and kill every actor we created."""
-    stops = []
-    for actor in actors.values():
-        try:
-            stops.append(actor.stop.remote(_STOP_GRACE_S))
-        except Exception:  # a dead actor has nothing to stop
-            pass
-    if stops:
-        ray.wait(stops, num_returns=len(stops), timeout=_STOP_GRACE_S + 10)
-    for actor in [*actors.values(), *([registry] if registry is not None else [])]:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass
-    ray.shutdown()
+        for name, actor in run.actors.items():
+            if name not in self.pings:
+                self.pings[name] = actor.info.remote()
+        return None

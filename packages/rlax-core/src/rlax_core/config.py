@@ -44,6 +44,8 @@ __all__ = [
 
 PRESETS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "gspo", "cispo", "ppo")
 AUTO = "auto"
+MESH_AXES = ("data", "fsdp", "tensor")
+_HOST_PORT = re.compile(r"^[^\s:/]+:\d{1,5}$")
 _ADDRESS = re.compile(r"^(auto|(tcp://[^\s:]+:\d{1,5})|(ipc://\S+)|(inproc://\S+))$")
 
 
@@ -228,7 +230,11 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
 class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start.
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
-    0 is synchronous, on-policy training (generation waits for each update)."""
+    0 is synchronous, on-policy training (generation waits for each update).
+    `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
+    `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
+    `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:
+    every device on `fsdp`)."""
 
     preset: str = "grpo"
     objective: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -246,6 +252,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "nothing_saveable"] = "none"
     platform: str = "cpu"
+    hosts: int = 1
+    coordinator: str = AUTO
+    mesh: dict[str, int] = {}
 
     def __post_init__(self) -> None:
         _check(self.preset in PRESETS, "preset", self.preset, f"must be one of {', '.join(PRESETS)}")
@@ -267,6 +276,16 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
         _check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
         _check(self.sft_batch >= 1, "sft_batch", self.sft_batch, "must be >= 1")
         _check(self.checkpoint_keep >= 2, "checkpoint_keep", self.checkpoint_keep, "must be >= 2")
+        _check(self.hosts >= 1, "hosts", self.hosts, "must be >= 1 (trainer processes in the gang)")
+        _check(
+            self.coordinator == AUTO or bool(_HOST_PORT.match(self.coordinator)),
+            "coordinator",
+            self.coordinator,
+            "must be 'auto' or HOST:PORT",
+        )
+        for axis, size in self.mesh.items():
+            _check(axis in MESH_AXES, f"mesh.{axis}", size, f"axes are {', '.join(MESH_AXES)}")
+            _check(size >= 1, f"mesh.{axis}", size, "must be >= 1")
 
 
 class ParamServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -392,7 +411,9 @@ class RoleResources(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `{trainer_node: 1}` that only some nodes carry); `memory_gb`: Ray's heap-memory request.
     `python`: the interpreter of the role's own environment on its nodes (empty: the
     cluster's default); `max_restarts`: how often Ray restarts a process of this role that
-    died (-1: without limit)."""
+    died (-1: without limit). `placement`: how the role's placement group spreads its
+    processes over nodes (Ray's strategies; `STRICT_SPREAD` puts each on its own node, as a
+    multi-host trainer gang needs on real hosts)."""
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -400,6 +421,7 @@ class RoleResources(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     resources: dict[str, float] = {}
     python: str = ""
     max_restarts: int = -1
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
 
     def __post_init__(self) -> None:
         _check(self.num_cpus >= 0, "num_cpus", self.num_cpus, "must be >= 0")
