@@ -21,7 +21,8 @@ class ServerConfig:
 
     bind: ZeroMQ endpoint (``tcp://127.0.0.1:*`` picks a free port).
     keep: how many newest versions to hold (an older one lives on while a pull of it runs).
-    state_dir: where the newest version is persisted; None keeps everything in memory only.
+    state_dir: where the newest `keep` versions are persisted (and restored from on start);
+        None keeps everything in memory only.
     workers: request-handling threads; io_threads: ZeroMQ I/O threads.
     lease_ttl_s: a pull lease not renewed for this long expires (its client is presumed dead).
     push_idle_timeout_s: a pending push with no chunk for this long is dropped.

@@ -1,4 +1,4 @@
-"""On-disk state: the newest committed version, one self-checking file per version.
+"""On-disk state: the newest `keep` committed versions, one self-checking file per version.
 
 File layout (``weights-v<version>.rlaxw``)::
 
@@ -9,7 +9,8 @@ File layout (``weights-v<version>.rlaxw``)::
     tensor bytes               every tensor, manifest order, contiguous
 
 A file is written under a temporary name, fsynced, renamed into place and the
-directory fsynced, so a crash leaves either the old file or the new one. On load every
+directory fsynced, so a crash leaves either the old files or the new one too; only then
+are files older than the newest `keep` removed. On load (up to `keep` files) every
 tensor's xxh3_64 is checked against the manifest; a file that fails any check is
 reported (`CorruptStateError`), renamed to ``*.corrupt`` and never served. A file that
 cannot be *read* (EIO, EACCES, ...) says nothing about its bytes: it is left as it is
@@ -87,8 +88,16 @@ def write_state(
     manifest: TensorManifest,
     metadata: dict[str, Any],
     frames: Sequence[memoryview],
+    *,
+    keep: int = 1,
 ) -> pathlib.Path:
-    """Durably write one version (frames in manifest frame order); removes older state files."""
+    """Durably write one version (frames in manifest frame order).
+
+    Once the new file is durable, older state files beyond the newest `keep` (this one
+    included) are removed; `keep=1` leaves only this version on disk.
+    """
+    if keep < 1:
+        raise ValueError(f"keep={keep}: must be >= 1 (the newest version is always kept)")
     state_dir.mkdir(parents=True, exist_ok=True)
     final = state_path(state_dir, version)
     tmp = state_dir / f".{final.name}.tmp-{os.getpid()}"
@@ -107,10 +116,13 @@ def write_state(
         tmp.unlink(missing_ok=True)  # a failed write (e.g. a full disk) leaves no half file
         raise
     _fsync_dir(state_dir)
-    for other in state_dir.iterdir():
-        match = _NAME.match(other.name)
-        if match and int(match.group(1)) < version:
-            other.unlink(missing_ok=True)
+    older = sorted(
+        (int(m.group(1)), p)
+        for p in state_dir.iterdir()
+        if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < version
+    )
+    for _, other in older[: max(0, len(older) - (keep - 1))]:
+        other.unlink(missing_ok=True)
     return final
 
 
@@ -174,23 +186,41 @@ def read_state(path: pathlib.Path) -> LoadedState:
 def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None]:
     """The newest valid state in `state_dir` and an error text if a newer file was corrupt.
 
-    Leftover temporary files of an interrupted write are deleted; a corrupt file is
-    renamed to ``<name>.corrupt`` (kept for inspection) and an older valid file, if any,
-    is used instead. A file that cannot be read raises `StateReadError` naming it and
-    is left in place: serving an older file instead would move the version backwards.
+    `load_states(state_dir, 1)`: see there for temporary, corrupt and unreadable files.
     """
+    states, error = load_states(state_dir, 1)
+    return (states[0] if states else None), error
+
+
+def load_states(state_dir: pathlib.Path, keep: int) -> tuple[list[LoadedState], str | None]:
+    """Up to `keep` newest valid states in `state_dir`, oldest first, and an error text
+    naming every corrupt file met on the way.
+
+    Leftover temporary files of an interrupted write are deleted; a corrupt file is
+    renamed to ``<name>.corrupt`` (kept for inspection) and the next older file is read
+    in its place. A file that cannot be read raises `StateReadError` naming it and is
+    left in place: skipping it could serve an older newest version than pullers saw, or
+    silently lose a version pinned work still asks for. Files are read newest first, one
+    at a time, each into one buffer that its frames slice, so memory holds no more than
+    the returned versions' bytes plus the file being read.
+    """
+    if keep < 1:
+        raise ValueError(f"keep={keep}: must be >= 1")
     if not state_dir.is_dir():
-        return None, None
+        return [], None
     for leftover in state_dir.glob(".weights-v*.tmp-*"):
         log.warning("removing %s left by an interrupted write", leftover)
         leftover.unlink(missing_ok=True)
     candidates = sorted(
         (int(m.group(1)), p) for p in state_dir.iterdir() if (m := _NAME.match(p.name)) is not None
     )
+    states: list[LoadedState] = []
     errors: list[str] = []
     for _, path in reversed(candidates):
+        if len(states) >= keep:
+            break
         try:
-            return read_state(path), "; ".join(errors) or None
+            states.append(read_state(path))
         except OSError as err:
             raise StateReadError(err.errno, f"cannot read state file {path}: {err.strerror or err}") from err
         except CorruptStateError as err:
@@ -200,4 +230,5 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
                 path.rename(path.with_name(path.name + ".corrupt"))
             except OSError as rename_error:  # a read-only state dir: still never served
                 log.error("could not set %s aside: %s", path, rename_error)
-    return None, "; ".join(errors) or None
+    states.reverse()
+    return states, "; ".join(errors) or None

@@ -12,9 +12,11 @@ long-poll). Byte payloads move as `zmq.Frame`s without copies end to end.
 
 Durability (with a state dir): a committed version becomes visible only after it is
 on disk. The worker verifies the push and hands it to the persister, which writes
-the file (fsynced, renamed), then installs the version, wakes long-polls and answers
-the commit. So every version a puller ever saw survives a ``kill -9``, and a restart
-never serves an older version than one already served. A write that fails answers
+the file (fsynced, renamed; then files older than the newest `keep` are removed),
+installs the version, wakes long-polls and answers the commit. So every version a
+puller ever saw survives a ``kill -9``, a restart never serves an older version than
+one already served, and it serves the same newest `keep` versions again (pinned
+pulls of an older version keep working). A write that fails answers
 the commit with ``persist_failed`` and the version never becomes visible; the
 persister lives on. Without a state dir a commit is visible at once.
 
@@ -36,7 +38,7 @@ from typing import Any
 import zmq
 
 from rlax_paramserver.config import ServerConfig
-from rlax_paramserver.persist import load_newest, write_state
+from rlax_paramserver.persist import load_states, write_state
 from rlax_paramserver.store import PendingPush, StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 from rlax_protocol import (
     Ack,
@@ -86,8 +88,8 @@ class _PersistJob:
 class ParamServer:
     """Serve weight versions on `config.bind` until `stop()`; usable as a context manager.
 
-    `start()` loads the persisted newest version (if `config.state_dir` holds a valid
-    one), binds, starts the threads and returns the bound address (useful with
+    `start()` loads the newest `config.keep` persisted versions (the valid ones that
+    `config.state_dir` holds), binds, starts the threads and returns the bound address (useful with
     ``tcp://127.0.0.1:*``).
     """
 
@@ -147,9 +149,9 @@ class ParamServer:
 
     def _restore(self) -> None:
         assert self.config.state_dir is not None
-        loaded, error = load_newest(self.config.state_dir)
+        states, error = load_states(self.config.state_dir, self.config.keep)
         self.store.state_error = error
-        if loaded is not None:
+        for loaded in states:  # oldest first: each install is newer than the last
             stored = StoredVersion(
                 loaded.version, loaded.manifest, loaded.metadata, loaded.frames, loaded.manifest.total_bytes
             )
@@ -449,7 +451,12 @@ class ParamServer:
                 push.manifest.total_bytes,
             )
             write_state(
-                self.config.state_dir, stored.version, stored.manifest, stored.metadata, stored.frames
+                self.config.state_dir,
+                stored.version,
+                stored.manifest,
+                stored.metadata,
+                stored.frames,
+                keep=self.config.keep,
             )
         except Exception as err:
             self.store.release(push.version)
