@@ -11,6 +11,7 @@ each, FSDP over both), beside the parameter server, controller, workers and veri
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import pathlib
@@ -30,7 +31,9 @@ from rlax_paramserver.persist import read_state
 
 STEPS = 6
 BATCH = 16  # data.prompts_per_step x data.group_size of tests/tiny_run.py
-GANG = [f"run.steps={STEPS}", "trainer.k=0", "workers.j=1", "trainer.hosts=2"]
+# One worker (tiny_run has two): a launch on the 2-core CI machine is mostly compiling, and
+# the trainer gang is the subject here.
+GANG = [f"run.steps={STEPS}", "trainer.k=0", "workers.j=1", "workers.count=1", "trainer.hosts=2"]
 # Where the two trainers' weights may differ. Both compute the same float32 math; the gang
 # splits each parameter and the batch over two devices, so sums (gradients, norms, the
 # loss) are reduced in another order: ~1e-7 relative per reduction. Adam divides each
@@ -76,11 +79,14 @@ def started(run: dict[str, Any], name: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The gang and the one-process reference, launched side by side (on loopback, each on
+    its own free ports): a launch spends much of its time starting up and waiting, so two
+    at once take far less than two in turn."""
     root = tmp_path_factory.mktemp("gang")
-    cache = root / "jax_cache"  # shared: the second run reuses the workers' executables
-    gang = launch(root / "gang", cache, *GANG)
-    single = launch(root / "single", cache, *GANG, "trainer.hosts=1")
-    return {"root": root, "cache": cache, "gang": gang, "single": single}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        gang = pool.submit(launch, root / "gang", root / "jax_cache", *GANG)
+        single = pool.submit(launch, root / "single", root / "jax_cache_single", *GANG, "trainer.hosts=1")
+        return {"root": root, "cache": root / "jax_cache", "gang": gang.result(), "single": single.result()}
 
 
 def test_a_two_process_trainer_gang_trains_every_accepted_rollout_once(runs: dict[str, Any]) -> None:
