@@ -52,11 +52,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_cluster(port: int, client_port: int, nodes: list[tuple[str, dict[str, int]]]) -> None:
+def start_cluster(port: int, nodes: list[tuple[str, dict[str, int]]]) -> None:
     common = ["--num-cpus=4", "--disable-usage-stats"]
     env = {**os.environ, **GCS_ENV}
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common]
-    head += ["--node-ip-address=127.0.0.1", f"--ray-client-server-port={client_port}"]
+    head += ["--node-ip-address=127.0.0.1"]
     subprocess.run(head, check=True, capture_output=True, env=env)
     for ip, resources in nodes:
         subprocess.run(
@@ -271,25 +271,25 @@ def main() -> int:
     parser.add_argument(
         "--cases",
         default="run",
-        help="comma-separated: bad_resource, missing, run, chaos, acceptance, gang, client",
+        help="comma-separated: bad_resource, missing, run, chaos, acceptance, gang",
     )
     parser.add_argument("--missing-python", default="", help="an interpreter with ray and rlax-core only")
     parser.add_argument("--spare-nodes", action="store_true", help="a second service and trainer node")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     out = pathlib.Path(args.out).resolve()
-    port, client_port = free_port(), free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     cluster = NODES + (SPARE_NODES if args.spare_nodes else [])
     result: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
-        start_cluster(port, client_port, cluster)
+        start_cluster(port, cluster)
         result["cluster_s"] = round(time.monotonic() - t0, 1)
         nodes = node_resources(address, len(cluster) + 1)
         for case in args.cases.split(","):
             roles, extra, disturbances, pythons = dict(ROLES), list(args.overrides), [], {}
-            case_address, placement = address, None
+            placement = None
             if case == "bad_resource":
                 roles["trainer"] = "tpu_v5p_slice"
             elif case == "missing":
@@ -310,10 +310,8 @@ def main() -> int:
                 extra += ["trainer.hosts=2", "trainer.k=0", "workers.j=1"]
                 placement = {"trainer": "STRICT_SPREAD"}
                 disturbances = [(3, "trainer1")]
-            elif case == "client":
-                case_address = f"ray://127.0.0.1:{client_port}"
             result[case] = run_case(
-                out / case, case_address, nodes, roles, extra, disturbances, pythons, placement
+                out / case, address, nodes, roles, extra, disturbances, pythons, placement
             )
     except Exception as error:  # reported to the test, which fails with it
         import traceback

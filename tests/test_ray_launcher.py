@@ -196,11 +196,11 @@ def test_ray_cluster_40_steps_and_the_chaos_acceptance_run(tmp_path: pathlib.Pat
 
 
 @pytest.mark.slow
-def test_ray_trainer_gang_external_kills_and_ray_client(tmp_path: pathlib.Path) -> None:
+def test_ray_trainer_gang_and_external_kills(tmp_path: pathlib.Path) -> None:
     """A trainer gang of two (one process per trainer node, STRICT_SPREAD) whose second
     member is SIGKILLed: the whole gang restarts and the run finishes; components SIGKILLed
-    from outside Ray restart; the launcher connects through Ray Client (ray://)."""
-    result = netns_run(tmp_path, "--cases=gang,chaos,client", "--spare-nodes", "run.steps=8", timeout=1200)
+    from outside Ray restart."""
+    result = netns_run(tmp_path, "--cases=gang,chaos", "--spare-nodes", "run.steps=8", timeout=1200)
     gang = result["gang"]
     check_run(gang, 8)
     assert gang["disturbed"] == ["trainer1"], gang
@@ -213,5 +213,3 @@ def test_ray_trainer_gang_external_kills_and_ray_client(tmp_path: pathlib.Path) 
     check_run(chaos, 8)
     assert chaos["disturbed"] == ["worker0", "paramserver"], chaos
     assert chaos["restarts"]["worker0"] >= 1 and chaos["restarts"]["paramserver"] >= 1, chaos["restarts"]
-
-    check_run(result["client"], 8)

@@ -49,7 +49,8 @@ class ParityScorer:
 
 
 class FakeWorker:
-    """A ROUTER server in a thread answering GenerateRequest with seeded tokens at `version`."""
+    """A ROUTER server in a thread answering GenerateRequest with seeded tokens at the
+    version it names (pinned), else at `version`."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -86,9 +87,9 @@ class FakeWorker:
                         )
                         for i in range(msg.n)
                     )
-                    reply = GenerateResult(
-                        request_id=msg.request_id, samples=samples, weight_version=self.version
-                    )
+                    # A real worker generates a pinned request with exactly its version.
+                    version = self.version if msg.weight_version is None else msg.weight_version
+                    reply = GenerateResult(request_id=msg.request_id, samples=samples, weight_version=version)
                     self.served += 1
                 else:
                     reply = ErrorReply(code="unknown_message", message=type(msg).__name__)

@@ -274,6 +274,7 @@ class HostileWorker:
     # worker still answers on it), which would swallow the tricks after them.
     TRICKS = (
         "no_logprobs",
+        "wrong_version",
         "negative_version",
         "negative_token",
         "not_a_result",
@@ -299,7 +300,8 @@ class HostileWorker:
             Sample(token_ids=((seed + i) % 7 + 3, 4), logprobs=(-0.5, -0.25), finish_reason="stop")
             for i in range(msg.n)
         )
-        return GenerateResult(request_id=msg.request_id, samples=samples, weight_version=self.version)
+        version = self.version if msg.weight_version is None else msg.weight_version
+        return GenerateResult(request_id=msg.request_id, samples=samples, weight_version=version)
 
     def _hostile(self, trick: str, msg: GenerateRequest) -> list[bytes] | GenerateResult | Ack:
         def result(token_ids: tuple[int, ...], logprobs: tuple[float, ...], version: int) -> GenerateResult:
@@ -316,6 +318,8 @@ class HostileWorker:
             return []
         if trick == "no_logprobs":
             return result((HOSTILE_TOKEN, HOSTILE_TOKEN), (), self.version)
+        if trick == "wrong_version":  # a result from other weights than the pinned ones
+            return result((HOSTILE_TOKEN, 4), (-0.5, -0.5), (msg.weight_version or 0) + 1)
         if trick == "negative_version":
             return result((HOSTILE_TOKEN, 4), (-0.5, -0.5), -5)
         if trick == "negative_token":
@@ -387,6 +391,7 @@ def test_hostile_worker_replies_are_dropped_and_the_run_completes(tmp_path: path
             assert len(rollout.worker_logprobs) == len(rollout.completion_token_ids)
     counters = ct.controller.scheduler.counters
     assert counters["bad_worker_replies"] >= 4 and counters["results_ignored"] >= 1
+    assert counters["wrong_version_results"] == 1
     dead = [r for r in read_metrics(config.output_dir / "metrics.jsonl") if r.get("event") == "dead"]
     assert any("protocol error" in r["why"] for r in dead)  # an unreadable reply drops the link
 

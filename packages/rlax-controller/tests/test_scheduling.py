@@ -180,3 +180,109 @@ def test_same_prompts_in_same_order_despite_crashes_and_timing(dynamic_filter: b
     for seed in range(1, 6):
         assert run(12, crash_prob=0.15, seed=seed, dynamic_filter=dynamic_filter) == reference
     assert len(set(reference[0])) < len(reference[0])  # epochs wrapped: ids repeat, order still fixed
+
+
+# ---------------------------------------------------------------------- pinned versions
+
+
+def pinned_config(**fields: Any) -> SchedulerConfig:
+    base: dict[str, Any] = {
+        "group_size": 4,
+        "prompts_per_step": 2,
+        "k": 2,
+        "max_inflight_per_worker": 8,
+        "seed": 3,
+        "versions": "pinned",
+        "lag": 1,
+        "j": 1,
+        "lookahead_steps": 2,
+    }
+    return SchedulerConfig(**{**base, **fields})
+
+
+def test_pinned_version_rule_matches_the_issue_formula() -> None:
+    """Version of step s: j * floor(max(0, s - lag) / j), written out by hand."""
+    cfg = pinned_config(lag=2, j=3, k=4)
+    expected = {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 3, 6: 3, 7: 3, 8: 6, 9: 6, 10: 6, 11: 9}
+    assert {s: cfg.pinned_version(s) for s in expected} == expected
+
+
+def test_pinned_groups_wait_for_their_version_and_carry_it() -> None:
+    sched = RolloutScheduler(ShuffledSource(), pinned_config(lag=1))
+    out = sched.assign(["w0"])
+    # Step 0 and step 1 both use version 0 (lag 1); step 2 needs version 1, not trained yet.
+    assert [(g.index, g.pinned) for _, g in out] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert sched.pending == 2 and all(g.pinned is None for g in sched.groups.values() if g.index >= 4)
+
+
+def test_a_group_dispatched_for_a_later_step_is_generated_again_with_its_steps_version() -> None:
+    """lag 1, one prompt a step: at step 1 group 1 (step 1, version 0) and group 2 (latest
+    step 2, version 1) are dispatched; group 1 turns out all-equal and is filtered, so group 2
+    lands in step 1, whose version is 0: it is regenerated with version 0."""
+    cfg = pinned_config(prompts_per_step=1, dynamic_filter=True, lookahead_steps=1)
+    sched = RolloutScheduler(ShuffledSource(), cfg)
+    first = sched.assign(["w0"])
+    assert [(g.index, g.pinned) for _, g in first] == [(0, 0), (1, 0)]
+    sched.complete(first[0][1].request_id or "", 0, samples(4, [1, 0, 0, 0]))
+    batch = sched.build_batch()
+    sched.commit(batch)
+    second = sched.assign(["w0"])
+    assert [(g.index, g.pinned) for _, g in second] == [(2, 1)]
+    group1, group2 = sched.groups[1], sched.groups[2]
+    sched.complete(group1.request_id or "", 0, samples(4, [1, 1, 1, 1]))  # filtered
+    sched.complete(group2.request_id or "", 1, samples(4, [1, 0, 0, 0]))
+    with pytest.raises(BatchNotReady, match="version 1; step 1 uses 0"):
+        sched.build_batch()
+    assert sched.counters["groups_repinned"] == 1 and group2.status is GroupStatus.PENDING
+    again = sched.assign(["w0"])
+    assert [(g.index, g.pinned) for _, g in again][0] == (2, 0)
+    sched.complete(group2.request_id or "", 0, samples(4, [1, 0, 0, 0]))
+    batch = sched.build_batch()
+    assert [g.index for g in batch.groups] == [2] and batch.consumed_indices == (1, 2)
+    assert [g.version for g in batch.groups] == [0]
+
+
+def _simulate(schedule_seed: int, steps: int, workers: int) -> list[tuple[Any, ...]]:
+    """A run of the scheduler alone: groups finish in a random order (schedule_seed), but
+    each group's rewards are a function of its prompt, seed and version only (as a real
+    worker's samples are). Returns every batch as (step, prompt ids, versions, rewards)."""
+    cfg = pinned_config(prompts_per_step=3, dynamic_filter=True, lag=2, k=2, max_inflight_per_worker=3)
+    sched = RolloutScheduler(ShuffledSource(n=40), cfg)
+    order = random.Random(schedule_seed)
+    names = [f"w{i}" for i in range(workers)]
+    running: list[Any] = []
+    batches: list[tuple[Any, ...]] = []
+    while sched.step < steps:
+        running += [g for _, g in sched.assign(names)]
+        order.shuffle(running)
+        for group in running[: order.randint(0, len(running))]:  # some finish, in any order
+            assert group.pinned is not None
+            rng = random.Random(f"{group.item.prompt_id}/{group.seed}/{group.pinned}")
+            rewards = [float(rng.random() < 0.5) for _ in range(cfg.group_size)]
+            sched.complete(group.request_id or "", group.pinned, samples(4, rewards))
+        running = [g for g in running if g.status is GroupStatus.DISPATCHED]
+        try:
+            batch = sched.build_batch()
+        except BatchNotReady:
+            continue
+        for group in batch.groups:  # the staleness bound holds by construction
+            assert group.version is not None and 0 <= batch.step - group.version <= cfg.k
+        batches.append(
+            (
+                batch.step,
+                batch.consumed_prompt_ids,
+                tuple(g.version for g in batch.groups),
+                tuple(s.reward for g in batch.groups for s in g.samples),
+            )
+        )
+        sched.commit(batch)
+    return batches
+
+
+def test_pinned_batches_do_not_depend_on_the_order_groups_finish_in() -> None:
+    """Ten random completion orders over one to three workers, with dynamic filtering and
+    lag 2: the same prompts, versions and rewards at every step."""
+    reference = _simulate(schedule_seed=0, steps=12, workers=2)
+    assert any(v != reference[0][2][0] for _, _, versions, _ in reference for v in versions)
+    for seed in range(1, 10):
+        assert _simulate(schedule_seed=seed, steps=12, workers=1 + seed % 3) == reference

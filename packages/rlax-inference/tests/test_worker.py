@@ -8,6 +8,7 @@ import threading
 import time
 
 import jax
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -307,3 +308,46 @@ def test_requests_beyond_the_inflight_bound_are_answered_busy_at_once(paramserve
             assert isinstance(again, rp.GenerateResult)
     finally:
         w.close()
+
+
+def pinned(rid, prompt, version, max_tokens=6):
+    request = greedy_request(rid, prompt, max_tokens=max_tokens)
+    return msgspec.structs.replace(request, weight_version=version)
+
+
+def test_pinned_requests_are_generated_with_exactly_the_version_they_name(tmp_path):
+    """Versions 1..4 held (keep 3: 2, 3, 4): requests naming 3, then 2 (older than the
+    newest and than the loaded one), then 4 get the greedy tokens of exactly those weights;
+    version 1 is gone: refused by name, the worker keeps serving; a worker that does not
+    follow the newest never reloads on its own."""
+    weights = {1: PARAMS, 2: PARAMS_V2, 3: PARAMS_V3, 4: init_params(CONFIG, jax.random.key(7), std=0.25)}
+    prompt = [5, 6, 7, 8]
+    with running_server(tmp_path / "ps", keep=3) as address:
+        for version, params in weights.items():
+            push(address, params, version)
+        w = RunningWorker(address, follow_latest=False)
+        try:
+            with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+                r3, r2, gone, r4 = roundtrip(
+                    client,
+                    [
+                        pinned("v3", prompt, 3),
+                        pinned("v2", prompt, 2),
+                        pinned("v1", prompt, 1),
+                        pinned("v4", prompt, 4),
+                    ],
+                )
+                for result, version in ((r3, 3), (r2, 2), (r4, 4)):
+                    assert isinstance(result, rp.GenerateResult), result
+                    assert result.weight_version == version
+                    assert list(result.samples[0].token_ids) == naive_greedy(weights[version], prompt, 6)
+                assert isinstance(gone, rp.ErrorReply) and gone.code == "not_found", gone
+                assert "'v1'" not in gone.message and "v1" in gone.message and "version 1" in gone.message
+                # The greedy tokens of the four weight sets differ, so the check above has teeth.
+                assert len({tuple(naive_greedy(p, prompt, 6)) for p in weights.values()}) > 1
+                reloads = w.worker.reloads
+                time.sleep(0.5)  # several weights_poll_s: no reload to the newest on its own
+                (again,) = roundtrip(client, [pinned("v2b", prompt, 2)])
+                assert again.weight_version == 2 and w.worker.reloads == reloads + 1
+        finally:
+            w.close()

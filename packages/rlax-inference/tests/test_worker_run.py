@@ -113,6 +113,9 @@ def run_config(tmp_path: pathlib.Path, ps_address: str, port: int, *extra: str) 
             "model.n_layers=1",
             "data.task_args={digits: 1}",
             f"run.output_dir={tmp_path / 'run'}",
+            # These tests send requests that name no version: the worker follows the newest
+            # weights (pinned requests: test_worker.py).
+            "controller.versions=freshest",
             *extra,
         ],
     )

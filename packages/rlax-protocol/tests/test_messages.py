@@ -55,6 +55,7 @@ EXAMPLES: list[rp.Message] = [
     ),
     SAMPLING,
     rp.GenerateRequest(request_id="r1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, n=4),
+    rp.GenerateRequest(request_id="r2", prompt_token_ids=(1,), sampling=SAMPLING, weight_version=7),
     rp.Sample(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop"),
     rp.GenerateResult(
         request_id="r1",
@@ -162,6 +163,12 @@ def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: i
             "prompt_token_ids",
         ),
         (lambda: rp.GenerateRequest(request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, n=0), "n"),
+        (
+            lambda: rp.GenerateRequest(
+                request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, weight_version=-1
+            ),
+            "weight_version",
+        ),
         (lambda: rp.TensorHeader(name="a//b", dtype="float32", shape=(), nbytes=4, checksum=0), "name"),
         (lambda: rp.TensorHeader(name="a", dtype="complex64", shape=(), nbytes=8, checksum=0), "dtype"),
         (lambda: rp.TensorHeader(name="a", dtype="float32", shape=(-1,), nbytes=0, checksum=0), "shape"),

@@ -158,6 +158,9 @@ class Controller:
                 max_inflight_per_worker=config.workers.max_inflight_groups,
                 seed=config.run.seed,
                 lookahead_steps=config.controller.lookahead_steps,
+                versions=config.controller.versions,
+                lag=config.pinned_lag,
+                j=config.workers.j,
             ),
         )
         self.server_id = uuid.uuid4().hex[:12]
@@ -515,10 +518,20 @@ class Controller:
         )
 
     def _send_generate(
-        self, worker: WorkerState, tag: str, item: PromptItem, n: int, sampling: SamplingParams
+        self,
+        worker: WorkerState,
+        tag: str,
+        item: PromptItem,
+        n: int,
+        sampling: SamplingParams,
+        version: int | None,
     ) -> bool:
         request = GenerateRequest(
-            request_id=tag, prompt_token_ids=item.prompt_token_ids, sampling=sampling, n=n
+            request_id=tag,
+            prompt_token_ids=item.prompt_token_ids,
+            sampling=sampling,
+            n=n,
+            weight_version=version,
         )
         request_id = worker.link.send(request)
         if request_id is None:
@@ -545,7 +558,11 @@ class Controller:
                 sampling = self._sampling(
                     temperature=self.config.eval.temperature, seed=stable_seed(self.config.eval.seed, index)
                 )
-                if self._send_generate(worker, tag, job.items[index], self.config.eval.n_samples, sampling):
+                # Pinned: the evaluation of step s measures version s (the trainer waits for it).
+                version = job.step if self.scheduler.pinned else None
+                if self._send_generate(
+                    worker, tag, job.items[index], self.config.eval.n_samples, sampling, version
+                ):
                     job.status[index] = tag
         if self.scheduler.step >= self.config.run.steps:
             return  # the run is trained; only the final evaluation remains
@@ -556,7 +573,7 @@ class Controller:
             sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
             assert group.request_id is not None
             if name in unreachable or not self._send_generate(
-                worker, group.request_id, group.item, self.config.data.group_size, sampling
+                worker, group.request_id, group.item, self.config.data.group_size, sampling, group.pinned
             ):
                 # Every group assigned to it goes back to the queue, not only this one.
                 unreachable.add(name)
@@ -701,7 +718,7 @@ class Controller:
         worker.version = result.weight_version
         worker.stats = result.stats or worker.stats
         lag = self.scheduler.step - result.weight_version
-        if lag > self.config.workers.j + self.config.trainer.k + 1:
+        if not self.scheduler.pinned and lag > self.config.workers.j + self.config.trainer.k + 1:
             # It should have reloaded long ago (its weight puller is stuck): keep work away.
             log.warning(
                 "%s generates with version %d, %d behind step %d: quarantined",
@@ -722,6 +739,17 @@ class Controller:
         group = self.scheduler.group_for_request(result.request_id)
         if group is None:
             self.scheduler.counters["results_ignored"] += 1
+            return
+        if group.pinned is not None and result.weight_version != group.pinned:
+            log.error(
+                "%s generated %s with version %d, asked for %d; the group goes back to the queue",
+                worker.name,
+                result.request_id,
+                result.weight_version,
+                group.pinned,
+            )
+            self._count("wrong_version_results")
+            self.scheduler.release(group)
             return
         try:
             scores = self.scorer.score(group.item, completions)

@@ -8,6 +8,16 @@ was drawn. The batch of step s takes groups strictly in stream order — the fir
 became too stale (`s - version > k`) is regenerated with the same prompt, never skipped,
 so timing can change *which weights* generated a group but never *which prompts* a step
 consumes. The stream state after a batch's last group is the snapshot's stream state.
+
+Pinned versions (`versions="pinned"`) take timing out of the weights as well: every group
+consumed by step s is generated with version `pinned_version(s)`. Which step consumes a
+group is known only once every earlier group is scored (dynamic filtering drops some), so
+a group is dispatched with the version of the LATEST step it can land in (every earlier
+group whose filter outcome is unknown counted as accepted), and a group whose final step
+turns out earlier, with another version, is generated again. Every group a step consumes
+is therefore generated with the same version on any machine, with any number of workers
+and any kill schedule, and so are its samples: the trajectory is a function of the config
+and seed.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ class Group:
     request_id: str | None = None
     attempts: int = 0
     version: int | None = None
+    pinned: int | None = None  # the version its request asks for (pinned versions)
     samples: tuple[ScoredSample, ...] = ()
 
     @property
@@ -97,6 +108,12 @@ class SchedulerConfig:
     max_inflight_per_worker: int = 2
     seed: int = 0
     lookahead_steps: int | None = None  # None: k
+    versions: str = "freshest"  # or "pinned": see the module docstring
+    lag: int = 0  # pinned: groups of step s use version j * floor(max(0, s - lag) / j)
+    j: int = 1
+
+    def pinned_version(self, step: int) -> int:
+        return self.j * (max(0, step - self.lag) // self.j)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,14 +239,40 @@ class RolloutScheduler:
     def pending(self) -> int:
         return sum(1 for g in self.groups.values() if g.status is GroupStatus.PENDING)
 
+    @property
+    def pinned(self) -> bool:
+        return self.config.versions == "pinned"
+
+    def latest_steps(self) -> dict[int, int]:
+        """Group index -> the latest step that can consume it: groups are taken in stream
+        order, `prompts_per_step` accepted ones a step, and a group not scored yet may still
+        be accepted. Exact for a group once every earlier group is scored."""
+        steps: dict[int, int] = {}
+        step, accepted = self.step, 0
+        for group in self.groups.values():
+            steps[group.index] = step
+            if group.status is GroupStatus.DONE and self._filtered(group):
+                continue
+            accepted += 1
+            if accepted == self.config.prompts_per_step:
+                step, accepted = step + 1, 0
+        return steps
+
     def assign(self, workers: Sequence[str]) -> list[tuple[str, Group]]:
-        """Hand pending groups (earliest first) to the least-loaded workers with room."""
+        """Hand pending groups (earliest first) to the least-loaded workers with room; with
+        pinned versions, only groups whose version exists (the newest is `step`'s)."""
         self.draw_ahead()
         load = {w: self.inflight(w) for w in workers}
+        latest = self.latest_steps() if self.pinned else {}
         out: list[tuple[str, Group]] = []
         for group in self.groups.values():
             if group.status is not GroupStatus.PENDING:
                 continue
+            if self.pinned:
+                version = self.config.pinned_version(latest[group.index])
+                if version > self.step:
+                    break  # not trained yet; later groups need newer versions still
+                group.pinned = version
             room = [w for w in workers if load[w] < self.config.max_inflight_per_worker]
             if not room:
                 break
@@ -261,6 +304,7 @@ class RolloutScheduler:
         group.worker = None
         group.request_id = None
         group.version = None
+        group.pinned = None
         group.samples = ()
 
     def group_for_request(self, request_id: str) -> Group | None:
@@ -297,6 +341,16 @@ class RolloutScheduler:
             if group.status is not GroupStatus.DONE:
                 raise BatchNotReady(f"group {group.index} is {group.status.value}")
             assert group.version is not None
+            if self.pinned and group.version != self.config.pinned_version(self.step):
+                # Dispatched for a later step (an earlier group was filtered since): the
+                # version of this step's groups is another one; generate it again with that.
+                self.counters["groups_repinned"] = self.counters.get("groups_repinned", 0) + 1
+                why = (
+                    f"group {group.index} was generated with version {group.version}; step "
+                    f"{self.step} uses {self.config.pinned_version(self.step)}"
+                )
+                self.release(group)
+                raise BatchNotReady(why)
             if self.step - group.version > self.config.k:
                 self.counters["groups_expired"] += 1
                 self.release(group)

@@ -312,7 +312,17 @@ class VerifierConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class ControllerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`lookahead_steps`: how many batches beyond the current one are generated ahead
-    (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher."""
+    (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher.
+
+    `versions`: which weights generate a group. `pinned` (the default): the controller
+    decides, by the group's place in the stream alone: the groups of step s are generated
+    with version `j * floor(max(0, s - lag) / j)`, sent in the request, so the run's batches
+    and weights are a function of the config and seed whatever the machine's load, the
+    number of workers or the kills. `freshest`: each worker generates with the newest
+    weights it holds (reloading when `workers.j` behind), fresher but timing-dependent.
+    `lag`: how many versions behind its step a group is generated under `pinned` (0:
+    synchronous; -1: the most that trainer.k and paramserver.keep allow,
+    min(k - j + 1, keep - j))."""
 
     address: str = AUTO
     heartbeat_interval_s: float = 1.0
@@ -320,6 +330,8 @@ class ControllerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_onl
     request_timeout_s: float = 30.0
     snapshot_keep: int = 4
     lookahead_steps: int = 1
+    versions: Literal["pinned", "freshest"] = "pinned"
+    lag: int = -1
 
     def __post_init__(self) -> None:
         _check_address("address", self.address)
@@ -335,6 +347,7 @@ class ControllerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_onl
         _check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
         _check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
         _check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
+        _check(self.lag >= -1, "lag", self.lag, "must be >= 0, or -1 for the most trainer.k allows")
 
 
 class EvalConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -356,7 +369,10 @@ class EvalConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
 
 
 class ChaosConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Chaos mode: SIGKILL a random component every ~`interval` seconds (0: off)."""
+    """Chaos mode: SIGKILL a random component every ~`interval` seconds (0: off).
+    `max_delay_s`: every worker sleeps a random time up to this before each engine step
+    and the trainer before each update (0: off), so tests can show that timing never
+    changes a pinned run."""
 
     interval: float = 0.0
     seed: int = 0
@@ -364,9 +380,11 @@ class ChaosConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=Tru
         default_factory=lambda: ["worker", "trainer", "controller", "paramserver"]
     )
     max_kills: int = 0
+    max_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, "interval", self.interval, "must be >= 0 seconds")
+        _check(self.max_delay_s >= 0, "max_delay_s", self.max_delay_s, "must be >= 0 seconds")
         _check(self.max_kills >= 0, "max_kills", self.max_kills, "must be >= 0 (0: unlimited)")
         allowed = ("worker", "trainer", "controller", "paramserver", "verifier")
         for i, target in enumerate(self.targets):
@@ -499,6 +517,34 @@ class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
             f"must be <= trainer.k + 1 = {k + 1}: a worker {j} versions behind generates rollouts the "
             f"trainer (k={k}) rejects forever; lower workers.j or raise trainer.k",
         )
+        if self.controller.versions == "pinned":
+            lag = self.pinned_lag
+            _check(
+                lag + j - 1 <= k,
+                "controller.lag",
+                self.controller.lag,
+                f"with workers.j={j} a group of step s is generated with a version up to lag + j - 1 = "
+                f"{lag + j - 1} behind s, more than trainer.k={k}; lower controller.lag or raise trainer.k",
+            )
+            _check(
+                self.paramserver.keep >= lag + j,
+                "paramserver.keep",
+                self.paramserver.keep,
+                f"must be >= controller.lag + workers.j = {lag + j}: a pinned group may ask for a version "
+                f"that many versions old",
+            )
+
+    @property
+    def pinned_lag(self) -> int:
+        """`controller.lag`, with -1 resolved to the most that trainer.k (k - j + 1) and
+        paramserver.keep (keep - j) allow."""
+        lag, j = self.controller.lag, self.workers.j
+        return max(0, min(self.trainer.k - j + 1, self.paramserver.keep - j)) if lag < 0 else lag
+
+    def pinned_version(self, step: int) -> int:
+        """The weight version that generates the groups of `step` under `controller.versions: pinned`."""
+        j = self.workers.j
+        return j * (max(0, step - self.pinned_lag) // j)
 
     @property
     def output_dir(self) -> pathlib.Path:

@@ -12,8 +12,13 @@ Two threads, and only one of them runs the model:
   parameter server, admits requests, steps `LLMEngine` and posts results. It never touches
   the socket.
 
-Weights: before admitting new requests (and every `weights_poll_s` while generating) the
-engine thread asks the parameter server for its newest version, and reloads only when it is
+Weights: a request that names a `weight_version` (the controller's pinned versions) is
+generated with exactly that version. Requests are admitted in arrival order while they ask
+for the loaded version; once the engine has finished the ones it holds, the worker loads the
+version the next request asks for (older or newer: the parameter server keeps the last
+`keep`). Requests without a version follow the newest weights (`follow_latest`): before
+admitting new requests (and every `weights_poll_s` while generating) the engine thread asks
+the parameter server for its newest version, and reloads only when it is
 `reload_staleness` (the paper's j, `workers.j`) or more versions behind. A reload drops the
 partly generated samples (they restart under the new weights), so every result is generated
 by exactly one version, which it carries. A pull has a deadline per exchange and a bounded
@@ -37,6 +42,7 @@ import argparse
 import dataclasses
 import logging
 import queue
+import random
 import threading
 import time
 import uuid
@@ -97,6 +103,12 @@ class WorkerConfig:
       ``busy``.
     client_heartbeat_s: ZMTP heartbeat interval towards clients (a silent connection is
       closed after five), so requests of a client whose host vanished are cancelled.
+    follow_latest: reload the newest weights when `reload_staleness` behind even while no
+      request waits for them; False (pinned versions): follow the newest only while a
+      request that names no version is queued or generating, so a worker serving pinned
+      requests loads only the versions they name (and the newest once, to start).
+    max_delay_s: `chaos.max_delay_s`: sleep a random time up to this before each engine
+      step (a test hook: timing must not change a pinned run).
     """
 
     bind: str = "tcp://127.0.0.1:*"
@@ -110,6 +122,8 @@ class WorkerConfig:
     max_inflight_requests: int = 64
     client_heartbeat_s: float = 2.0
     worker_id: str = "worker"
+    follow_latest: bool = True
+    max_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("reload_staleness", "max_inflight_requests"):
@@ -134,6 +148,8 @@ class WorkerConfig:
             "first_weights_timeout_s": config.controller.request_timeout_s,
             "max_inflight_requests": config.workers.max_inflight_requests,
             "worker_id": f"worker{index}",
+            "follow_latest": config.controller.versions == "freshest",
+            "max_delay_s": config.chaos.max_delay_s,
         }
         return cls(**{**fields, **overrides})
 
@@ -313,7 +329,11 @@ class Worker:
                 busy = self.engine is not None and self.engine.has_unfinished
                 self._take_inbox(0.0 if busy else pc.weights_poll_s)
                 round_start = time.monotonic()
-                self._maybe_reload(round_start, force=bool(self._queued))
+                wanted = self._requested_version()
+                if wanted is not None:
+                    self._load_requested(wanted, round_start)
+                elif pc.follow_latest or self.engine is None or self._serving_unpinned():
+                    self._maybe_reload(round_start, force=bool(self._queued))
                 if self.engine is None:
                     continue
                 self._admit()
@@ -354,6 +374,50 @@ class Worker:
             return
         self._reload(latest)
 
+    def _serving_unpinned(self) -> bool:
+        """A request that names no version is queued or generating: it follows the newest."""
+        return any(job.request.weight_version is None for job in self._queued) or any(
+            request.weight_version is None for request in self._admitted.values()
+        )
+
+    def _requested_version(self) -> int | None:
+        """The version the next queued request names, when it is not the loaded one and the
+        engine has finished every request it holds (they need the loaded weights)."""
+        if self.engine is None or self.engine.has_unfinished or not self._queued:
+            return None
+        wanted = self._queued[0].request.weight_version
+        return None if wanted is None or wanted == self.version else wanted
+
+    def _load_requested(self, version: int, now: float) -> None:
+        """Load `version` for the requests that name it; refuse them when the parameter
+        server no longer holds it (older than its `keep` newest)."""
+        from rlax_paramserver import VersionNotFoundError
+
+        if now < self._backoff_until:
+            return
+        try:
+            self._reload(version, exact=True)
+        except VersionNotFoundError as error:
+            assert self._version_client is not None
+            try:
+                latest = self._version_client.latest()
+            except rp.ProtocolError as lost:
+                self._failed(f"version {version} not found; the newest is unknown", lost, now)
+                return
+            if latest is None or version > latest:
+                self._failed(f"version {version} is not published yet", error, now)
+                return
+            assert self.io is not None
+            refused = [job for job in self._queued if job.request.weight_version == version]
+            self._queued = [job for job in self._queued if job.request.weight_version != version]
+            log.error("version %d is gone from the parameter server (newest %d): %d request(s) refused",
+                      version, latest, len(refused))  # fmt: skip
+            for job in refused:
+                message = (
+                    f"{job.request.request_id}: weight version {version} is no longer held (newest {latest})"
+                )
+                self.io.post(job.key, rp.ErrorReply(code="not_found", message=message))
+
     def _failed(self, what: str, error: Exception, now: float) -> None:
         self._backoff_until = now + self._backoff_s
         log.warning(
@@ -365,16 +429,25 @@ class Worker:
         )
         self._backoff_s = min(_MAX_BACKOFF_S, 2 * self._backoff_s)
 
-    def _reload(self, latest: int) -> None:
+    def _reload(self, latest: int, *, exact: bool = False) -> None:
+        """Pull the newest version (or, `exact`, version `latest` itself) and load it."""
         import jax
         import jax.numpy as jnp
+
+        from rlax_paramserver import VersionNotFoundError
 
         first = self.engine is None
         previous, self.phase = self.phase, "loading" if first else "reloading"
         started = time.monotonic()
         assert self._pull_client is not None
         try:
-            pulled = self._pull_client.pull("latest", if_newer_than=self.version)
+            if exact:
+                pulled = self._pull_client.pull(latest)
+            else:
+                pulled = self._pull_client.pull("latest", if_newer_than=self.version)
+        except VersionNotFoundError:
+            self.phase = previous
+            raise
         except rp.ProtocolError as error:
             self.num_failed_pulls += 1
             self.phase = previous
@@ -460,8 +533,11 @@ class Worker:
         engine, io = self.engine, self.io
         assert engine is not None and io is not None
         queued, self._queued = self._queued, []
-        for job in queued:
+        for position, job in enumerate(queued):
             request = job.request
+            if request.weight_version is not None and request.weight_version != self.version:
+                self._queued = queued[position:]  # in arrival order: it waits for its version
+                return
             try:
                 params = _engine_params(request)
                 if self.detokenize is not None:
@@ -480,6 +556,9 @@ class Worker:
     def _step(self, round_start: float) -> None:
         engine = self.engine
         assert engine is not None
+        if self.config.max_delay_s > 0:  # chaos.max_delay_s; unseeded: timing is the point
+            time.sleep(random.uniform(0.0, self.config.max_delay_s))
+            round_start = time.monotonic()
         compiled_before = dict(engine.runner.num_compilations)
         started = time.monotonic()
         outputs = engine.step()

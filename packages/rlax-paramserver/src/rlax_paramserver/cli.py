@@ -38,7 +38,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
     )
     parser.add_argument("--keep", type=int, default=3, help="newest versions to hold in memory")
     parser.add_argument(
-        "--state-dir", type=pathlib.Path, default=None, help="persist the newest version here"
+        "--state-dir",
+        type=pathlib.Path,
+        default=None,
+        help="persist the newest --keep versions here (and load them at start)",
     )
     parser.add_argument("--workers", type=int, default=4, help="request-handling threads")
     parser.add_argument("--io-threads", type=int, default=2, help="ZeroMQ I/O threads")

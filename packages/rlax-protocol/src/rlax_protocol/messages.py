@@ -298,16 +298,21 @@ class SamplingParams(Message, frozen=True):
 
 
 class GenerateRequest(Message, frozen=True):
-    """Generate `n` samples continuing `prompt_token_ids`."""
+    """Generate `n` samples continuing `prompt_token_ids`. `weight_version`: generate with
+    exactly this version of the weights (the controller's pinned versions); None: with
+    whichever the worker holds."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     n: int = 1
+    weight_version: int | None = None
 
     def __post_init__(self) -> None:
         if self.n <= 0:
             _fail("GenerateRequest", "n", self.n, "must be > 0")
+        if self.weight_version is not None and self.weight_version < 0:
+            _fail("GenerateRequest", "weight_version", self.weight_version, "must be >= 0")
         if not self.prompt_token_ids:
             _fail("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
 

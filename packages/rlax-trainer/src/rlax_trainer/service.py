@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import math
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -283,6 +284,8 @@ class TrainerLoop:
             raise RuntimeError(
                 f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}"
             )
+        if self.config.chaos.max_delay_s > 0:  # a test hook; unseeded: timing is the point
+            time.sleep(random.uniform(0.0, self.config.chaos.max_delay_s))
         g = batch.group_size
         groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
         arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
