@@ -61,6 +61,9 @@ def make_inputs(seed: int) -> dict[str, np.ndarray]:
         "values": values,
         "old_values": values + rng.normal(0, 0.3, size=(B, T)),
         "rewards": rewards,
+        # pi_prox on the sampler's top-p/top-k support: the truncated distribution's log-prob
+        # is the full one's minus log(kept mass), so never lower.
+        "sampler_old_logprobs": old + rng.uniform(0.0, 0.3, size=(B, T)),
     }
 
 
@@ -79,6 +82,7 @@ def lib_objective(cfg, x: dict):
             mask=j["mask"],
             ref_logprobs=j["ref_logprobs"],
             infer_logprobs=j["infer_logprobs"],
+            sampler_old_logprobs=j.get("sampler_old_logprobs"),
             entropy=ent,
             values=v,
             old_values=j["old_values"],
@@ -88,6 +92,23 @@ def lib_objective(cfg, x: dict):
 
     loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(j["logprobs"], j["entropy"], j["values"])
     return float(loss), *(np.asarray(g, np.float64) for g in grads)
+
+
+def lib_metrics(cfg, x: dict) -> dict[str, float]:
+    j = {k: jnp.asarray(v, jnp.float32) for k, v in x.items()}
+    prep = prepare_batch(cfg, j["rewards"], j["mask"], G)
+    _, m = objective_loss(
+        cfg,
+        logprobs=j["logprobs"],
+        old_logprobs=j["old_logprobs"],
+        advantages=prep.advantages,
+        weights=prep.weights,
+        mask=j["mask"],
+        ref_logprobs=j["ref_logprobs"],
+        infer_logprobs=j["infer_logprobs"],
+        sampler_old_logprobs=j["sampler_old_logprobs"],
+    )
+    return {k: float(v) for k, v in m.items()}
 
 
 def assert_clipped_on_both_sides(ref: Reference) -> None:
@@ -125,24 +146,84 @@ VARIANTS = (
 )
 
 
+def check_against_reference(name: str, cfg, x: dict) -> Reference:
+    ref = Reference(objective_to_dict(cfg), x, G)
+    assert_clipped_on_both_sides(ref)
+    want_lp, want_ent, want_v = ref.gradients()
+    got = lib_objective(cfg, x)
+    np.testing.assert_allclose(got[0], ref.logged_loss(), rtol=1e-5, atol=1e-5, err_msg=f"{name} loss")
+    for label, g, w in zip(
+        ("logprobs", "entropy", "values"), got[1:], (want_lp, want_ent, want_v), strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} d/d{label}")
+    assert np.abs(want_lp).sum() > 0, "the reference gradient must not be trivially zero"
+    return ref
+
+
 @pytest.mark.parametrize(
     ("name", "overrides"), VARIANTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(VARIANTS)]
 )
 def test_loss_and_gradient_match_float64_reference(name, overrides):
     cfg = preset(name, **overrides)
-    cfg_dict = objective_to_dict(cfg)
     for seed in range(2):
-        x = make_inputs(seed)
-        ref = Reference(cfg_dict, x, G)
-        assert_clipped_on_both_sides(ref)
-        want_lp, want_ent, want_v = ref.gradients()
-        got = lib_objective(cfg, x)
-        np.testing.assert_allclose(got[0], ref.logged_loss(), rtol=1e-5, atol=1e-5, err_msg=f"{name} loss")
-        for label, g, w in zip(
-            ("logprobs", "entropy", "values"), got[1:], (want_lp, want_ent, want_v), strict=True
-        ):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} d/d{label}")
-        assert np.abs(want_lp).sum() > 0, "the reference gradient must not be trivially zero"
+        check_against_reference(name, cfg, make_inputs(seed))
+
+
+# Off-policy correction (decoupled PPO's w = pi_prox / pi_behav, plain, truncated or masked,
+# per token or per sequence), with KL on; the data puts behaviour ratios on both sides of
+# every bound.
+CORRECTIONS = [
+    ("grpo", {"kind": "is"}),
+    ("grpo", {"kind": "tis", "upper": 1.3}),
+    ("dapo", {"kind": "tis", "upper": 1.3, "lower": 0.9}),
+    ("grpo", {"kind": "mis", "upper": 1.3, "lower": 0.9}),
+    ("cispo", {"kind": "mis", "upper": 1.3, "lower": 0.9}),
+    ("grpo", {"kind": "tis", "level": "sequence", "upper": 3.0, "lower": 1.2}),
+    ("dapo", {"kind": "mis", "level": "sequence", "upper": 3.0, "lower": 1.2}),
+    ("gspo", {"kind": "tis", "upper": 1.2, "lower": 1.1}),
+    ("gspo", {"kind": "mis", "level": "sequence", "upper": 1.2, "lower": 1.1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "correction"),
+    CORRECTIONS,
+    ids=[f"{n}-{c['kind']}-{c.get('level', 'auto')}-{i}" for i, (n, c) in enumerate(CORRECTIONS)],
+)
+def test_off_policy_correction_matches_float64_reference(name, correction):
+    cfg = preset(name, importance={"correction": correction}, kl={"coef": 0.05})
+    x = make_inputs(0)
+    ref = check_against_reference(name, cfg, x)
+    counts = ref.correction_counts()
+    if correction["kind"] != "is":
+        assert counts.above > 0 and counts.inside > 0, counts
+        assert counts.below > 0 or "lower" not in correction, counts
+    m = lib_metrics(cfg, x)
+    ratios, corrected = np.asarray(ref.behav_ratio), np.asarray(ref.corrected)
+    # The reference lists one ratio per token, or per sequence at sequence level.
+    per_token = np.repeat(ratios, x["mask"].sum(axis=1).astype(int)) if len(ratios) == B else ratios
+    np.testing.assert_allclose(m["behav_ratio_max"], per_token.max(), rtol=1e-5)
+    np.testing.assert_allclose(m["behav_ratio_min"], per_token.min(), rtol=1e-5)
+    np.testing.assert_allclose(m["behav_ratio_mean"], per_token.mean(), rtol=1e-5)
+    flags = np.repeat(corrected, x["mask"].sum(axis=1).astype(int)) if len(corrected) == B else corrected
+    np.testing.assert_allclose(m["behav_corrected_fraction"], flags.mean(), rtol=1e-6)
+    assert (m["behav_corrected_fraction"] > 0) == (correction["kind"] != "is")
+
+
+def test_tis_cap_is_the_token_or_sequence_tis_correction():
+    """`tis_cap` (older configs) means `correction: {kind: tis, upper: cap}` at the ratio's level."""
+    x = make_inputs(1)
+    for name, level in (("grpo", "token"), ("gspo", "sequence")):
+        old = lib_objective(preset(name, importance={"tis_cap": 1.3}), x)
+        new_cfg = preset(name, importance={"correction": {"kind": "tis", "level": level, "upper": 1.3}})
+        new = lib_objective(new_cfg, x)
+        assert old[0] == new[0] and all(np.array_equal(a, b) for a, b in zip(old[1:], new[1:], strict=True))
+    with pytest.raises(msgspec.ValidationError, match="either tis_cap"):
+        preset("grpo", importance={"tis_cap": 2.0, "correction": {"kind": "mis", "upper": 2.0}})
+    with pytest.raises(msgspec.ValidationError, match="needs `upper`"):
+        preset("grpo", importance={"correction": {"kind": "mis"}})
+    with pytest.raises(msgspec.ValidationError, match="level: token under importance.level: sequence"):
+        preset("gspo", importance={"correction": {"kind": "tis", "level": "token", "upper": 2.0}})
 
 
 def test_clipped_token_keeps_kl_gradient_and_logs_clipped_value():

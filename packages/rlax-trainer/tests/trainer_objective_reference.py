@@ -20,6 +20,19 @@ prompt contiguous; every array is [B, T] with `mask` marking response tokens.
 - PPO: GAE(gamma, lambda) from the old value head with the reward on the last token,
   whitened; value loss `coef * 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2)`.
 
+Off-policy correction (`importance.correction`, or the older `tis_cap`), by explicit loops:
+
+- Decoupled PPO (AReaL, Fu et al. 2025): each policy term is multiplied by the constant
+  behaviour weight `w = pi_prox / pi_behav`, `w * min(r A, clip(r) A)` with `r = pi /
+  pi_prox`; pi_prox is `old_logprobs` in the clip and `sampler_old_logprobs` (pi_prox on
+  the sampler's top-p/top-k support; `old_logprobs` when absent) in `w`, pi_behav is
+  `infer_logprobs`.
+- TIS (Yao et al. 2025): `w -> min(w, C)` (and `max(., lower)` when a lower bound is set).
+- MIS (IcePop-style masking): `w -> w` if `lower <= w <= upper`, else 0.
+- Sequence level: `W_i = prod_t w_{i,t}` over the response (a token-level policy ratio),
+  `W_i = (prod_t w_{i,t})^(1/|y_i|)` under GSPO's sequence ratio; truncated or masked as a
+  whole and applied to every token of the response.
+
 Every objective's loss is the negated objective, averaged over prompts (groups).
 """
 
@@ -116,6 +129,57 @@ def kl_penalty(estimator: str, logprobs: np.ndarray, ref: np.ndarray) -> np.ndar
     return np.exp(log_ratio) - log_ratio - 1.0  # DeepSeekMath's D_KL
 
 
+def behaviour_weight(imp: dict, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list, list]:
+    """-> (the constant weight [B, T] of every policy term, the raw behaviour ratios (one
+    per token or per sequence), whether each was truncated or masked), by explicit loops."""
+    mask = batch["mask"]
+    b, t = mask.shape
+    corr = dict(imp.get("correction") or {"kind": "none"})
+    if imp["tis_cap"] is not None:  # the older spelling: TIS at the ratio's level
+        corr = {"kind": "tis", "level": imp["level"], "upper": imp["tis_cap"], "lower": None}
+    weight = np.ones((b, t))
+    if corr["kind"] == "none":
+        return weight, [], []
+    level = corr.get("level") or imp["level"]
+    upper = corr.get("upper") or np.inf
+    lower = corr.get("lower") or 0.0
+    prox = batch.get("sampler_old_logprobs", batch["old_logprobs"])
+    ratios, corrected = [], []
+
+    def corrected_weight(w: float) -> tuple[float, bool]:
+        if corr["kind"] == "is":
+            return w, False
+        if corr["kind"] == "tis":
+            return min(max(w, lower), upper), not lower <= w <= upper
+        inside = lower <= w <= upper  # mis
+        return (w if inside else 0.0), not inside
+
+    for i in range(b):
+        idx = np.nonzero(mask[i])[0]
+        token_w = [np.exp(prox[i, tt]) / np.exp(batch["infer_logprobs"][i, tt]) for tt in idx]
+        if level == "token":
+            for tt, w in zip(idx, token_w, strict=True):
+                weight[i, tt], c = corrected_weight(w)
+                ratios.append(w)
+                corrected.append(c)
+        else:
+            w = float(np.prod(token_w))
+            if imp["level"] == "sequence":
+                w = w ** (1.0 / len(idx))
+            weight[i, :], c = corrected_weight(w)
+            ratios.append(w)
+            corrected.append(c)
+    return weight * mask, ratios, corrected
+
+
+class CorrectionCounts(NamedTuple):
+    """Where the behaviour ratios sit (tokens, or sequences at sequence level)."""
+
+    above: int  # ratio > upper
+    below: int  # ratio < lower
+    inside: int
+
+
 class ClipCounts(NamedTuple):
     """Where the data sits relative to the clip range (sequences for GSPO, else tokens)."""
 
@@ -141,14 +205,8 @@ class Reference:
         self.adv, self.returns = advantages(cfg["advantage"], rewards, mask, batch["old_values"], group)
         imp = cfg["importance"]
         self.lo, self.hi = 1.0 - imp["eps_low"], 1.0 + imp["eps_high"]
-        self.tis = np.ones_like(mask)
-        if imp["tis_cap"] is not None:
-            # Truncated IS against the sampler, min(pi_old / pi_infer, C), per token; for GSPO
-            # per sequence, length-normalised like its ratio.
-            log_w = batch["old_logprobs"] - batch["infer_logprobs"]
-            if imp["level"] == "sequence":
-                log_w = np.repeat(((log_w * mask).sum(axis=1) / mask.sum(axis=1))[:, None], t, axis=1)
-            self.tis = np.minimum(np.exp(log_w), imp["tis_cap"])
+        self.tis, self.behav_ratio, self.corrected = behaviour_weight(imp, batch)
+        assert self.tis.shape == (mask.shape[0], t)
 
     def _agg(self, per_token: np.ndarray) -> float:
         return aggregate(
@@ -162,6 +220,16 @@ class Reference:
         """GSPO's length-normalised sequence ratio, [B]."""
         mask = self.x["mask"]
         return np.exp(((logprobs - self.x["old_logprobs"]) * mask).sum(axis=1) / mask.sum(axis=1))
+
+    def correction_counts(self) -> CorrectionCounts:
+        imp = self.cfg["importance"]
+        corr = imp.get("correction") or {}
+        upper = imp["tis_cap"] or corr.get("upper") or np.inf
+        lower = corr.get("lower") or 0.0
+        r = np.asarray(self.behav_ratio)
+        return CorrectionCounts(
+            int((r > upper).sum()), int((r < lower).sum()), int(((r >= lower) & (r <= upper)).sum())
+        )
 
     def clip_counts(self) -> ClipCounts:
         x, on = self.x, self.x["mask"] > 0

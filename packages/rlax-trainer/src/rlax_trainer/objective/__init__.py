@@ -23,7 +23,13 @@ from rlax_trainer.objective.config import (
     preset,
     shape_rewards,
 )
-from rlax_trainer.objective.importance import ImportanceConfig, ImportanceWeights, importance_weights
+from rlax_trainer.objective.importance import (
+    CorrectionConfig,
+    ImportanceConfig,
+    ImportanceWeights,
+    behaviour_weights,
+    importance_weights,
+)
 from rlax_trainer.objective.loss import PreparedBatch, objective_loss, prepare_batch
 from rlax_trainer.objective.regularizers import KLConfig, kl_estimate, token_entropy
 
@@ -34,6 +40,7 @@ __all__ = [
     "AdvantageEstimator",
     "Aggregation",
     "BatchNormalized",
+    "CorrectionConfig",
     "GroupCentered",
     "GroupNormalized",
     "ImportanceConfig",
@@ -45,6 +52,7 @@ __all__ = [
     "PreparedBatch",
     "ValueConfig",
     "advantage_from_dict",
+    "behaviour_weights",
     "aggregation_weights",
     "importance_weights",
     "kl_estimate",

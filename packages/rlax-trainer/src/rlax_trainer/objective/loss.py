@@ -6,7 +6,8 @@ importance ratio (token- or sequence-level):
     loss = sum Agg * ( -A * surrogate(r)  +  kl.coef * k(logp, ref)  -  entropy_coef * H )
 
 The policy term `-A * surrogate` has the clipped surrogate's value (PPO's
-`min(r A, clip(r) A)`, CISPO's truncated ratio, TIS-weighted) and the surrogate's
+`min(r A, clip(r) A)`, CISPO's truncated ratio), times the off-policy correction's
+behaviour weight `w = pi_prox / pi_behav` (decoupled PPO; plain, truncated or masked) and the surrogate's
 gradient, which is zero on tokens where the clip binds. The regularisers are functions
 of pi_theta at the sampled tokens, weighted by `Agg` only: as in DeepSeekMath's GRPO
 (the KL penalty sits outside the clipped surrogate) and PPO's entropy bonus, no ratio,
@@ -71,13 +72,16 @@ def objective_loss(
     mask: jax.Array,
     ref_logprobs: jax.Array | None = None,
     infer_logprobs: jax.Array | None = None,
+    sampler_old_logprobs: jax.Array | None = None,
     entropy: jax.Array | None = None,
     values: jax.Array | None = None,
     old_values: jax.Array | None = None,
     returns: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Every array [B, T]; `logprobs`, `entropy` and `values` carry gradients, the rest are
-    constants. Computed in float32 whatever the input dtype.
+    constants. Computed in float32 whatever the input dtype. `infer_logprobs` are the
+    workers' behaviour logprobs pi_behav; `sampler_old_logprobs` pi_prox on the sampler's
+    top-p/top-k support for the behaviour weight pi_prox / pi_behav (default `old_logprobs`).
 
     Returns (scalar loss, metrics); metrics are token means over `mask` except `*_max`/`*_min`.
     """
@@ -86,6 +90,7 @@ def objective_loss(
         f32, (logprobs, old_logprobs, advantages, weights, mask)
     )
     ref_logprobs, infer_logprobs, entropy = map(f32, (ref_logprobs, infer_logprobs, entropy))
+    sampler_old_logprobs = f32(sampler_old_logprobs)
     values, old_values, returns = map(f32, (values, old_values, returns))
     shapes = {
         "logprobs": logprobs,
@@ -97,6 +102,7 @@ def objective_loss(
         **shapes,
         "ref_logprobs": ref_logprobs,
         "infer_logprobs": infer_logprobs,
+        "sampler_old_logprobs": sampler_old_logprobs,
         "entropy": entropy,
         "values": values,
         "old_values": old_values,
@@ -105,7 +111,9 @@ def objective_loss(
         if arr is not None and arr.shape != mask.shape:
             raise ValueError(f"{name} has shape {arr.shape}, expected mask's shape {mask.shape}")
 
-    iw = importance_weights(cfg.importance, logprobs, old_logprobs, advantages, mask, infer_logprobs)
+    iw = importance_weights(
+        cfg.importance, logprobs, old_logprobs, advantages, mask, infer_logprobs, sampler_old_logprobs
+    )
     weights, advantages = sg(weights), sg(advantages)
     # Value `iw.surrogate`, gradient `iw.gradient * grad logp`: exp(logp - sg[logp]) - 1 is 0
     # with gradient grad logp, so clipped tokens log the clipped value but pass no gradient.
