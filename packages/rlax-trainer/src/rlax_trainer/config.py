@@ -93,6 +93,11 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       master weights.
     - `remat`: rematerialisation of each layer; `nothing_saveable` is the "aligned" mode.
     - `temperature`: the sampler's temperature (logprobs of the same distribution).
+    - `top_p`, `top_k`: the sampler's filters (1.0 and 0: off). The engine reports the
+      log-prob of the truncated, renormalised distribution it drew from, so when either is
+      on the trainer recomputes pi_old on that same support for the off-policy correction's
+      behaviour weight pi_prox / pi_behav (and the logprob mismatch metrics); the policy
+      ratio pi_theta / pi_old stays on the full distribution.
     - `logprob_chunk_size`: tokens (of batch x seq) per chunk of the vocabulary projection + softmax,
       recomputed in the backward pass (never a full [B, S, V] float32 logits tensor).
       None: dense.
@@ -111,6 +116,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprob_chunk_size: int | None = 256
     trim_padding: bool = True
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self) -> None:
@@ -133,6 +140,15 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """Whether the sampler draws from a top-p/top-k truncated distribution."""
+        return self.top_p < 1.0 or self.top_k > 0
 
     @property
     def micro(self) -> int:

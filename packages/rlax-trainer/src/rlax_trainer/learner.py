@@ -2,7 +2,8 @@
 
 Inside one `jax.jit`: (1) the trainer's own forward pass recomputes pi_old logprobs
 (and values, and reference logprobs) over micro-batches; the workers' logprobs are used
-only for mismatch metrics and TIS; (2) advantages and aggregation weights are formed on
+only for mismatch metrics and the off-policy correction (when the sampler truncates with
+top-p/top-k, against pi_old recomputed on the same truncated support: `sampler_logprobs`); (2) advantages and aggregation weights are formed on
 the whole batch; (3) for each minibatch, gradients are accumulated over micro-batches
 and one optax step is applied to the float32 master weights.
 """
@@ -29,10 +30,11 @@ from rlax_trainer.objective import objective_loss, prepare_batch
 from rlax_trainer.padding import trim_to_bucket
 from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
 
-__all__ = ["Learner", "TrainState", "batch_arrays"]
+__all__ = ["Learner", "TrainState", "batch_arrays", "sampler_logprobs"]
 
 sg = jax.lax.stop_gradient
 _SUMMED = ("loss", "pg_loss", "regularizer_loss", "value_loss", "nll")
+_ROW_MEANS = ("behav_corrected_seq_fraction",)  # per-row means: micro-batches have equal rows
 
 
 class TrainState(NamedTuple):
@@ -123,6 +125,61 @@ def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Arra
     return lp, ent, values
 
 
+def sampler_logprobs(
+    logits: jax.Array, targets: jax.Array, *, temperature: float, top_p: float, top_k: int
+) -> jax.Array:
+    """Log-prob of each target under the distribution the engine's sampler draws from
+    (`rlax_inference.sampler.filtered_logits`): softmax(logits / T) restricted to the top-k,
+    then to the smallest most-likely set whose probability (renormalised after top-k)
+    reaches top-p, the most likely token always kept, renormalised; ties in the order a
+    stable descending sort gives. A target outside the kept set gets -inf.
+
+    logits: [n, V] float32; targets: [n] int -> [n] float32.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.astype(jnp.float32) / temperature
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_vals = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)
+    keep = jnp.broadcast_to((top_k <= 0) | (rank < top_k), sorted_vals.shape)
+    sorted_vals = jnp.where(keep, sorted_vals, -jnp.inf)
+    probs = jax.nn.softmax(sorted_vals, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & ((before < top_p) | (rank == 0))
+    kept = jnp.where(keep, sorted_vals, -jnp.inf)
+    log_norm = jax.nn.logsumexp(kept, axis=-1)
+    # The target's rank: where it sits in `order`.
+    pos = jnp.argmax(order == targets[:, None], axis=-1)
+    return jnp.take_along_axis(kept, pos[:, None], axis=-1)[:, 0] - log_norm
+
+
+def _sampler_old_logprobs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+    """pi_old's log-probs [b, S-1] on the sampler's top-p/top-k support (see `sampler_logprobs`),
+    over chunks of `logprob_chunk_size` tokens (a [chunk, V] sort each); no gradient."""
+    cfg, mc = spec.config, spec.model
+    policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
+    ctx = rlax_model.DenseContext(valid=valid)
+    positions = rlax_model.positions_from_valid(valid)
+    hidden, _ = rlax_model.hidden_states(policy, tokens, positions, config=mc, attention_context=ctx)
+    hidden = hidden[:, :-1]
+    lead = tokens[:, 1:].shape
+    hid = hidden.reshape(-1, hidden.shape[-1])
+    tgt = tokens[:, 1:].reshape(-1)
+    total = tgt.shape[0]
+    chunk = min(cfg.logprob_chunk_size or total, total)
+    n = -(-total // chunk)
+    pad = n * chunk - total
+    hid = jnp.pad(hid, ((0, pad), (0, 0))).reshape(n, chunk, hid.shape[-1])
+    tgt = jnp.pad(tgt, (0, pad)).reshape(n, chunk)
+    w = rlax_model.lm_head_weight(policy, mc).astype(hid.dtype)
+
+    def one(xs):
+        logits = jnp.einsum("nh,hv->nv", xs[0], w, preferred_element_type=jnp.float32)
+        return sampler_logprobs(logits, xs[1], temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+
+    return jax.lax.map(one, (hid, tgt)).reshape(-1)[:total].reshape(lead)
+
+
 def _reference_logprobs(spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     ctx = rlax_model.DenseContext(valid=valid)
     return rlax_model.logprobs(
@@ -162,6 +219,7 @@ def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
         mask=mb["mask"],
         ref_logprobs=mb.get("ref_logprobs"),
         infer_logprobs=mb["worker_logprobs"],
+        sampler_old_logprobs=mb.get("sampler_old_logprobs"),
         entropy=ent,
         values=values,
         old_values=mb.get("old_values"),
@@ -198,6 +256,8 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
         if k in _SUMMED:
             # Weights were normalised over the whole batch: rescale to this minibatch's share.
             merged[k] = v.sum() * cfg.minibatches
+        elif k in _ROW_MEANS:
+            merged[k] = v.mean()
         elif k.endswith("_max"):
             merged[k] = v.max()
         elif k.endswith("_min"):
@@ -226,6 +286,10 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
             out["old_values"] = values
         if ref is not None:
             out["ref_logprobs"] = _reference_logprobs(spec, ref, xs["tokens"], xs["valid"])
+        if cfg.mode == "rl" and cfg.truncated_sampling:
+            out["sampler_old_logprobs"] = _sampler_old_logprobs(
+                spec, sg(state.params), xs["tokens"], xs["valid"]
+            )
         return None, out
 
     reuse = _reuses_policy_pass(spec, has_values="value" in state.params, has_ref=ref is not None)
@@ -259,7 +323,8 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
         metrics["on_policy_tokens"] = on_policy.sum()
 
     if not reuse:
-        logprob_metrics(old["old_logprobs"])
+        # On the sampler's support when it truncates: what the workers' logprobs are on.
+        logprob_metrics(old.get("sampler_old_logprobs", old["old_logprobs"]))
     lengths = mask.sum(1)
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 

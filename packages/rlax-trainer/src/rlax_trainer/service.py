@@ -78,6 +78,10 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "param_dtype": param_dtype,
             "remat": t.remat,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
+            # The workers' logprobs are on the top-p/top-k truncated distribution: the
+            # trainer recomputes pi_old on the same support (greedy ignores the filters).
+            "top_p": config.data.top_p if config.data.temperature > 0 else 1.0,
+            "top_k": config.data.top_k if config.data.temperature > 0 else 0,
             "optimizer": {
                 "lr": t.lr,
                 "warmup_steps": t.warmup_steps,

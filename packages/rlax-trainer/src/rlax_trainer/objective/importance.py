@@ -192,7 +192,8 @@ def behaviour_weights(
       without response tokens count as uncorrected).
     """
     prox_logprobs, behav_logprobs = jax.lax.stop_gradient((prox_logprobs, behav_logprobs))
-    log_w = (prox_logprobs - behav_logprobs) * mask
+    # `where`, not `* mask`: pi_prox of a token off the sampler's current support is -inf (w = 0).
+    log_w = jnp.where(mask > 0, prox_logprobs - behav_logprobs, 0.0)
     if corr.level == "sequence":
         total = log_w.sum(axis=1, keepdims=True)
         if ratio_level == "sequence":  # geometric mean, on GSPO's ratio scale
