@@ -1,11 +1,13 @@
-"""`rlax launch` with `launcher.backend: ray` on a local three-node Ray cluster.
+"""`rlax launch` with `launcher.backend: ray` on a local multi-node Ray cluster.
 
 Ray binds and advertises the machine's own address unless told otherwise, so every test
 that starts Ray runs `tests/ray_netns_run.py` inside a network namespace of its own that
-has only loopback (`unshare --net`, `ip link set lo up`; every node on 127.0.0.1). The
-helper starts the cluster (a service node, a trainer node and a worker node, each with
-its custom resource), runs the cases, checks what is left running and stops the cluster
-whatever happens. Without `unshare`/`ip` (or not as root) these tests FAIL, naming what
+has only loopback (`unshare --net`, `ip link set lo up`; each node on its own 127.0.0.x, so
+a process that moves to another node really changes address). The helper starts the
+cluster (a head for the launcher; a service node, a trainer node and a worker node, each
+with its custom resource; for the slow tests a second service and trainer node), runs the
+cases, checks what is left running (actors, placement groups, processes) and stops the
+cluster whatever happens. Without `unshare`/`ip` (or not as root) these tests FAIL, naming what
 is missing: they are never skipped.
 """
 
@@ -135,26 +137,13 @@ def test_unreachable_address_fails_fast_naming_it(tmp_path: pathlib.Path) -> Non
 
 
 def test_ray_cluster_short(tmp_path: pathlib.Path) -> None:
-    """Bad resource (fails at once naming the role), a role env without its package (exit
-    69, the run stops with `pip install rlax-data`), then 4 steps of the demo, each role on
-    the node its resources select; nothing left running after any of them."""
-    python = env_without_data(tmp_path / "env-without-data")
-    result = netns_run(
-        tmp_path,
-        "--cases=bad_resource,missing,run",
-        f"--missing-python={python}",
-        "run.steps=4",
-        timeout=240,
-    )
+    """Bad resource (fails at once naming the role), then 4 steps of the demo, each role on
+    the node its resources select; nothing left running after either."""
+    result = netns_run(tmp_path, "--cases=bad_resource,run", "run.steps=4", timeout=480)
     bad = result["bad_resource"]
     assert not bad["success"] and bad["launch_s"] < 60, bad
     assert "launcher.resources.trainer" in bad["config_error"] and "tpu_v5p_slice" in bad["config_error"], bad
     assert bad["left"] == NOTHING_LEFT, bad["left"]
-
-    missing = result["missing"]
-    assert not missing["success"] and missing["launch_s"] < 60, missing
-    assert "verifier" in missing["reason"] and "pip install rlax-data" in missing["reason"], missing["reason"]
-    assert missing["left"] == NOTHING_LEFT, missing["left"]
 
     check_run(result["run"], 4)
     assert len(result["run"]["placed"]) == 6, result["run"]["placed"]
@@ -162,6 +151,18 @@ def test_ray_cluster_short(tmp_path: pathlib.Path) -> None:
     logs = tmp_path / "run" / "run" / "logs"
     for name in ("controller", "trainer", "worker0", "worker1", "paramserver", "verifier"):
         assert (logs / f"{name}.log").stat().st_size > 0, name
+
+
+@pytest.mark.slow
+def test_a_role_environment_without_its_package_stops_the_run_naming_it(tmp_path: pathlib.Path) -> None:
+    """The verifier's environment lacks rlax-data: exit 69, the run stops with
+    `pip install rlax-data`, nothing left running (slow: it builds an environment)."""
+    python = env_without_data(tmp_path / "env-without-data")
+    result = netns_run(tmp_path, "--cases=missing", f"--missing-python={python}", "run.steps=4", timeout=480)
+    missing = result["missing"]
+    assert not missing["success"] and missing["launch_s"] < 60, missing
+    assert "verifier" in missing["reason"] and "pip install rlax-data" in missing["reason"], missing["reason"]
+    assert missing["left"] == NOTHING_LEFT, missing["left"]
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ each, FSDP over both), beside the parameter server, controller, workers and veri
 - The gang trains every accepted rollout exactly once and ends with the weights of a
   one-process trainer (`trainer.hosts=1`) up to float32 summation order.
 - `trainer1` SIGKILLed mid-run: the supervisor stops `trainer0` too, restarts both from the
-  last checkpoint, and the run ends with the undisturbed gang's prompts and exact weights
-  (slow, `nox -s slow`: a third launch does not fit the default session's time).
+  last checkpoint, and the run ends with the undisturbed gang's prompts and exact weights.
+- A member whose peer dies exits non-zero instead of hanging.
+
+The whole-run tests are slow (`nox -s slow`): the default session is near CI's limit.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return {"root": root, "cache": root / "jax_cache", "gang": gang.result(), "single": single.result()}
 
 
+@pytest.mark.slow  # two whole runs: in `nox -s slow` (the default suite is near CI's limit)
 def test_a_two_process_trainer_gang_trains_every_accepted_rollout_once(runs: dict[str, Any]) -> None:
     run = runs["gang"]
     for name in ("trainer0", "trainer1"):
@@ -101,6 +104,7 @@ def test_a_two_process_trainer_gang_trains_every_accepted_rollout_once(runs: dic
     assert all(v == r["step"] - 1 for r in run["train"] for v in r["rollout_versions"])  # k = 0
 
 
+@pytest.mark.slow  # two whole runs: in `nox -s slow` (the default suite is near CI's limit)
 def test_the_gang_ends_with_the_weights_of_a_one_process_trainer(runs: dict[str, Any]) -> None:
     check_trained_exactly_once(runs["single"])
     assert (
