@@ -3,7 +3,9 @@ deterministic prompt source (stand-ins for the inference worker and the data pac
 
 from __future__ import annotations
 
+import pathlib
 import socket
+import sys
 import threading
 import uuid
 from typing import Any
@@ -15,6 +17,11 @@ from rlax_controller.scheduling import PromptItem
 from rlax_core.testing import LoopThread
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
 from rlax_protocol.transport import parse_request, reply_parts, welcome_for
+
+# --import-mode=importlib does not put test folders on sys.path; our helpers live here.
+_HERE = str(pathlib.Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def free_port() -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -12,32 +10,12 @@ import textwrap
 import time
 
 import pytest
+from child_processes import alive, events, py
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
 FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
-
-
-def py(code: str) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(code)]
-
-
-def events(log_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "events.jsonl").read_text().splitlines()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is dead for our purpose.
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_crashing_process_restarts_then_run_completes(tmp_path: pathlib.Path) -> None:
