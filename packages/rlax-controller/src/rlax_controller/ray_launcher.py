@@ -68,7 +68,7 @@ from rich.console import Console
 from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, summarise
 from rlax_controller.metrics import ProgressDisplay
 from rlax_controller.preflight import validate_components
-from rlax_controller.supervisor import SupervisorReport
+from rlax_controller.supervisor import SupervisorReport, _tail
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, dump_config, load_config
 
 __all__ = ["READY_TIMEOUT_S", "launch"]
@@ -364,13 +364,6 @@ def _with_addresses(config: RunConfig, found: dict[str, str]) -> RunConfig:
             config.workers, addresses=[found.get(f"worker{i}", a) for i, a in enumerate(workers)]
         ),
     )
-
-
-def _tail(path: pathlib.Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class _Interrupted(Exception):
