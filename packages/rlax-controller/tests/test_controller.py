@@ -197,12 +197,18 @@ def test_controller_restart_resumes_same_prompt_sequence(
     first.controller.complete_replied = True  # makes run() return promptly
     first.join()
     second = ControllerThread(config, toy, workers)
-    trained.update(train(config.controller.address, workers, start_step=3))
+    # The first controller never heard how step 3 went; the trainer's next request says it.
+    trained.update(train(config.controller.address, workers, start_step=3, metrics={"loss": 0.25}))
     second.join()
     assert sorted(trained) == list(range(6))
     records = latest_per_step(read_metrics(config.output_dir / "metrics.jsonl", kind="train"))
     consumed = [p for r in records for p in r["consumed_prompt_ids"]]
     assert consumed == [f"p{i}" for i in range(18)]
+    # Every step's record is complete, the trainer's fields included (issue 16).
+    assert [(r["step"], r["loss"], r.get("recovered", False)) for r in records] == [
+        (1, 0.5, False), (2, 0.5, False), (3, 0.25, True), (4, 0.25, False), (5, 0.25, False),
+        (6, 0.25, False),
+    ]  # fmt: skip
     restored = [
         r for r in read_metrics(config.output_dir / "metrics.jsonl", kind="event") if r["event"] == "restored"
     ]

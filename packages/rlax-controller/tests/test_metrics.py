@@ -11,6 +11,7 @@ from rlax_controller.metrics import (
     ProgressDisplay,
     generation_record,
     latest_per_step,
+    moving_average,
     plot_run,
     read_metrics,
     summary_rows,
@@ -71,6 +72,14 @@ def test_summary_and_plot(tmp_path: pathlib.Path) -> None:
     assert "pass@8" in out.getvalue()
     png = plot_run(records, tmp_path / "plot.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moving_average_of_the_last_window_skips_missing_values() -> None:
+    nan = float("nan")
+    averaged = moving_average([1.0, 2.0, 3.0, 4.0, nan, 6.0, nan, nan, nan], window=3)
+    # By hand: [1], [1,2], [1,2,3], [2,3,4], [3,4], [4,6], [6], [6], [] (none finite).
+    assert averaged[:8] == [1.0, 1.5, 2.0, 3.0, 3.5, 5.0, 6.0, 6.0]
+    assert averaged[8] != averaged[8]  # NaN
 
 
 def test_progress_plain_lines_when_not_a_tty() -> None:

@@ -262,8 +262,16 @@ class Controller:
         )
         logged = {r["step"] for r in read_metrics(self.metrics.path, kind="train")}
         if snapshot.batch_record and step not in logged:
-            # The previous controller died between the trainer's commit and its metrics line.
-            self.metrics.write({**snapshot.batch_record, **snapshot.counters, "recovered": True})
+            # The previous controller died between the trainer's commit and its metrics line;
+            # the trainer's request carries that step's figures (it keeps them in its checkpoint).
+            self.metrics.write(
+                {
+                    **self._finite_trainer_metrics(),
+                    **snapshot.batch_record,
+                    **snapshot.counters,
+                    "recovered": True,
+                }
+            )
         log.info("restored snapshot of step %d (checkpoint %s)", step, snapshot.checkpoint)
 
     def _initial_snapshot(self) -> None:
@@ -285,9 +293,9 @@ class Controller:
             if step == 0 and not self.store.steps():
                 self._initial_snapshot()
             else:
+                self.trainer_metrics = dict(request.metrics)
                 self._restore(step)
             self.restored = True
-            self.trainer_metrics = dict(request.metrics)
             self._eval_if_due(self.scheduler.step)
         elif self.sent_batch is not None and step == self.sent_batch.step + 1:
             self.trainer_metrics = dict(request.metrics)
@@ -298,6 +306,7 @@ class Controller:
                 step,
                 self.scheduler.step,
             )
+            self.trainer_metrics = dict(request.metrics)
             self._restore(step)
             self._eval_if_due(step)
         if self.scheduler.step >= self.config.run.steps:
@@ -385,18 +394,21 @@ class Controller:
             rollout_ids=tuple(batch.rollout_ids),
         )
 
+    def _finite_trainer_metrics(self) -> dict[str, float]:
+        """The trainer's figures, placed before the controller's own fields so that they never
+        replace them (a metric named `step` or `kind` would misfile the record); only finite
+        numbers are kept."""
+        return {
+            k: v for k, v in self.trainer_metrics.items() if isinstance(v, int | float) and math.isfinite(v)
+        }
+
     def _commit(self, batch: Batch) -> None:
         self.scheduler.commit(batch)
         self.sent_batch = None
         now = time.monotonic()
         elapsed = max(now - self._rate_since, 1e-9)
-        # The trainer's figures never replace the controller's own fields (a metric named
-        # `step` or `kind` would misfile the record) and only finite numbers are kept.
-        trainer = {
-            k: v for k, v in self.trainer_metrics.items() if isinstance(v, int | float) and math.isfinite(v)
-        }
         record: dict[str, Any] = {
-            **trainer,
+            **self._finite_trainer_metrics(),
             **self._batch_record(batch),
             "gen_tokens_per_s": self._rate_tokens / elapsed,
             "step_time_s": now - self._last_step_time,

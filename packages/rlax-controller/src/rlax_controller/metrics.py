@@ -273,6 +273,16 @@ def summary_table(records: list[dict[str, Any]], title: str = "RLAX run summary"
     return table
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The mean of the last `window` finite values at each position (fewer at the start);
+    NaN where none of them is finite."""
+    averaged = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1) : i + 1] if math.isfinite(v)]
+        averaged.append(sum(recent) / len(recent) if recent else math.nan)
+    return averaged
+
+
 def plot_run(
     records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "RLAX run"
 ) -> pathlib.Path:
@@ -286,9 +296,11 @@ def plot_run(
     evals = latest_per_step(r for r in records if r.get("kind") == "eval")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     steps = [r["step"] for r in train]
-    axes[0].plot(
-        steps, [r.get("reward_mean", math.nan) for r in train], marker=".", label="train reward (mean)"
-    )
+    rewards = [float(r.get("reward_mean", math.nan)) for r in train]
+    axes[0].plot(steps, rewards, ".", alpha=0.35, label="train reward (batch mean)")
+    window = max(1, min(25, len(rewards) // 10))
+    if window > 1:
+        axes[0].plot(steps, moving_average(rewards, window), lw=2, label=f"moving average ({window} steps)")
     axes[0].set_title("training reward")
     eval_keys = sorted({k for r in evals for k in r if k.startswith(("pass@", "reward_mean"))})
     for key in eval_keys:

@@ -144,6 +144,7 @@ class TrainerLoop:
             self.output / "checkpoints" / "reference", max_to_keep=1, asynchronous=False
         )
         uses_reference = template.uses_reference
+        self.last_metrics: dict[str, float] = {}  # the figures of the last committed step
         if restored is None:
             # The template's float32 params and optimizer state (3x the model) would otherwise
             # still be alive while the learner below allocates its own: free them first.
@@ -177,6 +178,7 @@ class TrainerLoop:
                 seed=config.run.seed,
             )
             self.learner.load_state(state)
+            self.last_metrics = dict(info.extra.get("metrics", {}))
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
         reference_store.close()
         jax.clear_caches()
@@ -303,7 +305,11 @@ class TrainerLoop:
             {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
         )
         self.checkpoints.save(
-            self.learner.state, version=self.step + 1, extra={"rollout_ids": list(batch.rollout_ids)}
+            self.learner.state,
+            version=self.step + 1,
+            # The step's figures travel with it: a trainer restarted before it could report
+            # them to the controller reports them from here.
+            extra={"rollout_ids": list(batch.rollout_ids), "metrics": metrics},
         )
         self.checkpoints.wait()
         release_free_memory()  # the checkpoint's buffers, before the next update
@@ -337,7 +343,7 @@ def run(config: RunConfig, process_id: int = 0) -> int:
         if gang.leader
         else None
     )
-    metrics: dict[str, float] = {}
+    metrics = loop.last_metrics
     last_publish_check = 0.0
     try:
         loop.publish()
