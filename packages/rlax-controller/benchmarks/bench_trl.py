@@ -5,10 +5,11 @@ prompts and machine, side by side.
    `EVAL_EVERY` steps); it keeps every checkpoint so the post-SFT weights (version 0) stay.
 2. `rlax convert to-hf --step 0` exports those weights; a `tokenizers` char-level
    tokenizer over `CharTokenizer`'s vocabulary (same ids) makes them usable by TRL.
-3. TRL's `GRPOTrainer` trains the same weights on the same training prompts: 16 prompts x 8
-   samples per generation batch, 4 optimizer steps per batch (`steps_per_generation=4`),
-   the same lr, clip (0.2), no KL, same max new tokens and temperature, reward from the same
-   `rlax_data` verifier. A callback evaluates the same 64 held-out prompts x 8 samples at
+3. TRL's `GRPOTrainer` trains the same weights on the same training prompts: the demo's
+   prompts x samples per generation batch, its optimizer steps per batch
+   (`steps_per_generation` = `trainer.minibatches`), the same lr and schedule (cosine down
+   to `min_lr_ratio` over the run), clip (0.2), no KL, same max new tokens and temperature,
+   reward from the same `rlax_data` verifier. A callback evaluates the same 64 held-out prompts x 8 samples at
    temperature 1 after the same number of batches.
 
 Target: evaluation mean reward >= (post-SFT reward of the RLAX run) + `TARGET_GAIN`.
@@ -32,7 +33,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 160  # RL steps (generation batches) for both sides
 EVAL_EVERY = 20
 TARGET_GAIN = 0.15
-PROMPTS_PER_STEP, GROUP, MINIBATCHES = 16, 8, 4
 
 
 def run_rlax(out: pathlib.Path, cache: pathlib.Path) -> dict[str, Any]:
@@ -79,6 +79,14 @@ def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) 
 
     torch.manual_seed(0)
     config = load_config(config_path, [])
+    prompts_per_step, group = config.data.prompts_per_step, config.data.group_size
+    minibatches = config.trainer.minibatches
+    schedule: dict[str, Any] = (
+        {"lr_scheduler_type": "cosine_with_min_lr",
+         "lr_scheduler_kwargs": {"min_lr_rate": config.trainer.min_lr_ratio}}
+        if config.trainer.lr_schedule == "cosine"
+        else {"lr_scheduler_type": "constant"}
+    )  # fmt: skip
     task = build_task(config)
     ctok = task.tokenizer
     tok = hf_tokenizer(ctok)
@@ -96,7 +104,7 @@ def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) 
     source = task.prompt_source()
     records: dict[str, Any] = {}
     rows = []
-    for _ in range(STEPS * PROMPTS_PER_STEP):
+    for _ in range(STEPS * prompts_per_step):
         item = source.next_prompt()
         records[item.record.id] = item.record
         rows.append({"prompt": ctok.BOS + item.record.prompt_text(), "record_id": item.record.id})
@@ -138,16 +146,16 @@ def run_trl(config_path: pathlib.Path, hf_dir: pathlib.Path, out: pathlib.Path) 
             self._record(0)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-            if state.global_step % (EVAL_EVERY * MINIBATCHES) == 0:
-                self._record(state.global_step // MINIBATCHES)
+            if state.global_step % (EVAL_EVERY * minibatches) == 0:
+                self._record(state.global_step // minibatches)
 
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no", logging_steps=STEPS * MINIBATCHES,
-        learning_rate=config.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no", logging_steps=STEPS * minibatches,
+        learning_rate=config.trainer.lr, **schedule, warmup_steps=0,
         max_grad_norm=config.trainer.max_grad_norm, weight_decay=0.0,
-        num_generations=GROUP,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // MINIBATCHES, steps_per_generation=MINIBATCHES,
-        gradient_accumulation_steps=1, max_steps=STEPS * MINIBATCHES, num_train_epochs=1,
+        num_generations=group,
+        per_device_train_batch_size=prompts_per_step * group // minibatches, steps_per_generation=minibatches,
+        gradient_accumulation_steps=1, max_steps=STEPS * minibatches, num_train_epochs=1,
         max_completion_length=config.data.max_new_tokens, temperature=config.data.temperature,
         top_k=0, beta=0.0, epsilon=0.2, loss_type="grpo", shuffle_dataset=False, seed=config.run.seed,
         disable_tqdm=True,

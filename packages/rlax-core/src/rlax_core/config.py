@@ -229,6 +229,8 @@ class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start.
+    `lr_schedule`: `constant`, or `cosine` from `lr` down to `lr * min_lr_ratio` at the run's
+    last step (`run.steps`); `warmup_steps` counts optimizer steps (`minibatches` per step).
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
     0 is synchronous, on-policy training (generation waits for each update).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
@@ -239,6 +241,8 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     preset: str = "grpo"
     objective: dict[str, Any] = msgspec.field(default_factory=dict)
     lr: float = 1e-4
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -265,6 +269,13 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             self.sft_lr,
             "must be a finite number > 0",
         )
+        _check(
+            self.lr_schedule in ("constant", "cosine"),
+            "lr_schedule",
+            self.lr_schedule,
+            "must be constant or cosine",
+        )
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")

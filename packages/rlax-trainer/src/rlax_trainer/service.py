@@ -84,6 +84,10 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "top_k": config.data.top_k if config.data.temperature > 0 else 0,
             "optimizer": {
                 "lr": t.lr,
+                "schedule": t.lr_schedule,
+                # Optimizer steps: `minibatches` per RL step, so the decay ends with the run.
+                "decay_steps": max(1, config.run.steps * t.minibatches - t.warmup_steps),
+                "min_lr_ratio": t.min_lr_ratio,
                 "warmup_steps": t.warmup_steps,
                 "weight_decay": t.weight_decay,
                 "max_grad_norm": t.max_grad_norm,
