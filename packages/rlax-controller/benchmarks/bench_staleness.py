@@ -28,7 +28,7 @@ SETTINGS = {
     "lag 0": ["controller.lag=0", "trainer.k=0"],
     "lag 1": ["controller.lag=1", "trainer.k=1"],
     "lag 2": ["controller.lag=2", "trainer.k=2"],
-    "lag 4": ["controller.lag=4", "trainer.k=4"],
+    "lag 4": ["controller.lag=4", "trainer.k=4", "paramserver.keep=5"],  # keep >= lag + j
     "freshest (4,8)": ["controller.versions=freshest", "workers.j=4", "trainer.k=8"],
 }
 
