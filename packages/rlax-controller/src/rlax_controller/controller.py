@@ -289,16 +289,16 @@ class Controller:
 
     def _on_batch_request(self, request: BatchRequest) -> Message:
         step = request.trainer_step
+        # The figures of the trainer's last committed step (resent after its restarts).
+        self.trainer_metrics = dict(request.metrics)
         if not self.restored:
             if step == 0 and not self.store.steps():
                 self._initial_snapshot()
             else:
-                self.trainer_metrics = dict(request.metrics)
                 self._restore(step)
             self.restored = True
             self._eval_if_due(self.scheduler.step)
         elif self.sent_batch is not None and step == self.sent_batch.step + 1:
-            self.trainer_metrics = dict(request.metrics)
             self._commit(self.sent_batch)
         elif step != self.scheduler.step:
             log.warning(
@@ -306,7 +306,6 @@ class Controller:
                 step,
                 self.scheduler.step,
             )
-            self.trainer_metrics = dict(request.metrics)
             self._restore(step)
             self._eval_if_due(step)
         if self.scheduler.step >= self.config.run.steps:

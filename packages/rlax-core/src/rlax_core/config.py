@@ -269,12 +269,6 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             self.sft_lr,
             "must be a finite number > 0",
         )
-        _check(
-            self.lr_schedule in ("constant", "cosine"),
-            "lr_schedule",
-            self.lr_schedule,
-            "must be constant or cosine",
-        )
         _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
