@@ -42,19 +42,25 @@ BASE = [
 
 
 def launch(
-    out: pathlib.Path, cache: pathlib.Path, *extra: str, kills: list[tuple[int, str]] | None = None
+    out: pathlib.Path,
+    cache: pathlib.Path,
+    *extra: str,
+    kills: list[tuple[int, str]] | None = None,
+    config: pathlib.Path = DEMO_CONFIG,
+    base: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run `rlax launch` to completion; `kills`: (step, process name) SIGKILLed once the
-    run's metrics reach that step. Returns what the run left behind."""
+    """Run `rlax launch config` (with the `base` overrides, `BASE` by default, then `extra`)
+    to completion; `kills`: (step, process name) SIGKILLed once the run's metrics reach that
+    step. Returns what the run left behind."""
     cmd = [
         sys.executable,
         "-m",
         "rlax_core.cli",
         "launch",
-        str(DEMO_CONFIG),
+        str(config),
         f"run.output_dir={out}",
         f"run.jax_cache_dir={cache}",
-        *BASE,
+        *(BASE if base is None else base),
         *extra,
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "0"}
@@ -86,6 +92,7 @@ def launch(
     assert not pending, f"the run finished before these kills: {pending}"
     events = [json.loads(line) for line in (out / "logs" / "events.jsonl").read_text().splitlines()]
     return {
+        "dir": out,
         "output": output,
         "weights": final_weights(out),
         "train": latest_per_step(read_metrics(out / "metrics.jsonl", kind="train")),

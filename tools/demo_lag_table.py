@@ -20,15 +20,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from demo_seeds import ROOT, launch_demo
+
 CORRECTIONS = {
     "none": [],
     "tis 2": ["trainer.objective.importance.correction={kind: tis, upper: 2.0}"],
@@ -37,15 +37,7 @@ CORRECTIONS = {
 
 def launch(out: pathlib.Path, overrides: list[str], timeout_s: float) -> list[dict[str, Any]]:
     """One `rlax launch` of the demo; its metrics records."""
-    cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", "--overwrite", str(ROOT / "configs" / "demo.yaml"),
-        f"run.output_dir={out}", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if result.returncode != 0:
-        raise SystemExit(f"{out}: rlax launch exited {result.returncode}:\n{result.stdout[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return launch_demo(ROOT / "configs" / "demo.yaml", out, overrides, timeout_s=timeout_s)
 
 
 def steps_to_target(records: list[dict[str, Any]], target: float, window: int) -> int | None:

@@ -1,10 +1,10 @@
 """The demo over several seeds: eval pass@1 (and pass@8) at every evaluation step, with
 the mean and spread across seeds.
 
-    python tools/demo_seeds.py --seeds 0 1 2 [--out DIR] [key=value ...]
+    python tools/demo_seeds.py --seeds 0 1 2 [--out DIR] [--config configs/demo.yaml] [key=value ...]
 
-Each seed is one `rlax launch configs/demo.yaml run.seed=S` (sequential, so the runs do
-not share the CPU). `--cli-module` and `--pythonpath` run another checkout's launcher
+Each seed is one `rlax launch CONFIG run.seed=S` (sequential, so the runs do not share the
+CPU); multi-turn runs (`configs/multiturn-demo.yaml`) report their tool use too. `--cli-module` and `--pythonpath` run another checkout's launcher
 (e.g. an older commit in a git worktree) with the same interpreter, for a side-by-side
 comparison.
 """
@@ -19,28 +19,49 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_seed(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[int, dict[str, float]]:
-    config = pathlib.Path(args.root) / "configs" / "demo.yaml"
+def launch_demo(
+    config: pathlib.Path,
+    out: pathlib.Path,
+    overrides: list[str],
+    *,
+    timeout_s: float,
+    cli_module: str = "rlax_core.cli",
+    pythonpath: str = "",
+) -> list[dict[str, Any]]:
+    """One `rlax launch --overwrite config` into `out`; the run's metrics records."""
     cmd = [
-        sys.executable, "-m", args.cli_module, "launch", "--overwrite", str(config),
-        f"run.seed={seed}", f"run.output_dir={out}", *args.overrides,
+        sys.executable, "-m", cli_module, "launch", "--overwrite", str(config), f"run.output_dir={out}",
+        *overrides,
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    if args.pythonpath:
-        env["PYTHONPATH"] = args.pythonpath
-    started = time.monotonic()
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
-        raise SystemExit(f"seed {seed}: rlax launch exited {result.returncode}:\n{result.stdout[-3000:]}")
+        raise SystemExit(f"{out}: rlax launch exited {result.returncode}:\n{result.stdout[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# Evaluation figures collected per step: pass@k, and the tool use of multi-turn runs.
+EVAL_KEYS = ("pass@", "tool_use_rate", "tool_ok_rate")
+
+
+def run_seed(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[int, dict[str, float]]:
+    config = pathlib.Path(args.root) / args.config
+    started = time.monotonic()
+    records = launch_demo(
+        config, out, [f"run.seed={seed}", *args.overrides], timeout_s=args.timeout_s,
+        cli_module=args.cli_module, pythonpath=args.pythonpath,
+    )  # fmt: skip
     evals: dict[int, dict[str, float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         if record.get("kind") == "eval":
-            evals[int(record["step"])] = {k: float(v) for k, v in record.items() if k.startswith("pass@")}
+            evals[int(record["step"])] = {k: float(v) for k, v in record.items() if k.startswith(EVAL_KEYS)}
     print(f"seed {seed}: {time.monotonic() - started:.0f}s, eval steps {sorted(evals)}", flush=True)
     return evals
 
@@ -49,7 +70,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/demo-seeds")
-    parser.add_argument("--root", default=str(ROOT), help="checkout whose configs/demo.yaml runs")
+    parser.add_argument("--root", default=str(ROOT), help="checkout whose config runs")
+    parser.add_argument("--config", default="configs/demo.yaml", help="the config, relative to --root")
     parser.add_argument("--cli-module", default="rlax_core.cli")
     parser.add_argument("--pythonpath", default="")
     parser.add_argument("--timeout-s", type=float, default=3600.0)

@@ -14,7 +14,7 @@ from rlax_controller import controller as controller_module
 from rlax_controller.controller import Controller
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.scheduling import PromptItem
-from rlax_core.config import load_config
+from rlax_core.config import ConfigError, load_config
 from rlax_core.control import (
     BatchRequest,
     NoBatchYet,
@@ -26,7 +26,7 @@ from rlax_core.control import (
     encode_control,
 )
 from rlax_core.links import ControlClient, PeerLink
-from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError
+from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError, RemoteError
 from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
 from rlax_protocol.messages import (
     PROTOCOL_VERSION,
@@ -59,12 +59,12 @@ def make_config(tmp_path: pathlib.Path, port: int, **extra: Any) -> Any:
 
 
 class ControllerThread:
-    def __init__(self, config: Any, toy: Any, workers: list[Any]) -> None:
+    def __init__(self, config: Any, toy: Any, workers: list[Any], scorer: Any = None) -> None:
         evals = [PromptItem(f"e{i}", (9, i + 1), record=i) for i in range(3)]
         self.controller = Controller(
             config,
             source=toy.Source(),
-            scorer=toy.Scorer(),
+            scorer=scorer or toy.Scorer(),
             eval_items=evals,
             worker_addresses=[w.address for w in workers],
         )
@@ -168,6 +168,32 @@ def test_dead_worker_prompts_go_to_another(tmp_path: pathlib.Path, toy: Any, fak
         + ct.controller.scheduler.counters.get("requests_timed_out", 0)
         >= 0
     )
+
+
+class RouteMissingScorer:
+    """A verifier service that serves no route for the run's task."""
+
+    def score(self, item: PromptItem, completions: Any) -> list[tuple[float, bool]]:
+        raise RemoteError("not_found", "batch item 0: task='tool_arithmetic': not one of ['math']")
+
+
+def test_a_task_the_verifier_service_cannot_score_stops_the_run_with_a_config_error(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
+    # Retrying cannot help: the run used to requeue the group forever.
+    workers = fake_workers(1)
+    config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0})
+    ct = ControllerThread(config, toy, workers, scorer=RouteMissingScorer())
+    # The trainer's first request starts the dispatch; no batch can ever be scored.
+    client = ControlClient(
+        config.controller.address, encode=encode_control, decode=decode_control, timeout_s=5.0
+    )
+    try:
+        assert isinstance(client.call(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
+    finally:
+        client.close()
+    with pytest.raises(ConfigError, match="verifier service cannot score.*tool_arithmetic"):
+        ct.join()
 
 
 def test_hung_worker_requests_time_out_and_go_elsewhere(

@@ -18,7 +18,7 @@ import zmq
 import rlax_protocol as rp
 from rlax_data import CallCase, CodeTests, Record
 from rlax_data.service import RemoteVerifier, VerifierService, default_routes
-from rlax_data.tasks import ArithmeticTask, CountdownTask
+from rlax_data.tasks import TASK_NAMES, ArithmeticTask, CountdownTask, make_task
 from rlax_data.verify import build_verifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier
@@ -280,3 +280,17 @@ def test_a_bad_record_fails_alone_and_the_rest_stay_batched():
     assert runner.runs == {rid: 1 for rid in good}
     # Halving around the bad record leaves at most log2(16) + 1 batches, not 15 of one.
     assert len(runner.batches) <= 5 and max(runner.batches) >= 8, runner.batches
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_every_built_in_task_is_served_as_its_own_verifier_scores_it(name):
+    # A run with `verifier.mode: service` routes each record by its task name: a built-in task
+    # without a route looped forever on 'not_found' (tool_arithmetic did).
+    task = make_task(name)
+    records = task.generate(6, seed=3)
+    completions = [r.answer for r in records[:3]] + ["0" + (r.answer or "") + "x" for r in records[3:]]
+    items = list(zip(completions, records, strict=True))
+    served = build_verifier(default_routes()).verify(items)
+    own = task.verifier().verify(items)
+    assert [(r.reward, r.correct) for r in served] == [(r.reward, r.correct) for r in own]
+    assert [r.correct for r in served] == [True] * 3 + [False] * 3

@@ -57,6 +57,24 @@ EXAMPLES: list[rp.Message] = [
     rp.GenerateRequest(request_id="r1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, n=4),
     rp.GenerateRequest(request_id="r2", prompt_token_ids=(1,), sampling=SAMPLING, weight_version=7),
     rp.Sample(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop"),
+    rp.AgentSpec(environment="calculator", record='{"id": "r1"}', max_turns=3, max_total_tokens=64),
+    rp.GenerateRequest(
+        request_id="r3",
+        prompt_token_ids=(1, 2),
+        sampling=SAMPLING,
+        n=2,
+        agent=rp.AgentSpec(environment="calculator", tool_timeout_s=2.0),
+    ),
+    rp.Sample(
+        token_ids=(5, 6, 7, 8),
+        logprobs=(-0.1, 0.0, 0.0, -0.3),
+        finish_reason="stop",
+        model_mask=(1, 0, 0, 1),
+        turns=2,
+        tool_calls=1,
+        end="answer",
+        env_reward=0.5,
+    ),
     rp.GenerateResult(
         request_id="r1",
         samples=(
@@ -80,6 +98,26 @@ EXAMPLES: list[rp.Message] = [
         policy_version=7,
         reward=1.0,
     ),
+    rp.Rollout(
+        prompt_id="p1",
+        group_index=0,
+        prompt_token_ids=(1, 2),
+        completion_token_ids=(3, 4, 5),
+        worker_logprobs=(-0.5, 0.0, -0.2),
+        policy_version=7,
+        reward=0.0,
+        completion_mask=(1, 0, 1),
+    ),
+    rp.EnvStepRequest(
+        request_id="e1",
+        environment="calculator",
+        record='{"id": "r"}',
+        turns=("[1+2]", "3"),
+        options='{"format": "bracket"}',
+        timeout_s=5.0,
+    ),  # fmt: skip
+    rp.EnvStepResult(request_id="e1", observation="(3)", done=False, tool_calls=1),
+    rp.EnvStepResult(request_id="e2", observation="", done=True, reward=1.0),
     rp.VerifyRequest(request_id="v1", verifier="math", completion="\\boxed{2}", reference="2"),
     rp.VerifyResult(request_id="v1", reward=1.0, correct=True),
     rp.VerifyBatch(request_id="b1", items=3, timeout_s=5.0),
@@ -185,6 +223,47 @@ def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: i
             ),
             "worker_logprobs",
         ),
+        (
+            lambda: rp.Rollout(
+                prompt_id="p",
+                group_index=0,
+                prompt_token_ids=(1,),
+                completion_token_ids=(1, 2),
+                worker_logprobs=(0.0, 0.0),
+                policy_version=0,
+                completion_mask=(1,),
+            ),
+            "completion_mask",
+        ),
+        (
+            lambda: rp.Sample(token_ids=(1, 2), logprobs=(), finish_reason="stop", model_mask=(1, 2)),
+            "model_mask",
+        ),
+        (lambda: rp.Sample(token_ids=(1,), logprobs=(), finish_reason="stop", tool_errors=-1), "tool_errors"),
+        (
+            lambda: rp.Sample(token_ids=(1,), logprobs=(), finish_reason="stop", env_reward=float("nan")),
+            "env_reward",
+        ),
+        (lambda: rp.AgentSpec(environment=""), "environment"),
+        (lambda: rp.EnvStepRequest(request_id="e", environment="", record="{}", turns=("x",)), "environment"),
+        (lambda: rp.EnvStepRequest(request_id="e", environment="calculator", record="{}", turns=()), "turns"),
+        (
+            lambda: rp.EnvStepRequest(
+                request_id="e", environment="calculator", record="{}", turns=("x",) * (rp.MAX_ENV_TURNS + 1)
+            ),
+            "turns",
+        ),
+        (
+            lambda: rp.EnvStepRequest(
+                request_id="e", environment="calculator", record="{}", turns=("x",), timeout_s=float("inf")
+            ),
+            "timeout_s",
+        ),
+        (lambda: rp.EnvStepResult(request_id="e", observation="", done=True, tool_calls=-1), "tool_calls"),
+        (lambda: rp.EnvStepResult(request_id="e", observation="", done=True, reward=float("nan")), "reward"),
+        (lambda: rp.AgentSpec(environment="calculator", max_turns=0), "max_turns"),
+        (lambda: rp.AgentSpec(environment="calculator", max_total_tokens=0), "max_total_tokens"),
+        (lambda: rp.AgentSpec(environment="calculator", tool_timeout_s=float("inf")), "tool_timeout_s"),
     ],
 )
 def test_validation_names_field(build, field: str) -> None:

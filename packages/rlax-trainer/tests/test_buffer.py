@@ -126,3 +126,24 @@ def test_collate_layout():
         np.testing.assert_array_equal(targets, g[i].completion_token_ids)
     with pytest.raises(ValueError, match="more than seq_len=5"):
         collate([g], seq_len=5)
+
+
+def test_collate_masks_out_the_environment_turns_of_a_trajectory():
+    # prompt (1 2 3) | model 7 8 | environment 40 41 42 | model 9 | environment 43 | model 10 11
+    completion = (7, 8, 40, 41, 42, 9, 43, 10, 11)
+    model = (1, 1, 0, 0, 0, 1, 0, 1, 1)
+    logprobs = tuple(-0.25 * (i + 1) if m else 0.0 for i, m in enumerate(model))
+    rollout = Rollout(
+        prompt_id="p", group_index=0, prompt_token_ids=(1, 2, 3), completion_token_ids=completion,
+        worker_logprobs=logprobs, policy_version=0, reward=1.0, completion_mask=model,
+    )  # fmt: skip
+    batch = collate([[rollout]], pad_id=0, seq_len=14)
+    # Logprob index t scores token t+1: the scored tokens are exactly the model's.
+    np.testing.assert_array_equal(batch.mask[0], [0, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(batch.tokens[0, 1:][batch.mask[0] > 0], [7, 8, 9, 10, 11])
+    np.testing.assert_array_equal(
+        batch.worker_logprobs[0][batch.mask[0] > 0], [-0.25, -0.5, -1.5, -2.0, -2.25]
+    )
+    np.testing.assert_array_equal(batch.valid[0], [1] * 12 + [0, 0])
+    with pytest.raises(ValueError, match="completion_mask"):
+        Rollout(**{**msgspec.structs.asdict(rollout), "completion_mask": model[:-1]})

@@ -22,10 +22,18 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import zmq
 
-from rlax_controller.metrics import MetricsWriter, generation_record, plot_run, read_metrics, summary_rows
+from rlax_controller.metrics import (
+    MetricsWriter,
+    generation_record,
+    plot_run,
+    read_metrics,
+    summary_rows,
+    trajectory_record,
+)
 from rlax_controller.scheduling import (
     Batch,
     BatchNotReady,
@@ -38,7 +46,7 @@ from rlax_controller.scheduling import (
     stable_seed,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
-from rlax_core.config import RunConfig
+from rlax_core.config import ConfigError, RunConfig
 from rlax_core.control import (
     BatchRequest,
     NoBatchYet,
@@ -50,15 +58,18 @@ from rlax_core.control import (
     encode_control,
 )
 from rlax_core.links import PeerLink
+from rlax_data.agent_turns import last_model_turn
 from rlax_data.evaluation import pass_at_k
-from rlax_protocol.errors import MalformedMessageError, ProtocolError
+from rlax_protocol.errors import MalformedMessageError, ProtocolError, RemoteError
 from rlax_protocol.messages import (
+    AgentSpec,
     ErrorReply,
     GenerateRequest,
     GenerateResult,
     Hello,
     Message,
     Rollout,
+    Sample,
     SamplingParams,
     Welcome,
     WorkerStats,
@@ -102,6 +113,7 @@ class EvalJob:
     status: dict[int, str]  # item index -> "pending" | request id
     results: dict[int, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
     versions: dict[int, int] = dataclasses.field(default_factory=dict)
+    samples: dict[int, tuple[Sample, ...]] = dataclasses.field(default_factory=dict)  # for tool-use figures
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -341,6 +353,7 @@ class Controller:
             "response_tokens_mean": float(
                 np.mean([len(s.token_ids) for g in batch.groups for s in g.samples])
             ),
+            **trajectory_record([s for g in batch.groups for s in g.samples]),
             "rollout_ids": batch.rollout_ids,
             "rollout_versions": [g.version for g in batch.groups],
             "consumed_prompt_ids": list(batch.consumed_prompt_ids),
@@ -384,6 +397,7 @@ class Controller:
                         policy_version=group.version,
                         finish_reason=sample.finish_reason,  # type: ignore[arg-type]
                         reward=sample.reward,
+                        completion_mask=sample.model_mask,
                     )
                 )
         return TrainBatch(
@@ -458,6 +472,7 @@ class Controller:
         for k in self.config.eval.pass_k:
             record[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in corrects]))
         record["reward_mean"] = float(np.mean([r for i in range(len(job.items)) for r, _ in job.results[i]]))
+        record.update(trajectory_record([s for samples in job.samples.values() for s in samples]))
         record["version_min"] = min(job.versions.values())
         record["version_max"] = max(job.versions.values())
         record["num_prompts"] = len(job.items)
@@ -543,6 +558,7 @@ class Controller:
             sampling=sampling,
             n=n,
             weight_version=version,
+            agent=self._agent_spec(item),
         )
         request_id = worker.link.send(request)
         if request_id is None:
@@ -550,6 +566,19 @@ class Controller:
         worker.requests[request_id] = tag
         worker.sent_at[request_id] = time.monotonic()
         return True
+
+    def _agent_spec(self, item: PromptItem) -> AgentSpec | None:
+        """Multi-turn rollouts: the environment, the prompt's record and the limits."""
+        agent = self.config.agent
+        if not agent.enabled:
+            return None
+        return AgentSpec(
+            environment=agent.environment,
+            record=msgspec.json.encode(item.record).decode(),
+            max_turns=agent.max_turns,
+            max_total_tokens=agent.max_total_tokens or self.config.model.max_seq_len,
+            tool_timeout_s=agent.tool_timeout_s,
+        )
 
     def _dispatch(self, now: float) -> None:
         alive = [w for w in self.workers.values() if w.alive and now >= w.quarantine_until]
@@ -665,6 +694,8 @@ class Controller:
                 worker.sent_at.pop(request_id, None)
                 try:
                     self._on_reply(worker, tag, message, now)
+                except ConfigError:
+                    raise  # the run's config, not the reply, is wrong: stop the run
                 except Exception as error:  # one bad reply must not stop the controller
                     log.error(
                         "%s: dropped its %s to request %s: %s",
@@ -742,8 +773,11 @@ class Controller:
                 self.scheduler.counters.get("stale_worker_results", 0) + 1
             )
             worker.quarantine_until = time.monotonic() + self.config.controller.request_timeout_s
-        completions = [tuple(s.token_ids) for s in result.samples]
-        self._rate_tokens += sum(len(c) for c in completions)
+        # A trajectory's final answer is its last model turn; its generated tokens, the model's.
+        completions = [last_model_turn(s.token_ids, s.model_mask) for s in result.samples]
+        self._rate_tokens += sum(
+            sum(s.model_mask) if s.model_mask else len(s.token_ids) for s in result.samples
+        )
         if result.request_id.startswith("eval"):
             self._on_eval_result(result, completions)
             return
@@ -763,7 +797,7 @@ class Controller:
             self.scheduler.release(group)
             return
         try:
-            scores = self.scorer.score(group.item, completions)
+            scores = self._score(group.item, completions)
         except (ProtocolError, TimeoutError) as error:
             # A verifier service that is down: generate this group again later.
             log.error("scoring %s failed (%s); the group goes back to the queue", result.request_id, error)
@@ -773,7 +807,18 @@ class Controller:
             self.scheduler.release(group)
             return
         samples = [
-            ScoredSample(tuple(s.token_ids), tuple(s.logprobs), s.finish_reason, float(r), bool(c))
+            ScoredSample(
+                tuple(s.token_ids),
+                tuple(s.logprobs),
+                s.finish_reason,
+                float(r) if s.env_reward is None else s.env_reward,
+                bool(c),
+                model_mask=tuple(s.model_mask),
+                turns=s.turns,
+                tool_calls=s.tool_calls,
+                tool_errors=s.tool_errors,
+                end=s.end,
+            )
             for s, (r, c) in zip(result.samples, scores, strict=True)
         ]
         try:
@@ -781,6 +826,18 @@ class Controller:
         except ValueError as error:  # a worker that answered with the wrong number of samples
             log.error("%s: %s; the group goes back to the queue", worker.name, error)
             self.scheduler.release(group)
+
+    def _score(self, item: PromptItem, completions: list[tuple[int, ...]]) -> list[tuple[float, bool]]:
+        """The scorer's rewards; a verifier service without a route for the item's task
+        stops the run with a config error, since no retry could score it."""
+        try:
+            return self.scorer.score(item, completions)
+        except RemoteError as error:
+            if error.code == "not_found":
+                raise ConfigError(
+                    f"verifier: the verifier service cannot score this run's task: {error}"
+                ) from None
+            raise
 
     def _on_eval_result(self, result: GenerateResult, completions: list[tuple[int, ...]]) -> None:
         job = self.eval_job
@@ -790,12 +847,13 @@ class Controller:
         if index is None:
             return
         try:
-            job.results[index] = self.scorer.score(job.items[index], completions)
+            job.results[index] = self._score(job.items[index], completions)
         except (ProtocolError, TimeoutError) as error:
             log.error("scoring evaluation prompt %d failed (%s); it will be generated again", index, error)
             job.status[index] = "pending"
             return
         job.versions[index] = result.weight_version
+        job.samples[index] = result.samples
         job.status[index] = "done"
         if all(s == "done" for s in job.status.values()):
             self._finish_eval(job)

@@ -74,6 +74,8 @@ def build_specs(config: RunConfig, config_path: pathlib.Path) -> list[ProcessSpe
     specs = [ProcessSpec("paramserver", "paramserver", _paramserver_command(config), env)]
     if config.verifier.mode == "service":
         command = _rlax(config, "verifier", "--bind", config.verifier.address)
+        if config.agent.where == "service" and ":" in config.agent.environment:
+            command += ["--environment", config.agent.environment]  # a user's module path
         specs.append(ProcessSpec("verifier", "verifier", command, env))
     for i in range(config.workers.count):
         command = _rlax(config, "worker", "--config", path, "--index", str(i))

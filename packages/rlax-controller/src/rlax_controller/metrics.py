@@ -12,7 +12,7 @@ import math
 import pathlib
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
 from rich.console import Console
@@ -30,6 +30,7 @@ __all__ = [
     "read_metrics",
     "summary_rows",
     "summary_table",
+    "trajectory_record",
 ]
 
 
@@ -200,13 +201,37 @@ class ProgressDisplay:
             self._live = None
 
 
+def trajectory_record(samples: Sequence[Any], prefix: str = "") -> dict[str, float]:
+    """Tool use of multi-turn trajectories (anything with `turns`, `tool_calls`,
+    `tool_errors` and `end`): `tool_use_rate` (share that called a tool), `tool_ok_rate`
+    (called one and none of its calls failed), `turns_mean`, `tool_errors_mean` and
+    `end_<reason>` shares. Empty for single-turn samples."""
+    ends = [s.end for s in samples]
+    if not samples or not any(ends):
+        return {}
+    n = len(samples)
+    record = {
+        "tool_use_rate": sum(s.tool_calls > 0 for s in samples) / n,
+        "tool_ok_rate": sum(s.tool_calls > 0 and s.tool_errors == 0 for s in samples) / n,
+        "turns_mean": sum(s.turns for s in samples) / n,
+        "tool_errors_mean": sum(s.tool_errors for s in samples) / n,
+    }
+    for reason in sorted(set(ends)):
+        record[f"end_{reason}"] = ends.count(reason) / n
+    return {f"{prefix}{k}": v for k, v in record.items()}
+
+
 def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     """(metric, start, end, change) rows: evaluation scores first, then training figures."""
     rows: list[tuple[str, str, str, str]] = []
     evals = latest_per_step(read for read in records if read.get("kind") == "eval")
     if evals:
         first, last = evals[0], evals[-1]
-        keys = [k for k in first if k.startswith(("pass@", "reward_mean", "avg@"))]
+        keys = [
+            k
+            for k in first
+            if k.startswith(("pass@", "reward_mean", "avg@", "tool_use_rate", "tool_ok_rate"))
+        ]
         for key in keys:
             a, b = first.get(key), last.get(key)
             change = (
@@ -221,6 +246,9 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
         keys = (
             "reward_mean",
             "pass_rate",
+            "tool_use_rate",
+            "tool_ok_rate",
+            "turns_mean",
             "staleness_max",
             "logprob_delta_p95",
             "gen_tokens_per_s",
@@ -301,8 +329,15 @@ def plot_run(
     window = max(1, min(25, len(rewards) // 10))
     if window > 1:
         axes[0].plot(steps, moving_average(rewards, window), lw=2, label=f"moving average ({window} steps)")
+    tool_ok = [float(r.get("tool_ok_rate", math.nan)) for r in train]
+    if any(math.isfinite(v) for v in tool_ok):
+        axes[0].plot(
+            steps, moving_average(tool_ok, window), lw=2, label="tool calls without an error (share)"
+        )
     axes[0].set_title("training reward")
-    eval_keys = sorted({k for r in evals for k in r if k.startswith(("pass@", "reward_mean"))})
+    eval_keys = sorted(
+        {k for r in evals for k in r if k.startswith(("pass@", "reward_mean", "tool_ok_rate"))}
+    )
     for key in eval_keys:
         axes[1].plot([r["step"] for r in evals], [r.get(key, math.nan) for r in evals], marker="o", label=key)
     axes[1].set_title("evaluation")

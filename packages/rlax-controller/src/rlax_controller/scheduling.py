@@ -57,13 +57,20 @@ class PromptSource(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ScoredSample:
-    """One generated, scored completion (token ids and the worker's logprobs per token)."""
+    """One generated, scored completion (token ids and the worker's logprobs per token), or a
+    multi-turn trajectory with its model mask and tool counts."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     reward: float
     correct: bool
+    # Multi-turn trajectories (`rlax_protocol.Sample`): 1 on the model's tokens (empty: all).
+    model_mask: tuple[int, ...] = ()
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end: str = ""
 
 
 class GroupStatus(enum.Enum):

@@ -19,6 +19,7 @@ import yaml
 
 __all__ = [
     "AddressesConfig",
+    "AgentConfig",
     "ChaosConfig",
     "ConfigError",
     "EXIT_CONFIG_ERROR",
@@ -184,6 +185,41 @@ class DataConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0")
         _check(self.max_filter_draws >= 1, "max_filter_draws", self.max_filter_draws, "must be >= 1")
+
+
+class AgentConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Multi-turn rollouts: each sample is a trajectory of model turns (at most
+    `data.max_new_tokens` tokens each) and environment turns (tool results), run by the
+    worker. `environment`: a registered `rlax_data.envs` name (`calculator`, `python`,
+    `tools`, one a user registers, or a `package.module:factory` path); empty: single-turn rollouts. `max_turns`: model turns
+    per trajectory; `max_total_tokens`: tokens after the prompt, both kinds of turn (0: as
+    many as `model.max_seq_len` leaves after the longest prompt); `tool_timeout_s`: the limit
+    of one environment step; `tool_format`: how a call is written (`hermes`:
+    `<tool_call>{json}</tool_call>`, for chat models; `bracket`: `[expression]`, for the
+    character-level tiny model; empty: `bracket` for `model.source: tiny`, else `hermes`).
+    `where`: `local` runs the environment steps in the worker's threads; `service` in the
+    run's verifier service (`verifier.mode: service`), so tools run off the worker's host."""
+
+    environment: str = ""
+    where: Literal["local", "service"] = "local"
+    max_turns: int = 4
+    max_total_tokens: int = 0
+    tool_timeout_s: float = 10.0
+    tool_format: Literal["", "hermes", "bracket"] = ""
+
+    def __post_init__(self) -> None:
+        _check(self.max_turns >= 1, "max_turns", self.max_turns, "must be >= 1")
+        _check(self.max_total_tokens >= 0, "max_total_tokens", self.max_total_tokens, "must be >= 0")
+        _check(
+            math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0,
+            "tool_timeout_s",
+            self.tool_timeout_s,
+            "must be a finite number > 0",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment)
 
 
 class WorkersConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -498,6 +534,7 @@ class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     run: RunSection = msgspec.field(default_factory=RunSection)
     model: ModelConfigSection = msgspec.field(default_factory=ModelConfigSection)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
     workers: WorkersConfig = msgspec.field(default_factory=WorkersConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     paramserver: ParamServerConfig = msgspec.field(default_factory=ParamServerConfig)
@@ -521,6 +558,12 @@ class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
             j,
             f"must be <= trainer.k + 1 = {k + 1}: a worker {j} versions behind generates rollouts the "
             f"trainer (k={k}) rejects forever; lower workers.j or raise trainer.k",
+        )
+        _check(
+            self.agent.where == "local" or self.verifier.mode == "service",
+            "agent.where",
+            self.agent.where,
+            "needs verifier.mode: service (the environments then run in the verifier service)",
         )
         if self.controller.versions == "pinned":
             lag = self.pinned_lag

@@ -14,11 +14,30 @@ from rlax_data.datasets import (
     write_jsonl,
     write_parquet,
 )
+from rlax_data.envs import (
+    Environment,
+    EnvStep,
+    Tool,
+    ToolCall,
+    ToolEnvironment,
+    ToolFormat,
+    ToolResult,
+    make_environment,
+    register_environment,
+)
 from rlax_data.evaluation import EvalReport, avg_at_k, evaluate, maj_at_k, pass_at_k
 from rlax_data.filtering import DynamicFilter
 from rlax_data.sampling import Sampler, render_prompts
 from rlax_data.stream import PromptStream, StreamSource
-from rlax_data.tasks import ArithmeticTask, CountdownTask, SortingTask, Task, TaskFormat, make_task
+from rlax_data.tasks import (
+    ArithmeticTask,
+    CountdownTask,
+    SortingTask,
+    Task,
+    TaskFormat,
+    ToolArithmeticTask,
+    make_task,
+)
 from rlax_data.verify import Verifier, VerifyResult, build_verifier, load_verifier_config
 
 __version__ = "0.1.0"
@@ -31,6 +50,8 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "DynamicFilter",
+    "EnvStep",
+    "Environment",
     "EvalReport",
     "IOCase",
     "Message",
@@ -41,6 +62,12 @@ __all__ = [
     "StreamSource",
     "Task",
     "TaskFormat",
+    "Tool",
+    "ToolArithmeticTask",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolFormat",
+    "ToolResult",
     "Verifier",
     "VerifyResult",
     "avg_at_k",
@@ -51,8 +78,10 @@ __all__ = [
     "load_parquet",
     "load_verifier_config",
     "maj_at_k",
+    "make_environment",
     "make_task",
     "pass_at_k",
+    "register_environment",
     "render_prompts",
     "write_jsonl",
     "write_parquet",

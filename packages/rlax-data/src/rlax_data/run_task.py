@@ -50,9 +50,14 @@ def build_tokenizer(config: RunConfig, alphabet: str) -> Any:
 
 
 def _make_task(config: RunConfig) -> Any:
-    from rlax_data.tasks import ArithmeticTask, CountdownTask, SortingTask, make_task
+    from rlax_data.tasks import ArithmeticTask, CountdownTask, SortingTask, ToolArithmeticTask, make_task
 
-    classes = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "sorting": SortingTask}
+    classes = {
+        "arithmetic": ArithmeticTask,
+        "countdown": CountdownTask,
+        "sorting": SortingTask,
+        "tool_arithmetic": ToolArithmeticTask,
+    }
     data = config.data
     if data.task not in classes:
         raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(classes)}")
@@ -89,12 +94,21 @@ class RunTask:
     task: Any
     tokenizer: Any
     verifier: Any
+    _agent_turns: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def chat(self) -> bool:
         return self.config.model.source != "tiny"
 
     def encode_prompt(self, record: Any) -> list[int]:
+        if self.config.agent.enabled:
+            # The environment's first observation, and for a chat model the tools it offers.
+            env = self.agent_turns().environment(self.config.agent.environment)
+            text = env.reset(record)
+            if self.chat:
+                schema = env.tools_schema() if hasattr(env, "tools_schema") else []
+                return self.agent_turns().prompt_ids(text, schema)
+            return list(self.tokenizer.encode(text, add_bos=True))
         return self.encode_text(record.prompt_text())
 
     def encode_text(self, text: str) -> list[int]:
@@ -107,6 +121,35 @@ class RunTask:
         """The SFT target: the reference answer then end-of-sequence."""
         answer = self.task.format.answer_template.format(answer=record.answer)
         return list(self.tokenizer.encode(answer)) + [self.tokenizer.eos_id]
+
+    def sft_example(self, record: Any) -> tuple[list[int], list[int]]:
+        """(completion ids, model mask) the SFT warm start trains on: the reference answer, or
+        for a multi-turn task its demonstrated trajectory (environment turns masked out)."""
+        if self.config.agent.enabled and hasattr(self.task, "demonstration"):
+            turns = self.agent_turns()
+            segments = self.task.demonstration(
+                record, use_tool=self.task.uses_tool_in_demonstration(record), tool_format=turns.format
+            )
+            return turns.demonstration(segments)
+        target = self.target_ids(record)
+        return target, [1] * len(target)
+
+    def agent_turns(self) -> Any:
+        """The run's `rlax_data.agent_turns.AgentTurns` (None for single-turn runs)."""
+        agent = self.config.agent
+        if not agent.enabled:
+            return None
+        if self._agent_turns is None:
+            from rlax_data.agent_turns import AgentTurns
+
+            self._agent_turns = AgentTurns(
+                self.tokenizer,
+                chat=self.chat,
+                tool_format=agent.tool_format or ("hermes" if self.chat else "bracket"),
+                tool_timeout_s=agent.tool_timeout_s,
+                service_address=self.config.verifier.address if agent.where == "service" else "",
+            )
+        return self._agent_turns
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -140,7 +183,8 @@ class RunTask:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]:
-        """`RolloutScorer`: verify every completion of one prompt in one batched call."""
+        """`RolloutScorer`: verify every completion of one prompt in one batched call (of a
+        multi-turn trajectory: its last model turn, `rlax_data.agent_turns.last_model_turn`)."""
         results = self.verifier.verify([(self.decode(c), item.record) for c in completions])
         return [(float(r.reward), bool(r.correct)) for r in results]
 

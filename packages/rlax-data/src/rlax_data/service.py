@@ -12,7 +12,9 @@ sends either
   code, error]`` (trailing defaults left out; a non-empty ``code`` means that item was
   refused and says why);
 * or single `VerifyRequest`s, pipelined, each answered with its own `VerifyResult`
-  (or `ErrorReply`).
+  (or `ErrorReply`);
+* or `EnvStepRequest`s, the workers' multi-turn environment steps (`agent.where:
+  service`), each answered with an `EnvStepResult` (see `rlax_data.envs.remote`).
 
 One message per item cost a round of encode, bounds check, decode and a socket hop
 per completion, about 40x the in-process cost of an exact match; a batch costs one.
@@ -37,6 +39,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data.datasets import Record
+from rlax_data.envs.remote import EnvStepServer
 from rlax_data.verify.answers import ExactMatchConfig, MathConfig
 from rlax_data.verify.base import Verifier, VerifyItem, VerifyResult
 from rlax_data.verify.code import CodeConfig
@@ -68,17 +72,19 @@ _COUNT_FIRST_BYTES = 1 << 20
 
 
 def default_routes() -> RoutingConfig:
-    """Routes served when no config is given: the general verifiers and the built-in tasks."""
-    return RoutingConfig(
-        routes={
-            "math": MathConfig(),
-            "exact_match": ExactMatchConfig(),
-            "countdown": CountdownConfig(),
-            "code": CodeConfig(),
-            "arithmetic": ExactMatchConfig(),
-            "sorting": ExactMatchConfig(case_sensitive=True),
-        }
-    )
+    """Routes served when no config is given: the general verifiers, and every built-in task
+    under its name with the verifier the task itself uses (so a run scores the same with
+    `verifier.mode: local` and `service`)."""
+    from rlax_data.tasks import TASK_NAMES, make_task
+
+    general: dict[str, Any] = {
+        "math": MathConfig(),
+        "exact_match": ExactMatchConfig(),
+        "countdown": CountdownConfig(),
+        "code": CodeConfig(),
+    }
+    tasks = {name: make_task(name).verifier().config for name in TASK_NAMES}
+    return RoutingConfig(routes={**general, **tasks})
 
 
 class _BadRequest(ValueError):
@@ -257,10 +263,14 @@ class VerifierService:
         server_id: str = "rlax-verifier",
         max_items: int = MAX_BATCH_ITEMS,
         max_request_bytes: int = MAX_BATCH_BYTES,
+        env_threads: int = 8,
+        env_paths: Sequence[str] = (),
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.verifier = verifier
+        # Multi-turn environments run here for the workers (`agent.where: service`).
+        self.envs = EnvStepServer(threads=env_threads, allowed_paths=env_paths)
         self.max_items = max_items
         self.poll_s = poll_s
         self.stats = {"requests": 0, "items": 0, "batches": 0, "errors": 0, "internal_errors": 0}
@@ -281,6 +291,7 @@ class VerifierService:
 
     def close(self) -> None:
         self.server.stop()
+        self.envs.close()
 
     def serve(self) -> None:
         """Serve in the calling thread until `stop()`; verifiers that use signals (math
@@ -290,6 +301,34 @@ class VerifierService:
     # -- the batch handler
 
     def _handle(self, batch: list[tuple[rp.Message, list[zmq.Frame]]]) -> list[BatchResult]:
+        """One reply (or error) per message, in order: environment steps run in the
+        environment pool while the verification items are scored here."""
+        started = time.monotonic()
+        steps: dict[int, Any] = {}
+        for i, (message, frames) in enumerate(batch):
+            if isinstance(message, rp.EnvStepRequest):
+                steps[i] = (
+                    rp.RemoteError("malformed", f"an EnvStepRequest takes no raw frames, got {len(frames)}")
+                    if frames
+                    else (message, self.envs.submit(message))
+                )
+        if not steps:
+            return self._handle_verify(batch)
+        rest = [pair for i, pair in enumerate(batch) if i not in steps]
+        verified = iter(self._handle_verify(rest) if rest else [])
+        out: list[BatchResult] = []
+        for i in range(len(batch)):
+            if i not in steps:
+                out.append(next(verified))
+            elif isinstance(steps[i], Exception):
+                out.append(steps[i])
+            else:
+                request, future = steps[i]
+                wait_s = request.timeout_s - (time.monotonic() - started)
+                out.append(self.envs.answer(request, future, wait_s))
+        return out
+
+    def _handle_verify(self, batch: list[tuple[rp.Message, list[zmq.Frame]]]) -> list[BatchResult]:
         """One reply (or error) per message; all their items scored together."""
         self.stats["requests"] += len(batch)
         self.stats["batches"] += 1
@@ -558,6 +597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="after a request arrives, wait this long for more to score with it (default: none)",
     )
+    parser.add_argument(
+        "--environment",
+        action="append",
+        default=[],
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="also serve this environment for multi-turn rollouts (registered ones always are)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rlax-verifier %(levelname)s %(message)s")
     cfg = _load_config(args.config)
@@ -569,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch=args.max_batch,
         batch_window_s=args.batch_window_s,
         poll_s=args.poll_s,
+        env_paths=args.environment,
     )
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
@@ -583,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         service.serve()
     finally:
         service.close()
-    log.info("stopped after %s", service.stats)
+    log.info("stopped after %s", {**service.stats, **service.envs.stats})
     return 0
 
 

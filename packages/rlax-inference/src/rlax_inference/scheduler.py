@@ -435,6 +435,11 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.table is not None:
+            if reason is not FinishReason.ABORT and seq.status is SequenceStatus.RUNNING:
+                # Key the full blocks of what it generated too (every token but the last, whose
+                # K/V were never computed): the next turn of a multi-turn trajectory continues
+                # this very sequence, and its prefill then starts from these blocks.
+                self.kv.cache_full_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
             self.kv.free(seq.table)
             seq.table = None
         if seq in self.running:

@@ -93,6 +93,11 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the context length was reached
     ABORT = "abort"  # the caller aborted the request
 
+    @property
+    def wire(self) -> str:
+        """The `rlax_protocol.Sample.finish_reason` it is sent as (a stop token or string: "stop")."""
+        return "stop" if self in (FinishReason.EOS, FinishReason.STOP) else self.value
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

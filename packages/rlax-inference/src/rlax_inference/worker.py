@@ -53,8 +53,9 @@ from typing import Any
 import rlax_protocol as rp
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
+from rlax_inference.agent_loop import AgentLoop, AgentResult, TurnCodec
 from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
-from rlax_inference.sequence import FinishReason, SamplingParams
+from rlax_inference.sequence import SamplingParams
 from rlax_inference.worker_io import Cancel, Job, WorkerIO
 from rlax_model import ModelConfig, Params, dtype_policy
 from rlax_paramserver import ParamClient
@@ -72,12 +73,6 @@ __all__ = [
 
 log = logging.getLogger("rlax.worker")
 
-_FINISH = {
-    FinishReason.EOS: "stop",
-    FinishReason.STOP: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORT: "abort",
-}
 _MAX_BACKOFF_S = 30.0
 
 
@@ -239,6 +234,7 @@ class Worker:
         *,
         tokenizer: Any = None,
         warm_up: WarmUp | None = None,
+        turn_codec: TurnCodec | None = None,
     ) -> None:
         self.config = config
         self.engine_config = engine_config
@@ -247,6 +243,8 @@ class Worker:
         self.model_config = None if model_config is None else dtype_policy(model_config)
         self.detokenize = None if tokenizer is None else _TailText(tokenizer)
         self.warm_up = warm_up
+        self.turn_codec = turn_codec
+        self.agent: AgentLoop | None = None  # multi-turn requests, once the engine exists
         self.server_id = f"{config.worker_id}-{uuid.uuid4().hex[:8]}"
         self.engine: LLMEngine | None = None
         self.version: int | None = None
@@ -287,6 +285,7 @@ class Worker:
             build_model_config(config, task.tokenizer),
             tokenizer=task.tokenizer,
             warm_up=WarmUp.for_run(config, task),
+            turn_codec=task.agent_turns(),
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -327,11 +326,14 @@ class Worker:
                 if io.error is not None:
                     raise RuntimeError(f"the worker's I/O thread failed: {io.error!r}") from io.error
                 busy = self.engine is not None and self.engine.has_unfinished
-                self._take_inbox(0.0 if busy else pc.weights_poll_s)
+                in_tools = self.agent is not None and self.agent.active
+                self._take_inbox(0.0 if busy else 0.002 if in_tools else pc.weights_poll_s)
                 round_start = time.monotonic()
                 wanted = self._requested_version()
                 if wanted is not None:
                     self._load_requested(wanted, round_start)
+                elif in_tools:
+                    pass  # a trajectory in flight keeps the loaded weights until it ends
                 elif pc.follow_latest or self.engine is None or self._serving_unpinned():
                     self._maybe_reload(round_start, force=bool(self._queued))
                 if self.engine is None:
@@ -339,11 +341,15 @@ class Worker:
                 self._admit()
                 if self.engine.has_unfinished:
                     self._step(round_start)
+                if self.agent is not None and self.agent.active:
+                    self._post_agent_results(self.agent.poll())
         except BaseException as error:
             if not isinstance(error, SystemExit | KeyboardInterrupt):
                 self.errors.append(error)
             raise
         finally:
+            if self.agent is not None:
+                self.agent.close()
             io.stop()
             self._version_client.close()
             self._pull_client.close()
@@ -376,8 +382,10 @@ class Worker:
 
     def _serving_unpinned(self) -> bool:
         """A request that names no version is queued or generating: it follows the newest."""
-        return any(job.request.weight_version is None for job in self._queued) or any(
-            request.weight_version is None for request in self._admitted.values()
+        return (
+            any(job.request.weight_version is None for job in self._queued)
+            or any(request.weight_version is None for request in self._admitted.values())
+            or (self.agent is not None and self.agent.serving_unpinned)
         )
 
     def _requested_version(self) -> int | None:
@@ -385,6 +393,8 @@ class Worker:
         engine has finished every request it holds (they need the loaded weights)."""
         if self.engine is None or self.engine.has_unfinished or not self._queued:
             return None
+        if self.agent is not None and self.agent.active:
+            return None  # its trajectories' next turns need the loaded weights
         wanted = self._queued[0].request.weight_version
         return None if wanted is None or wanted == self.version else wanted
 
@@ -471,6 +481,11 @@ class Worker:
                 )  # fmt: skip
             except ValueError as error:  # e.g. max_model_len beyond the model's positions
                 raise WorkerConfigError(str(error)) from None
+            if self.turn_codec is not None:
+                engine = self.engine
+                self.agent = AgentLoop(
+                    lambda: engine, self.turn_codec, max_model_len=self.engine_config.max_model_len
+                )
         else:
             self.engine.update_weights(params, pulled.version)
             self.reloads += 1
@@ -525,6 +540,8 @@ class Worker:
     def _cancel(self, cancel: Cancel) -> None:
         """The client is gone: forget a queued request, abort an admitted one (its blocks are freed)."""
         self._queued = [job for job in self._queued if job.key != cancel.key]
+        if self.agent is not None:
+            self.agent.cancel(cancel.key)
         if self._admitted.pop(cancel.key, None) is not None and self.engine is not None:
             self.engine.abort(str(cancel.key))
             self.num_aborted += 1
@@ -540,8 +557,19 @@ class Worker:
                 return
             try:
                 params = _engine_params(request)
+                if request.agent is not None:
+                    if self.agent is None:
+                        raise ValueError(
+                            "agent: this worker was started without the run's task (no environments)"
+                        )
+                    if self.detokenize is not None:
+                        self.detokenize.need(self.agent.codec.stop_strings)
                 if self.detokenize is not None:
                     self.detokenize.need(params.stop)
+                if request.agent is not None:
+                    assert self.agent is not None
+                    self.agent.start(job.key, request, params)
+                    continue
                 engine.add_request(str(job.key), request.prompt_token_ids, params)
             except Exception as error:  # a request the engine refuses fails alone, before it is scheduled
                 if not isinstance(error, ValueError | TypeError | OverflowError):
@@ -572,7 +600,22 @@ class Worker:
             self.engine_s += ended - started
         self.active_s += ended - round_start  # this round's version check, reload and step
         for output in outputs:
-            self._finish(output)
+            if self.agent is not None and self.agent.owns(output.request_id):
+                self._post_agent_results(self.agent.on_output(output))
+            else:
+                self._finish(output)
+
+    def _post_agent_results(self, results: list[AgentResult]) -> None:
+        assert self.io is not None
+        for key, request, samples, version in results:
+            self.generated_tokens += sum(sum(s.model_mask) for s in samples)
+            result = rp.GenerateResult(
+                request_id=request.request_id,
+                samples=tuple(samples),
+                weight_version=(self.version or 0) if version is None else version,
+                stats=self.stats(),
+            )
+            self.io.post(key, result)
 
     def _finish(self, output: RequestOutput) -> None:
         assert self.io is not None
@@ -589,7 +632,7 @@ class Worker:
             rp.Sample(
                 token_ids=tuple(int(t) for t in c.tokens),
                 logprobs=tuple(float(x) for x in c.logprobs) if with_logprobs else (),
-                finish_reason=_FINISH[c.finish_reason],  # type: ignore[arg-type]
+                finish_reason=c.finish_reason.wire,  # type: ignore[arg-type]
                 top_logprobs=tuple({int(i): float(lp) for i, lp in t} for t in c.top_logprobs),
             )
             for c in sorted(output.outputs, key=lambda c: c.sample_index)

@@ -270,6 +270,13 @@ class ServerStats(Message, frozen=True):
 # --------------------------------------------------------------------------- generation
 
 
+def _check_mask(struct: str, field: str, mask: tuple[int, ...], num_tokens: int) -> None:
+    if mask and len(mask) != num_tokens:
+        _fail(struct, field, f"<{len(mask)} values>", f"needs none or one per token ({num_tokens})")
+    if any(m != 0 and m != 1 for m in mask):
+        _fail(struct, field, "<values>", "must hold only 0 and 1")
+
+
 class SamplingParams(Message, frozen=True):
     """How to sample: `top_k` 0 and `top_p` 1.0 disable those filters; `temperature` 0 is greedy;
     `top_logprobs` > 0 returns that many alternatives per token."""
@@ -297,16 +304,43 @@ class SamplingParams(Message, frozen=True):
             _fail("SamplingParams", "top_logprobs", self.top_logprobs, "must be >= 0")
 
 
+class AgentSpec(Message, frozen=True):
+    """Make each sample a multi-turn trajectory: after a model turn the worker runs
+    environment `environment` (a registered `rlax_data.envs` name) on it, appends the
+    environment's turn and generates the next model turn, until the environment is done or
+    a limit is hit. `record`: the prompt's record as JSON (the environment's `reset` input);
+    `max_turns`: model turns per trajectory; `max_total_tokens`: tokens after the prompt
+    (model and environment turns together); `tool_timeout_s`: the limit of one environment
+    step (its tool calls)."""
+
+    environment: str
+    record: str = ""
+    max_turns: int = 4
+    max_total_tokens: int = 256
+    tool_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.environment:
+            _fail("AgentSpec", "environment", self.environment, "must name a registered environment")
+        for name in ("max_turns", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                _fail("AgentSpec", name, getattr(self, name), "must be >= 1")
+        if not (math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0):
+            _fail("AgentSpec", "tool_timeout_s", self.tool_timeout_s, "must be a finite number > 0")
+
+
 class GenerateRequest(Message, frozen=True):
     """Generate `n` samples continuing `prompt_token_ids`. `weight_version`: generate with
     exactly this version of the weights (the controller's pinned versions); None: with
-    whichever the worker holds."""
+    whichever the worker holds. `agent`: make every sample a multi-turn trajectory, all of
+    its turns generated with one version (`Sample.model_mask` tells its turns apart)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     n: int = 1
     weight_version: int | None = None
+    agent: AgentSpec | None = None
 
     def __post_init__(self) -> None:
         if self.n <= 0:
@@ -317,16 +351,39 @@ class GenerateRequest(Message, frozen=True):
             _fail("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
 
 
+TrajectoryEnd = Literal["", "answer", "max_turns", "max_tokens", "abort"]
+
+
 class Sample(Message, frozen=True):
     """One generated continuation: `logprobs[t]` is the sampling policy's log-probability of
-    `token_ids[t]`; `top_logprobs[t]` maps alternative token ids to their log-probabilities."""
+    `token_ids[t]`; `top_logprobs[t]` maps alternative token ids to their log-probabilities.
+
+    A multi-turn trajectory (`GenerateRequest.agent`) holds every turn after the prompt:
+    `model_mask[t]` is 1 for a token the model sampled (trained, with its logprob) and 0 for
+    an environment token (context only; its logprob is 0); empty means every token is the
+    model's. `turns`: model turns; `tool_calls` / `tool_errors`: environment steps that ran
+    a tool / whose tool call failed (malformed, unknown tool, crash, timeout, too large);
+    `end`: why the trajectory ended (`answer`: the environment was done); `env_reward`: the
+    environment's own reward, when it gives one (else the run's verifier scores)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
     top_logprobs: tuple[dict[int, float], ...] = ()
+    model_mask: tuple[int, ...] = ()
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end: TrajectoryEnd = ""
+    env_reward: float | None = None
 
     def __post_init__(self) -> None:
+        _check_mask("Sample", "model_mask", self.model_mask, len(self.token_ids))
+        for name in ("turns", "tool_calls", "tool_errors"):
+            if getattr(self, name) < 0:
+                _fail("Sample", name, getattr(self, name), "must be >= 0")
+        if self.env_reward is not None and not math.isfinite(self.env_reward):
+            _fail("Sample", "env_reward", self.env_reward, "must be finite")
         for name, values in (("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs)):
             if values and len(values) != len(self.token_ids):
                 _fail(
@@ -374,7 +431,8 @@ class GenerateResult(Message, frozen=True):
 
 
 class Rollout(Message, frozen=True):
-    """One scored (or to-be-scored) sample of group `group_index` of prompt `prompt_id`."""
+    """One scored (or to-be-scored) sample of group `group_index` of prompt `prompt_id`.
+    `completion_mask`: `Sample.model_mask` (1: trained, 0: an environment token; empty: all 1)."""
 
     prompt_id: str
     group_index: int
@@ -384,8 +442,10 @@ class Rollout(Message, frozen=True):
     policy_version: int
     finish_reason: FinishReason = "stop"
     reward: float | None = None
+    completion_mask: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_mask("Rollout", "completion_mask", self.completion_mask, len(self.completion_token_ids))
         if len(self.worker_logprobs) != len(self.completion_token_ids):
             _fail(
                 "Rollout",
@@ -442,6 +502,56 @@ class VerifyBatchResult(Message, frozen=True):
     refused: int = 0
 
 
+MAX_ENV_TURNS = 1024
+"""Most model turns one `EnvStepRequest` may carry."""
+
+
+class EnvStepRequest(Message, frozen=True):
+    """Run one step of a multi-turn environment in the verifier service (scale-out of the
+    workers' agent loops). The service makes environment `environment` (a registered
+    `rlax_data.envs` name) with `options` (a JSON object: `format`, `max_result_chars`,
+    `tool_timeout_s`), resets it with `record` (the prompt's record as JSON), replays the
+    earlier model turns `turns[:-1]` (skipped for environments whose steps do not depend on
+    each other) and answers the step of `turns[-1]` with an `EnvStepResult`. The request
+    carries the whole trajectory so that any replica can serve it and a restarted service
+    loses nothing. `timeout_s` bounds the whole request."""
+
+    request_id: str
+    environment: str
+    record: str
+    turns: tuple[str, ...]
+    options: str = "{}"
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.environment:
+            _fail("EnvStepRequest", "environment", self.environment, "must name an environment")
+        if not 1 <= len(self.turns) <= MAX_ENV_TURNS:
+            _fail("EnvStepRequest", "turns", f"<{len(self.turns)} turns>", f"needs 1 to {MAX_ENV_TURNS}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            _fail("EnvStepRequest", "timeout_s", self.timeout_s, "must be a finite number > 0")
+
+
+class EnvStepResult(Message, frozen=True):
+    """The environment's answer to the last turn of an `EnvStepRequest` (the fields of
+    `rlax_data.envs.EnvStep`)."""
+
+    request_id: str
+    observation: str
+    done: bool
+    reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tool_calls", "tool_errors"):
+            if getattr(self, name) < 0:
+                _fail("EnvStepResult", name, getattr(self, name), "must be >= 0")
+        if self.reward is not None and not math.isfinite(self.reward):
+            _fail("EnvStepResult", "reward", self.reward, "must be finite")
+
+
 AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Hello,
     Welcome,
@@ -467,6 +577,7 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     StatQuery,
     ServerStats,
     SamplingParams,
+    AgentSpec,
     GenerateRequest,
     Sample,
     WorkerStats,
@@ -476,6 +587,8 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     VerifyResult,
     VerifyBatch,
     VerifyBatchResult,
+    EnvStepRequest,
+    EnvStepResult,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -164,6 +164,7 @@ class RolloutBatch(NamedTuple):
     tokens:          [B, S] int32, prompt then completion, right-padded with `pad_id`
     valid:           [B, S] bool, True on real tokens
     mask:            [B, S-1] float32, 1.0 where logprob index t predicts a completion token
+                     the model generated (not an environment token of a multi-turn rollout)
     worker_logprobs: [B, S-1] float32, the inference engine's logprobs on `mask`, 0 elsewhere
     rewards:         [B] float32
     versions:        [B] int32, weight version that generated each rollout
@@ -202,7 +203,8 @@ def collate(
         tokens[i, p : p + c] = r.completion_token_ids
         valid[i, : p + c] = True
         # logprob index t scores token t+1, so completion token j sits at index p + j - 1.
-        mask[i, p - 1 : p + c - 1] = 1.0
+        # A multi-turn trajectory's environment tokens are context only: mask 0.
+        mask[i, p - 1 : p + c - 1] = r.completion_mask if r.completion_mask else 1.0
         wlp[i, p - 1 : p + c - 1] = r.worker_logprobs
     rewards = np.array([r.reward for r in rows], np.float32)
     versions = np.array([r.policy_version for r in rows], np.int32)

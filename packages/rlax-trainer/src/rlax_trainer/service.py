@@ -205,7 +205,7 @@ class TrainerLoop:
             picked = [records[int(order[(step * batch_size + i) % len(records)])] for i in range(batch_size)]
             groups = []
             for record in picked:
-                target = self.task.target_ids(record)
+                target, model_mask = self.task.sft_example(record)
                 groups.append(
                     [
                         Rollout(
@@ -216,6 +216,7 @@ class TrainerLoop:
                             worker_logprobs=(0.0,) * len(target),
                             policy_version=0,
                             reward=0.0,
+                            completion_mask=tuple(model_mask),
                         )
                     ]
                 )

@@ -14,7 +14,8 @@ entry point, gets back what the program's sandbox replied, and ends with {"done"
 or {"done": false, "error"}.
 
 Messages are JSON lines. Request 1: {"mode", "program", "entry_point", "limits"}.
-Mode "io": run the program and exit with its status (stdout is what gets judged).
+Mode "io" (and "run", whose output nobody judges): run the program and exit with its
+status (stdout is what gets judged).
 Mode "tests": reply {"loaded": true} or {"loaded": false, "error", "type"} after running
 the program; then for each request {"args", "kwargs"} call `entry_point` and reply
 {"value": plain} or {"error", "type", "errno"}; end at EOF.
@@ -136,7 +137,7 @@ def _run_program(spec, requests, reply_fd):
     # The program gets a fresh `__main__` module of its own.
     module = types.ModuleType("__main__")
     sys.modules["__main__"] = module
-    if spec["mode"] == "io":
+    if spec["mode"] in ("io", "run"):
         os.close(requests.fd)
         os.close(reply_fd)
         exec(compile(spec["program"], "<program>", "exec"), module.__dict__)

@@ -117,9 +117,12 @@ class ExecJob(msgspec.Struct, frozen=True, kw_only=True):
     ({"args", "kwargs", "expected"}; only the arguments reach the job).
     mode "io": run `program` with `stdin`; it passes if it exits with status 0 and its
     stdout equals `expected_stdout` (trailing whitespace of each line ignored).
+    mode "run": run `program` with `stdin` and judge nothing: the result has no cases,
+    its status says how the program ended (ok: exit status 0) and `stdout` / `stderr`
+    hold what it wrote (for tools that show a program's output, not tests).
     """
 
-    mode: Literal["tests", "io"]
+    mode: Literal["tests", "io", "run"]
     program: str
     script: str = ""
     prelude: str = ""
@@ -131,7 +134,8 @@ class ExecJob(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one job did. status: ok | failed | timeout | killed | crashed.
+    """What one job did. status: ok | failed | timeout | killed | crashed ("run" jobs
+    have no cases and are never "failed").
     `reason` says why the process ended early (which limit, or a signal from outside)."""
 
     cases: list[CaseOutcome]
@@ -291,10 +295,12 @@ class Sandbox:
             "entry_point": job.entry_point,
             "limits": self._limits(),
         }
-        outcomes: list[CaseOutcome | None] = [None] * (1 if job.mode == "io" else len(_case_ids(job)))
+        outcomes: list[CaseOutcome | None] = [None] * (
+            0 if job.mode == "run" else 1 if job.mode == "io" else len(_case_ids(job))
+        )
         try:
             chan.send(spec)
-            if job.mode == "io":
+            if job.mode in ("io", "run"):
                 _await_exit(chan)
             else:
                 self._run_tests(job, chan, tests, outcomes)
@@ -319,7 +325,9 @@ class Sandbox:
             status, reason = "crashed", f"the job sent {chan.stopped}"
         else:
             status, reason = "ok", ""
-        if job.mode == "io":
+        if job.mode == "run":
+            cases = []
+        elif job.mode == "io":
             cases = [self._io_outcome(job, status, reason, stdout)]
         else:
             why = reason or "no reply"
@@ -329,7 +337,7 @@ class Sandbox:
                 o or CaseOutcome(case=cid, passed=False, error=why)
                 for o, cid in zip(outcomes, _case_ids(job))
             ]
-        if status == "ok":
+        if status == "ok" and job.mode != "run":
             status = "ok" if cases and all(x.passed for x in cases) else "failed"
         return JobResult(cases=cases, status=status, returncode=ended.returncode, stdout=stdout,
                          stderr=stderr[-4000:], elapsed_s=elapsed, reason=reason)  # fmt: skip

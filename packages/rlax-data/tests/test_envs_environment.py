@@ -1,0 +1,257 @@
+"""Tool environments: a trajectory's observations and step records, every failure as an
+observation (never an exception), the registry, and one environment per trajectory
+stepped from many threads at once."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rlax_data import Message, Record
+from rlax_data.envs import (
+    BracketToolFormat,
+    CalculatorTool,
+    Environment,
+    EnvStep,
+    HermesToolFormat,
+    PythonTool,
+    ToolEnvironment,
+    environment_names,
+    make_environment,
+    register_environment,
+)
+from rlax_data.verify import SandboxConfig
+
+RECORD = Record(id="r0", prompt="4821*397=", answer="1913937")
+
+
+class Echo:
+    """Returns its argument repeated `times` times."""
+
+    name = "echo"
+    description = "echo"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    time_limit_s = 5.0
+
+    def __init__(self, times: int = 1) -> None:
+        self.times = times
+
+    def __call__(self, arguments):
+        return arguments["text"] * self.times
+
+
+class Sleepy:
+    name = "sleepy"
+    description = "sleeps"
+    parameters = {"type": "object", "properties": {}}
+    time_limit_s = 0.2
+
+    def __call__(self, arguments):
+        time.sleep(1000)
+
+
+def hermes(name: str, **arguments) -> str:
+    """A Hermes call written by hand (not by the format under test)."""
+    return '<tool_call>{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + "}</tool_call>"
+
+
+def test_a_bracket_trajectory_of_the_calculator():
+    env = make_environment("calculator", format="bracket")
+    assert isinstance(env, Environment) and env.name == "calculator"
+    assert env.reset(RECORD) == "4821*397="
+    assert env.step("[4821*397]") == EnvStep("(1913937)", done=False, tool_calls=1)
+    assert env.step("[4821*/397]") == EnvStep(
+        "(?)", done=False, tool_calls=1, tool_errors=1, error="bad_arguments"
+    )
+    assert env.step("[4821*397") == EnvStep("(?)", done=False, tool_calls=0, tool_errors=1, error="malformed")
+    assert env.step("1913937") == EnvStep("", done=True)
+    with pytest.raises(RuntimeError, match="step after the trajectory ended"):
+        env.step("[1+1]")
+    assert env.reset(RECORD) == "4821*397="
+    assert env.step("[1+1]").observation == "(2)"
+
+
+def test_a_hermes_trajectory_shows_errors_to_the_model():
+    env = ToolEnvironment([CalculatorTool(), Echo()], HermesToolFormat())
+    env.reset(RECORD)
+    step = env.step("Let me compute.\n" + hermes("calculator", expression="4821*397"))
+    assert step == EnvStep("<tool_response>\n1913937\n</tool_response>", done=False, tool_calls=1)
+    step = env.step(hermes("calculator", expression="1/0"))
+    assert step == EnvStep(
+        "<tool_response>\nError: calculator: division by zero\n</tool_response>",
+        done=False, tool_calls=1, tool_errors=1, error="bad_arguments",
+    )  # fmt: skip
+    step = env.step(hermes("search", query="x"))
+    assert step == EnvStep(
+        "<tool_response>\nError: there is no tool named 'search'; the tools are: calculator, echo\n</tool_response>",
+        done=False, tool_calls=1, tool_errors=1, error="unknown_tool",
+    )  # fmt: skip
+    step = env.step("<tool_call>{not json}</tool_call>")
+    assert step.error == "malformed" and (step.tool_calls, step.tool_errors, step.done) == (0, 1, False)
+    assert step.observation.startswith(
+        "<tool_response>\nError: malformed tool call: the call is not valid JSON"
+    )
+    assert env.step("The answer is 1913937.") == EnvStep("", done=True, reward=None)
+
+
+def test_long_results_are_cut_and_counted_but_not_failures():
+    env = ToolEnvironment([Echo(times=1000)], HermesToolFormat(), max_result_chars=50)
+    env.reset(RECORD)
+    step = env.step(hermes("echo", text="ab"))
+    assert (step.tool_calls, step.tool_errors, step.error) == (1, 0, "too_large")
+    assert (
+        step.observation
+        == "<tool_response>\n" + "ab" * 25 + "\n[truncated: 1950 more characters]\n</tool_response>"
+    )
+
+
+def test_a_hung_tool_times_out_and_the_trajectory_goes_on():
+    env = ToolEnvironment([Sleepy(), Echo()], HermesToolFormat())
+    env.reset(RECORD)
+    step = env.step(hermes("sleepy"))
+    assert step.error == "timeout" and step.tool_errors == 1
+    assert "did not finish within 0.2 s" in step.observation
+    assert (
+        env.step(hermes("echo", text="still here")).observation
+        == "<tool_response>\nstill here\n</tool_response>"
+    )
+    # The environment's limit overrides the tool's own.
+    env = ToolEnvironment([Sleepy()], HermesToolFormat(), tool_timeout_s=0.1)
+    env.reset(RECORD)
+    assert "within 0.1 s" in env.step(hermes("sleepy")).observation
+
+
+def test_instructions_and_chat_records():
+    env = ToolEnvironment([CalculatorTool()], BracketToolFormat(), instructions="Use [expr] to compute.\n")
+    assert env.reset(RECORD) == "Use [expr] to compute.\n4821*397="
+    chat = Record(id="c", messages=[Message("user", "hi")], answer="x")
+    with pytest.raises(ValueError, match="has chat `messages`"):
+        env.reset(chat)
+
+
+def test_bad_environment_configs_name_the_problem():
+    with pytest.raises(ValueError, match="at least one tool"):
+        ToolEnvironment([], HermesToolFormat())
+    with pytest.raises(ValueError, match=r"unique, got \['calculator'\]"):
+        ToolEnvironment([CalculatorTool(), CalculatorTool()], HermesToolFormat())
+    with pytest.raises(ValueError, match="max_result_chars must be >= 1"):
+        ToolEnvironment([CalculatorTool()], HermesToolFormat(), max_result_chars=0)
+    with pytest.raises(ValueError, match="tool_timeout_s must be > 0"):
+        ToolEnvironment([CalculatorTool()], HermesToolFormat(), tool_timeout_s=0)
+
+
+def test_tools_schema_is_openai_style_and_a_copy():
+    env = make_environment("calculator")
+    schema = env.tools_schema()
+    assert schema == [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": CalculatorTool.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "expression": {
+                            "type": "string",
+                            "description": "The expression, such as 4821*397 or (2+3)**2/7.",
+                        }
+                    },
+                    "required": ["expression"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    schema[0]["function"]["parameters"]["required"].append("oops")
+    assert CalculatorTool.parameters["required"] == ["expression"]
+
+
+def test_registry_built_ins_and_custom_environments():
+    assert {"calculator", "python", "tools"} <= set(environment_names())
+    with pytest.raises(ValueError, match=r"'chess' is not one of \[.*'calculator'.*\]"):
+        make_environment("chess")
+
+    class Fixed:
+        name = "fixed"
+
+        def reset(self, record):
+            return "go"
+
+        def step(self, model_turn):
+            return EnvStep("", done=True, reward=1.0)
+
+    register_environment("test-fixed", Fixed)
+    env = make_environment("test-fixed")
+    assert isinstance(env, Environment) and env.reset(RECORD) == "go"
+    assert env.step("x").reward == 1.0
+    with pytest.raises(ValueError, match="'test-fixed' is already registered"):
+        register_environment("test-fixed", Fixed)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        make_environment("calculator", colour="red")
+    with pytest.raises(ValueError, match="tool format: 'xml'"):
+        make_environment("calculator", format="xml")
+
+
+def test_an_environment_by_module_path(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(
+        "from rlax_data.envs import EnvStep\n"
+        "class Echo:\n"
+        "    name = 'echo'\n"
+        "    def __init__(self, **options):\n"
+        "        self.options = options\n"
+        "    def reset(self, record):\n"
+        "        return record.prompt_text()\n"
+        "    def step(self, model_turn):\n"
+        "        return EnvStep(model_turn.upper(), done=model_turn == 'bye')\n"
+        "not_callable = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_environment("my_envs:Echo", format="bracket")
+    assert env.options == {"format": "bracket"}
+    assert env.reset(RECORD) == RECORD.prompt_text()
+    assert env.step("hi") == EnvStep("HI", done=False)
+    with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
+        make_environment("no_such_module:Env")
+    with pytest.raises(ValueError, match="'my_envs' has no callable 'not_callable'"):
+        make_environment("my_envs:not_callable")
+    with pytest.raises(ValueError, match="'my_envs' has no callable 'Missing'"):
+        make_environment("my_envs:Missing")
+
+
+def test_python_and_tools_environments_run_programs():
+    config = SandboxConfig(timeout_s=5.0, cpu_s=2, memory_mb=256, file_size_mb=1, workers=1)
+    env = make_environment("tools", sandbox=config, max_result_chars=100)
+    assert [t["function"]["name"] for t in env.tools_schema()] == ["calculator", "python"]
+    env.reset(RECORD)
+    step = env.step(hermes("python", code="print(sum(range(101)))"))
+    assert step == EnvStep("<tool_response>\n5050\n</tool_response>", done=False, tool_calls=1)
+    step = env.step(hermes("python", code="print(open('/etc/passwd').read())"))
+    assert step.error == "crash" and "No such file or directory" in step.observation
+    python = make_environment("python", sandbox=config, format="bracket")
+    python_tool = python.tools["python"]
+    assert isinstance(python_tool, PythonTool)
+    # One sandbox for every environment of a config: environments are made per trajectory.
+    assert python_tool.sandbox is env.tools["python"].sandbox
+
+
+def test_environments_of_many_trajectories_step_in_parallel():
+    envs = [make_environment("calculator", format="bracket") for _ in range(32)]
+    for env in envs:
+        env.reset(RECORD)
+
+    def trajectory(i: int) -> list[EnvStep]:
+        env = envs[i]
+        return [env.step(f"[{i}*{i + 1000}]"), env.step(f"[{i}**2+1]"), env.step(str(i))]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(trajectory, range(32)))
+    for i, steps in enumerate(results):
+        assert steps == [
+            EnvStep(f"({i * (i + 1000)})", done=False, tool_calls=1),
+            EnvStep(f"({i * i + 1})", done=False, tool_calls=1),
+            EnvStep("", done=True),
+        ]

@@ -1,0 +1,185 @@
+"""Environments stepped in the verifier service (`agent.where: service`): the same steps
+as in the worker, no session state in the service, and hostile requests refused alone."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+
+import rlax_protocol as rp
+from rlax_data import Record
+from rlax_data.envs import EnvStep, make_environment
+from rlax_data.envs.remote import EnvOptions, RemoteEnvironments
+from rlax_data.service import VerifierService, default_routes
+from rlax_data.verify import build_verifier
+
+RECORD = Record(id="r1", prompt="123*45=", answer="5535", task="tool_arithmetic")
+STATEFUL_MODULE = '''
+import threading
+from rlax_data.envs import EnvStep
+
+HANG = threading.Event()
+
+
+class Counting:
+    """Each observation depends on every earlier turn: the service must replay them."""
+
+    name = "counting"
+
+    def __init__(self, **options):
+        self.seen = []
+
+    def reset(self, record):
+        self.seen = [record.id]
+        return record.prompt
+
+    def step(self, model_turn):
+        self.seen.append(model_turn)
+        if model_turn == "boom":
+            raise RuntimeError("the environment broke")
+        if model_turn == "hang":
+            HANG.wait(30)
+        return EnvStep("|".join(self.seen), done=model_turn == "bye", tool_calls=1)
+'''
+
+
+class Service:
+    def __init__(self, address: str = "tcp://127.0.0.1:*", env_paths: tuple[str, ...] = ()) -> None:
+        self.svc = VerifierService(
+            build_verifier(default_routes()), address=address, poll_s=0.05, env_paths=env_paths
+        )
+        self.address = self.svc.bound_address
+        self.thread = threading.Thread(target=self.svc.serve, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.svc.stop()
+        self.thread.join(timeout=10)
+        self.svc.close()
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def stateful(tmp_path, monkeypatch):
+    (tmp_path / "counting_envs.py").write_text(STATEFUL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "counting_envs:Counting"
+
+
+def remotes(address: str, fmt: str = "bracket", timeout_s: float = 5.0) -> RemoteEnvironments:
+    return RemoteEnvironments(address, options=EnvOptions(format=fmt), timeout_s=timeout_s)
+
+
+def test_a_remote_calculator_trajectory_equals_the_local_one():
+    service = Service()
+    envs = remotes(service.address)
+    try:
+        turns = ["[123*45]", "[12*]", "[no_tool]", "5535"]
+        local = make_environment("calculator", format="bracket")
+        local.reset(RECORD)
+        want = [local.step(t) for t in turns]
+        remote = envs.make("calculator")
+        assert remote.reset(RECORD) == ""
+        got = [remote.step(t) for t in turns]
+        assert got == want
+        assert got[0] == EnvStep("(5535)", done=False, tool_calls=1)
+        assert got[1].tool_errors == 1 and got[1].error and got[-1].done
+        # A tool environment's steps are independent: nothing was replayed.
+        assert service.svc.envs.stats["env_replayed_turns"] == 0
+        assert service.svc.envs.stats["env_steps"] == 4
+    finally:
+        envs.close()
+        service.stop()
+
+
+def test_a_stateful_environment_is_replayed_and_survives_a_service_restart(stateful):
+    service = Service(env_paths=(stateful,))
+    envs = remotes(service.address)
+    try:
+        remote = envs.make(stateful)
+        remote.reset(RECORD)
+        assert remote.step("a").observation == "r1|a"
+        assert remote.step("b").observation == "r1|a|b"
+        # The service keeps no session: a new one on the same address goes on exactly.
+        address = service.address
+        service.stop()
+        service = Service(address=address, env_paths=(stateful,))
+        step = remote.step("bye")
+        assert step == EnvStep("r1|a|b|bye", done=True, tool_calls=1)
+        assert service.svc.envs.stats["env_replayed_turns"] == 2
+    finally:
+        envs.close()
+        service.stop()
+
+
+def test_module_paths_are_served_only_when_the_service_was_started_with_them(stateful):
+    service = Service()  # no paths: a request cannot make the service import a module
+    envs = remotes(service.address)
+    try:
+        remote = envs.make(stateful)
+        remote.reset(RECORD)
+        with pytest.raises(rp.RemoteError, match="not_found.*counting_envs:Counting"):
+            remote.step("a")
+        for path in ("os:system", "subprocess:run"):
+            hostile = envs.make(path)
+            hostile.reset(RECORD)
+            with pytest.raises(rp.RemoteError, match="not_found"):
+                hostile.step("echo pwned")
+    finally:
+        envs.close()
+        service.stop()
+
+
+def call(client: rp.RpcClient, **fields) -> rp.Message:
+    request = rp.EnvStepRequest(
+        **{"request_id": "h", "environment": "calculator", "record": msgspec.json.encode(RECORD).decode(),
+           "turns": ("[1+1]",), "options": '{"format": "bracket"}', "timeout_s": 2.0, **fields}
+    )  # fmt: skip
+    return client.call(request).message
+
+
+def test_hostile_requests_are_refused_alone_and_the_service_keeps_serving(stateful):
+    service = Service(env_paths=(stateful,))
+    client = rp.RpcClient(service.address, timeout_s=10.0, retries=0)
+    try:
+        deep = '{"id": "x", "prompt": "p", "metadata": ' + '{"a": ' * 10_000 + "1" + "}" * 10_000 + "}"
+        cases = [
+            ({"record": deep}, "malformed"),
+            ({"record": "not json"}, "malformed"),
+            ({"record": '{"prompt": "no id"}'}, "malformed"),
+            # Only the three common options; a sandbox or anything else cannot be passed.
+            ({"options": '{"sandbox": {"isolation": "process"}}'}, "malformed"),
+            ({"options": '{"max_result_chars": 1e12}'}, "malformed"),
+            ({"options": '{"tool_timeout_s": -1}'}, "malformed"),
+            ({"environment": "chess"}, "not_found"),
+            ({"environment": stateful, "turns": ("boom",)}, "env_failed"),
+        ]
+        for fields, code in cases:
+            with pytest.raises(rp.RemoteError) as error:
+                call(client, **fields)
+            assert error.value.code == code, fields
+        # A huge trajectory is bounded by the message limits, not by the service's memory.
+        with pytest.raises(rp.RemoteError):
+            call(client, turns=("x" * (40 << 20),))
+        assert call(client) == rp.EnvStepResult(request_id="h", observation="(2)", done=False, tool_calls=1)
+    finally:
+        client.close()
+        service.stop()
+
+
+def test_a_hanging_environment_times_out_and_the_service_answers_the_next_request(stateful):
+    service = Service(env_paths=(stateful,))
+    client = rp.RpcClient(service.address, timeout_s=10.0, retries=0)
+    try:
+        # The service answers (the client would time out after 10 s without a reply).
+        with pytest.raises(rp.RemoteError, match="timeout"):
+            call(client, environment=stateful, turns=("hang",), timeout_s=0.5)
+        assert call(client).observation == "(2)"
+    finally:
+        import counting_envs
+
+        counting_envs.HANG.set()
+        client.close()
+        service.stop()

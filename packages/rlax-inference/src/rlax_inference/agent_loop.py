@@ -1,0 +1,318 @@
+"""The agent loop: multi-turn, tool-calling trajectories generated next to the engine.
+
+A `GenerateRequest` with an `agent` spec makes each of its `n` samples a trajectory:
+
+    prompt | model turn 1 | environment turn 1 | model turn 2 | ... | model turn T
+
+The first model turn of all `n` samples is one engine request (they share the prompt's
+prefill, as single-turn samples do). When a sample's turn ends (a stop string such as the
+tool format's `]` or `</tool_call>`, end of sequence, or its token budget), the
+environment's `step` runs on the turn's text in a thread pool, so a slow tool never holds
+up the engine, which goes on stepping every other sequence. Its observation is appended
+as environment tokens (mask 0, logprob 0) and the next model turn is a new engine request
+continuing the whole trajectory: the blocks of everything before it are found in the
+prefix cache (the engine keys a finished sequence's blocks), so only the environment's
+tokens are prefilled.
+
+Every turn of a trajectory is generated with the weights loaded when it started: the worker
+loads no other version while a trajectory is in flight. Turn t > 0 of sample i draws with
+the seed `turn_seed(seed, i, t)` (sample index 0 of its own request), so a trajectory is a
+function of the request, the weights and the environment: regenerated after a kill, it
+comes out the same.
+
+Limits end a trajectory with a reason (`Sample.end`): `answer` (the environment is done),
+`max_turns`, `max_tokens` (`max_total_tokens` after the prompt, or the model's context),
+`error` (the environment raised, or its step overran `2 * tool_timeout_s`: tools are bounded
+by their own limits first) and `abort` (the engine aborted a turn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import rlax_protocol as rp
+from rlax_inference.engine import CompletionOutput, LLMEngine, RequestOutput
+from rlax_inference.sequence import FinishReason, SamplingParams
+
+__all__ = ["AgentLoop", "TurnCodec", "turn_seed"]
+
+log = logging.getLogger("rlax.worker.agent")
+
+
+AgentResult = tuple[int, rp.GenerateRequest, list[rp.Sample], int | None]
+"""A finished request: its worker key, the request, its samples, the weight version."""
+
+
+class TurnCodec(Protocol):
+    """What the loop needs from the run's task (`rlax_data.run_task.AgentTurns`)."""
+
+    def new_environment(self, name: str, record_json: str) -> Any:
+        """A fresh environment `name` for one trajectory, already `reset` with the record
+        (ValueError for an unknown name or a record that does not parse)."""
+        ...
+
+    def turn_text(self, token_ids: list[int]) -> str:
+        """The text of one model turn (what the environment parses)."""
+        ...
+
+    def env_turn_ids(self, observation: str, *, after_end_of_turn: bool) -> list[int]:
+        """Token ids of an environment turn that follows a model turn (which ended with the
+        end-of-turn token when `after_end_of_turn`), ready for the next model turn."""
+        ...
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Stop strings that end a model turn holding a tool call."""
+        ...
+
+
+def turn_seed(seed: int, sample_index: int, turn: int) -> int:
+    """The seed of turn `turn` (>= 1) of sample `sample_index` of a request seeded `seed`."""
+    digest = hashlib.blake2b(f"{seed}/{sample_index}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    index: int
+    env: Any
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float | None = None
+    end: str = ""
+    finish_reason: str = "stop"
+    ended_with_stop_token: bool = False
+    step_future: Future[Any] | None = None
+    step_started: float = 0.0
+
+
+@dataclasses.dataclass
+class _AgentRequest:
+    key: int
+    request: rp.GenerateRequest
+    params: SamplingParams
+    trajectories: list[_Trajectory]
+    version: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(t.end for t in self.trajectories)
+
+
+class AgentLoop:
+    """The worker's multi-turn requests: `start` one, feed it the engine's outputs
+    (`on_output`), let it collect environment steps (`poll`); both return the results of
+    requests whose every trajectory ended, as (key, request, samples, weight version or None)."""
+
+    def __init__(
+        self,
+        engine: Callable[[], LLMEngine],
+        codec: TurnCodec,
+        *,
+        max_model_len: int,
+        env_threads: int = 8,
+    ) -> None:
+        self._engine = engine
+        self.codec = codec
+        self.max_model_len = max_model_len
+        self._pool = ThreadPoolExecutor(max_workers=env_threads, thread_name_prefix="rlax-env")
+        self._requests: dict[int, _AgentRequest] = {}
+        self._turns: dict[str, tuple[int, int]] = {}  # engine request id -> (key, sample index)
+        # Counters for the worker's logs and the tests.
+        self.num_turns = 0
+        self.num_env_steps = 0
+        self.env_seconds = 0.0
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """A trajectory is in flight: its next turns need the loaded weights."""
+        return bool(self._requests)
+
+    @property
+    def waiting_on_environment(self) -> bool:
+        return any(t.step_future is not None for r in self._requests.values() for t in r.trajectories)
+
+    @property
+    def serving_unpinned(self) -> bool:
+        """A request in flight names no weight version (it follows the newest)."""
+        return any(r.request.weight_version is None for r in self._requests.values())
+
+    def owns(self, engine_request_id: str) -> bool:
+        return engine_request_id in self._turns
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- requests ------------------------------------------------------------------------
+    def start(self, key: int, request: rp.GenerateRequest, params: SamplingParams) -> None:
+        """Make the request's environments and queue its first turn (ValueError if refused)."""
+        spec = request.agent
+        assert spec is not None
+        stops = tuple(dict.fromkeys((*params.stop, *self.codec.stop_strings)))
+        params = dataclasses.replace(
+            params, stop=stops, max_tokens=min(params.max_tokens, spec.max_total_tokens)
+        )
+        envs = [self.codec.new_environment(spec.environment, spec.record) for _ in range(request.n)]
+        engine_id = f"{key}"
+        self._engine().add_request(engine_id, request.prompt_token_ids, params)
+        self._turns[engine_id] = (key, -1)
+        self._requests[key] = _AgentRequest(
+            key, request, params, [_Trajectory(i, env) for i, env in enumerate(envs)]
+        )
+
+    def cancel(self, key: int) -> None:
+        """The client is gone: abort its turns in the engine and forget it."""
+        if self._requests.pop(key, None) is None:
+            return
+        engine = self._engine()
+        for engine_id, (owner, _) in list(self._turns.items()):
+            if owner == key:
+                del self._turns[engine_id]
+                engine.abort(engine_id)
+
+    def on_output(self, output: RequestOutput) -> list[AgentResult]:
+        """A turn (or the first turns of all samples) finished in the engine."""
+        key, sample = self._turns.pop(output.request_id, (None, -1))
+        agent = None if key is None else self._requests.get(key)
+        if agent is None:
+            return []
+        completions = sorted(output.outputs, key=lambda c: c.sample_index)
+        if output.error:
+            log.error("request %s: a turn failed in the engine: %s", agent.request.request_id, output.error)
+        for completion in completions:
+            trajectory = agent.trajectories[completion.sample_index if sample < 0 else sample]
+            if trajectory.end:
+                continue
+            if agent.version is None:
+                agent.version = completion.weight_version
+            self._after_turn(agent, trajectory, completion)
+        # A failed engine request may leave a sample without output: it ends here.
+        for trajectory in agent.trajectories if sample < 0 else [agent.trajectories[sample]]:
+            if not trajectory.end and trajectory.step_future is None and not self._in_engine(key, trajectory):
+                trajectory.end = "abort"
+        return self._collect()
+
+    def _in_engine(self, key: int, trajectory: _Trajectory) -> bool:
+        return (key, trajectory.index) in self._turns.values() or (key, -1) in self._turns.values()
+
+    def poll(self) -> list[AgentResult]:
+        """Take finished environment steps and start the next turns."""
+        now = time.monotonic()
+        for agent in list(self._requests.values()):
+            for trajectory in agent.trajectories:
+                future = trajectory.step_future
+                if future is None:
+                    continue
+                overrun = now - trajectory.step_started > 2 * agent.request.agent.tool_timeout_s  # type: ignore[union-attr]
+                if not future.done() and not overrun:
+                    continue
+                trajectory.step_future = None
+                self.num_env_steps += 1
+                self.env_seconds += now - trajectory.step_started
+                if not future.done():
+                    log.error(
+                        "request %s: an environment step overran its time limit", agent.request.request_id
+                    )
+                    trajectory.end = "error"
+                    continue
+                try:
+                    step = future.result()
+                except Exception:
+                    log.exception("request %s: the environment raised", agent.request.request_id)
+                    trajectory.end = "error"
+                    continue
+                self._after_env_step(agent, trajectory, step)
+        return self._collect()
+
+    # -- one trajectory ------------------------------------------------------------------
+    def _after_turn(
+        self, agent: _AgentRequest, trajectory: _Trajectory, completion: CompletionOutput
+    ) -> None:
+        spec = agent.request.agent
+        assert spec is not None
+        self.num_turns += 1
+        trajectory.turns += 1
+        trajectory.tokens += completion.tokens
+        trajectory.logprobs += completion.logprobs
+        trajectory.mask += [1] * len(completion.tokens)
+        trajectory.finish_reason = completion.finish_reason.wire
+        trajectory.ended_with_stop_token = completion.finish_reason is FinishReason.EOS
+        if completion.finish_reason is FinishReason.ABORT:
+            trajectory.end = "abort"
+            return
+        text = self.codec.turn_text(completion.tokens)
+        trajectory.step_started = time.monotonic()
+        trajectory.step_future = self._pool.submit(trajectory.env.step, text)
+
+    def _after_env_step(self, agent: _AgentRequest, trajectory: _Trajectory, step: Any) -> None:
+        spec = agent.request.agent
+        assert spec is not None
+        trajectory.tool_calls += int(step.tool_calls)
+        trajectory.tool_errors += int(step.tool_errors)
+        if step.reward is not None:
+            trajectory.env_reward = float(step.reward)
+        if step.done:
+            trajectory.end = "answer"
+            return
+        if trajectory.turns >= spec.max_turns:
+            trajectory.end = "max_turns"
+            return
+        observation = self.codec.env_turn_ids(
+            str(step.observation), after_end_of_turn=trajectory.ended_with_stop_token
+        )
+        prompt_len = len(agent.request.prompt_token_ids)
+        used = len(trajectory.tokens) + len(observation)
+        room = min(spec.max_total_tokens - used, self.max_model_len - prompt_len - used)
+        if room < 1:
+            trajectory.end = "max_tokens"
+            return
+        trajectory.tokens += observation
+        trajectory.logprobs += [0.0] * len(observation)
+        trajectory.mask += [0] * len(observation)
+        params = agent.params
+        seed = None if params.seed is None else turn_seed(params.seed, trajectory.index, trajectory.turns)
+        params = dataclasses.replace(params, n=1, seed=seed, max_tokens=min(params.max_tokens, room))
+        engine_id = f"{agent.key}:{trajectory.index}:{trajectory.turns}"
+        try:
+            self._engine().add_request(
+                engine_id, [*agent.request.prompt_token_ids, *trajectory.tokens], params
+            )
+        except ValueError as error:  # e.g. an observation token outside the vocabulary
+            log.error("request %s: cannot continue a trajectory: %s", agent.request.request_id, error)
+            trajectory.end = "error"
+            return
+        self._turns[engine_id] = (agent.key, trajectory.index)
+
+    def _collect(self) -> list[AgentResult]:
+        results = []
+        for key, agent in list(self._requests.items()):
+            if not agent.done:
+                continue
+            del self._requests[key]
+            samples = [
+                rp.Sample(
+                    token_ids=tuple(t.tokens),
+                    logprobs=tuple(t.logprobs) if agent.request.sampling.logprobs else (),
+                    finish_reason=t.finish_reason,  # type: ignore[arg-type]
+                    model_mask=tuple(t.mask),
+                    turns=t.turns,
+                    tool_calls=t.tool_calls,
+                    tool_errors=t.tool_errors,
+                    end=t.end,  # type: ignore[arg-type]
+                    env_reward=t.env_reward,
+                )
+                for t in agent.trajectories
+            ]
+            results.append((key, agent.request, samples, agent.version))
+        return results

@@ -1,0 +1,91 @@
+"""Multi-turn tool-calling rollouts end to end: `rlax launch configs/multiturn-demo.yaml`,
+shrunk, with the calculator environment run by the workers' agent loops.
+
+An undisturbed run and one whose workers are SIGKILLed while they generate (random delays
+before every engine step keep trajectories in flight), plus a trainer kill, with its
+environments stepped in the verifier service instead of the workers, are the same run:
+the same trajectories (rollout ids, rewards, tool use per step), the same trainer figures,
+the same final weights. The trainer trains only the model's tokens: its token counts are the
+trajectories' model tokens.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Any
+
+import pytest
+from test_end_to_end import check_records_complete, check_same_run, launch
+
+MULTITURN_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "multiturn-demo.yaml"
+STEPS = 5
+BASE = [
+    f"run.steps={STEPS}",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "data.group_size=4",
+    "data.prompts_per_step=4",
+    "data.task_args={sft_tool_fraction: 1.0}",  # every demonstration calls the tool: many turns
+    "workers.count=2",
+    "workers.max_batch_seqs=16",
+    "trainer.sft_steps=40",
+    "trainer.sft_batch=32",
+    "trainer.k=1",
+    "controller.lag=-1",
+    "eval.num_prompts=0",
+    "verifier.mode=service",
+    "controller.heartbeat_timeout_s=15",
+    "controller.request_timeout_s=60",
+    "supervisor.max_restarts=10",
+    "supervisor.backoff_initial_s=0.2",
+    "supervisor.backoff_max_s=1.0",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("multiturn")
+    cache = root / "jax_cache"
+    calm = launch(root / "calm", cache, config=MULTITURN_CONFIG, base=BASE)
+    kills = [(1, "worker0"), (2, "trainer"), (3, "worker1")]
+    # The chaos run steps its environments in the verifier service (`agent.where: service`),
+    # the calm one in the workers: where they run must not change the run either.
+    chaos = launch(
+        root / "chaos", cache, "chaos.max_delay_s=0.05", "agent.where=service", config=MULTITURN_CONFIG,
+        base=BASE, kills=kills,
+    )  # fmt: skip
+    return {"calm": calm, "chaos": chaos}
+
+
+def test_killed_workers_mid_trajectory_give_the_same_run(runs: dict[str, Any]) -> None:
+    calm, chaos = runs["calm"], runs["chaos"]
+    assert chaos["killed"] == ["worker0", "trainer", "worker1"]
+    assert calm["train"][-1]["step"] == chaos["train"][-1]["step"] == STEPS
+    check_records_complete(calm)
+    check_records_complete(chaos)
+    check_same_run(calm, chaos)
+    for key in ("tool_use_rate", "tool_ok_rate", "turns_mean", "tool_errors_mean"):
+        assert [r[key] for r in chaos["train"]] == [r[key] for r in calm["train"]], key
+    # The chaos run's environment steps were answered by the verifier service.
+    stopped = [
+        line
+        for line in (chaos["dir"] / "logs" / "verifier.log").read_text().splitlines()
+        if "stopped after" in line
+    ]
+    assert stopped and int(re.search(r"'env_steps': (\d+)", stopped[-1]).group(1)) > 0, stopped
+
+
+def test_trajectories_call_the_tool_and_train_only_model_tokens(runs: dict[str, Any]) -> None:
+    calm = runs["calm"]
+    # The SFT warm start showed every problem solved with the calculator: the model calls it.
+    assert all(r["tool_use_rate"] > 0 for r in calm["train"])
+    assert max(r["turns_mean"] for r in calm["train"]) > 1.5
+    for controller, trainer in zip(calm["train"], calm["trainer"], strict=True):
+        # `response_tokens_mean` counts every token after the prompt (environment turns
+        # included); the trainer's mean response length counts the tokens it trains on.
+        assert trainer["response_length_mean"] < controller["response_tokens_mean"]
+        assert trainer["response_length_mean"] > 0
