@@ -557,6 +557,8 @@ class Worker:
                 return
             try:
                 params = _engine_params(request)
+                if self.detokenize is not None:
+                    self.detokenize.need(params.stop)
                 if request.agent is not None:
                     if self.agent is None:
                         raise ValueError(
@@ -564,10 +566,6 @@ class Worker:
                         )
                     if self.detokenize is not None:
                         self.detokenize.need(self.agent.codec.stop_strings)
-                if self.detokenize is not None:
-                    self.detokenize.need(params.stop)
-                if request.agent is not None:
-                    assert self.agent is not None
                     self.agent.start(job.key, request, params)
                     continue
                 engine.add_request(str(job.key), request.prompt_token_ids, params)
