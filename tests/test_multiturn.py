@@ -1,9 +1,10 @@
 """Multi-turn tool-calling rollouts end to end: `rlax launch configs/multiturn-demo.yaml`,
 shrunk, with the calculator environment run by the workers' agent loops.
 
-An undisturbed run and one whose workers are SIGKILLed while they generate (random delays
-before every engine step keep trajectories in flight), plus a trainer kill, with its
-environments stepped in the verifier service instead of the workers, are the same run:
+An undisturbed run (its environments stepped in the verifier service) and, in `nox -s slow`,
+one whose workers are SIGKILLed while they generate (random delays before every engine step
+keep trajectories in flight), plus a trainer kill, with its environments stepped in the
+workers, are the same run:
 the same trajectories (rollout ids, rewards, tool use per step), the same trainer figures,
 the same final weights. The trainer trains only the model's tokens: its token counts are the
 trajectories' model tokens.
@@ -47,22 +48,39 @@ BASE = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("multiturn")
-    cache = root / "jax_cache"
-    calm = launch(root / "calm", cache, config=MULTITURN_CONFIG, base=BASE)
+def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("multiturn") / "jax_cache"
+
+
+@pytest.fixture(scope="module")
+def calm(jax_cache: pathlib.Path) -> dict[str, Any]:
+    """The undisturbed run, its environments stepped in the verifier service."""
+    return launch(
+        jax_cache.parent / "calm", jax_cache, "agent.where=service", config=MULTITURN_CONFIG, base=BASE
+    )
+
+
+def env_steps_served(run: dict[str, Any]) -> int:
+    """How many environment steps the run's verifier service answered (its last stop line)."""
+    lines = (run["dir"] / "logs" / "verifier.log").read_text().splitlines()
+    stopped = [line for line in lines if "stopped after" in line]
+    assert stopped, "the verifier service did not log its stop"
+    found = re.search(r"'env_steps': (\d+)", stopped[-1])
+    assert found, stopped[-1]
+    return int(found.group(1))
+
+
+@pytest.mark.slow  # two more launches with restarts: ~4 minutes on 2 cores
+def test_killed_workers_mid_trajectory_give_the_same_run(
+    calm: dict[str, Any], jax_cache: pathlib.Path
+) -> None:
+    # The chaos run steps its environments in the workers, the calm one in the verifier
+    # service: where they run must not change the run either.
     kills = [(1, "worker0"), (2, "trainer"), (3, "worker1")]
-    # The chaos run steps its environments in the verifier service (`agent.where: service`),
-    # the calm one in the workers: where they run must not change the run either.
     chaos = launch(
-        root / "chaos", cache, "chaos.max_delay_s=0.05", "agent.where=service", config=MULTITURN_CONFIG,
-        base=BASE, kills=kills,
+        jax_cache.parent / "chaos", jax_cache, "chaos.max_delay_s=0.05", config=MULTITURN_CONFIG, base=BASE,
+        kills=kills,
     )  # fmt: skip
-    return {"calm": calm, "chaos": chaos}
-
-
-def test_killed_workers_mid_trajectory_give_the_same_run(runs: dict[str, Any]) -> None:
-    calm, chaos = runs["calm"], runs["chaos"]
     assert chaos["killed"] == ["worker0", "trainer", "worker1"]
     assert calm["train"][-1]["step"] == chaos["train"][-1]["step"] == STEPS
     check_records_complete(calm)
@@ -70,17 +88,15 @@ def test_killed_workers_mid_trajectory_give_the_same_run(runs: dict[str, Any]) -
     check_same_run(calm, chaos)
     for key in ("tool_use_rate", "tool_ok_rate", "turns_mean", "tool_errors_mean"):
         assert [r[key] for r in chaos["train"]] == [r[key] for r in calm["train"]], key
-    # The chaos run's environment steps were answered by the verifier service.
-    stopped = [
-        line
-        for line in (chaos["dir"] / "logs" / "verifier.log").read_text().splitlines()
-        if "stopped after" in line
-    ]
-    assert stopped and int(re.search(r"'env_steps': (\d+)", stopped[-1]).group(1)) > 0, stopped
 
 
-def test_trajectories_call_the_tool_and_train_only_model_tokens(runs: dict[str, Any]) -> None:
-    calm = runs["calm"]
+def test_trajectories_call_the_tool_and_train_only_model_tokens(calm: dict[str, Any]) -> None:
+    check_records_complete(calm)
+    assert calm["train"][-1]["step"] == STEPS
+    # Every model turn is followed by one environment step, and the verifier service
+    # (`agent.where: service`) answered them all: at least the trained trajectories' turns.
+    trained_turns = sum(r["turns_mean"] * 16 for r in calm["train"])  # 4 prompts x 4 samples a step
+    assert env_steps_served(calm) >= round(trained_turns)
     # The SFT warm start showed every problem solved with the calculator: the model calls it.
     assert all(r["tool_use_rate"] > 0 for r in calm["train"])
     assert max(r["turns_mean"] for r in calm["train"]) > 1.5
