@@ -201,7 +201,7 @@ class ProgressDisplay:
             self._live = None
 
 
-def trajectory_record(samples: Sequence[Any], prefix: str = "") -> dict[str, float]:
+def trajectory_record(samples: Sequence[Any]) -> dict[str, float]:
     """Tool use of multi-turn trajectories (anything with `turns`, `tool_calls`,
     `tool_errors` and `end`): `tool_use_rate` (share that called a tool), `tool_ok_rate`
     (called one and none of its calls failed), `turns_mean`, `tool_errors_mean` and
@@ -218,7 +218,7 @@ def trajectory_record(samples: Sequence[Any], prefix: str = "") -> dict[str, flo
     }
     for reason in sorted(set(ends)):
         record[f"end_{reason}"] = ends.count(reason) / n
-    return {f"{prefix}{k}": v for k, v in record.items()}
+    return record
 
 
 def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:

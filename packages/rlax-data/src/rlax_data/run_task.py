@@ -50,17 +50,11 @@ def build_tokenizer(config: RunConfig, alphabet: str) -> Any:
 
 
 def _make_task(config: RunConfig) -> Any:
-    from rlax_data.tasks import ArithmeticTask, CountdownTask, SortingTask, ToolArithmeticTask, make_task
+    from rlax_data.tasks import TASK_NAMES, make_task
 
-    classes = {
-        "arithmetic": ArithmeticTask,
-        "countdown": CountdownTask,
-        "sorting": SortingTask,
-        "tool_arithmetic": ToolArithmeticTask,
-    }
     data = config.data
-    if data.task not in classes:
-        raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(classes)}")
+    if data.task not in TASK_NAMES:
+        raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(TASK_NAMES)}")
     task = make_task(data.task, data.difficulty)
     if data.task_args:
         try:

@@ -128,10 +128,6 @@ class AgentLoop:
         self._pool = ThreadPoolExecutor(max_workers=env_threads, thread_name_prefix="rlax-env")
         self._requests: dict[int, _AgentRequest] = {}
         self._turns: dict[str, tuple[int, int]] = {}  # engine request id -> (key, sample index)
-        # Counters for the worker's logs and the tests.
-        self.num_turns = 0
-        self.num_env_steps = 0
-        self.env_seconds = 0.0
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -218,8 +214,6 @@ class AgentLoop:
                 if not future.done() and not overrun:
                     continue
                 trajectory.step_future = None
-                self.num_env_steps += 1
-                self.env_seconds += now - trajectory.step_started
                 if not future.done():
                     log.error(
                         "request %s: an environment step overran its time limit", agent.request.request_id
@@ -241,7 +235,6 @@ class AgentLoop:
     ) -> None:
         spec = agent.request.agent
         assert spec is not None
-        self.num_turns += 1
         trajectory.turns += 1
         trajectory.tokens += completion.tokens
         trajectory.logprobs += completion.logprobs
