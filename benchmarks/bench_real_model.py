@@ -11,14 +11,19 @@ clipping, no KL term, one optimizer step per generation batch.
 
 1. `rlax launch` runs every component as a local process; the benchmark polls each
    process's peak resident memory (VmHWM) and reads per-step seconds from metrics.jsonl:
-   `step_time_s` (wall between steps), the trainer's `train_seconds`, and the worker's
-   busy seconds (`worker_active_s`, compile time excluded and reported on its own).
-2. `LLMEngine` alone serves the run's requests (same prompts, one request of 8 samples
-   each, warm) in a process of its own: the tokens/s a worker could reach.
+   `step_time_s` (wall between steps), the trainer's `train_seconds` (compiling a new
+   padded length is `trainer_compile_seconds`, apart), and the worker's busy seconds
+   (`worker_active_s`; compilation and weight loads are `worker_compile_s` and
+   `worker_reload_s`, apart).
+2. `LLMEngine` alone does the run's generation work in a process of its own: the same
+   prompts, each step's samples to the lengths the run's samples had (warm): the tokens/s
+   a worker could reach.
 3. TRL trains the same job in a process of its own (benchmarks/real_model_trl.py).
 
 Seconds per step are medians over steps after the first two (both sides compile or warm
-up there). Timing depends on the machine and its load: run it on a quiet machine.
+up there); RLAX's steps that compiled a new shape are also shown left out (TRL runs
+eagerly and compiles nothing). Timing depends on the machine and its load: run it on a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -105,6 +110,9 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
             "reward_mean": r["reward_mean"],
             "worker_tokens_per_s": r.get("worker_gen_tokens_per_s", float("nan")),
             "compile_s": r.get("worker_compile_s", 0.0),
+            "trainer_compile_s": r.get("trainer_compile_seconds", 0.0),
+            "reload_s": r.get("worker_reload_s", float("nan")),
+            "response_tokens": r.get("response_tokens"),
         }
         for r in train
     ]
@@ -116,6 +124,7 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
         "peak_rss_mb": peaks,
         "worker_tokens_per_s": tokens / busy if busy else float("nan"),
         "worker_compile_s": sum(r["compile_s"] for r in rows),
+        "trainer_compile_s": sum(r["trainer_compile_s"] for r in rows),
     }
 
 
@@ -169,6 +178,16 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         lines.append(f"{label:34} {fmt.format(a)} {fmt.format(b)} {a / b:>9.2f}")
 
     row("seconds per step (median)", median(rlax["steps"], "seconds"), median(trl["steps"], "seconds"))
+    # A step that compiled a new padded length (RLAX's XLA programs; TRL runs eagerly).
+    uncompiled = [
+        r for r in rlax["steps"][WARM_STEPS:] if r["trainer_compile_s"] == 0 and r["compile_s"] == 0
+    ]
+    if uncompiled:
+        row(
+            f"  steps that compiled nothing ({len(uncompiled)})",
+            statistics.median(r["seconds"] for r in uncompiled),
+            median(trl["steps"], "seconds"),
+        )
     row("  generation s/step", median(rlax["steps"], "generation_s"), median(trl["steps"], "generation_s"))
     row("  training s/step", median(rlax["steps"], "train_s"), median(trl["steps"], "train_s"))
     row(
@@ -188,14 +207,22 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
     )
     lines.append(
         f"generation tokens/s: run's worker {rlax['worker_tokens_per_s']:.1f} (compile {rlax['worker_compile_s']:.1f} s "
-        f"reported apart) vs LLMEngine alone {engine['tokens_per_s']:.1f}: {ratios['run_gen_over_engine_alone']:.2f}x"
+        f"and weight loads, median {median(rlax['steps'], 'reload_s'):.2f} s/step, reported apart) vs LLMEngine alone "
+        f"{engine['tokens_per_s']:.1f}: {ratios['run_gen_over_engine_alone']:.2f}x"
     )  # fmt: skip
+    lines.append(
+        f"trainer compile (new padded lengths, outside training s/step): {rlax['trainer_compile_s']:.1f} s"
+    )
     return "\n".join(lines), ratios
 
 
 def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
     results: dict[str, Any] = {"rlax": run_rlax(out, steps)}
-    results["engine"] = run_child("real_model_engine", out, steps)
+    # The engine alone does the run's work: each step's samples to the lengths they had.
+    lengths = [r["response_tokens"] for r in results["rlax"]["steps"]]
+    results["engine"] = run_child(
+        "real_model_engine", out, steps, lengths=lengths if all(lengths) else None, skip_steps=WARM_STEPS
+    )
     results["trl"] = run_child("real_model_trl", out, steps, hf_dir=str(export_hf(out)))
     return results
 

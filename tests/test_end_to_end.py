@@ -7,7 +7,8 @@ metrics.
   (`chaos.max_delay_s`), both finish, consume the same prompts in the same order, end at
   the same step, and train every accepted rollout exactly once; with pinned versions (the
   default) they are the same run: the same rollout ids and rewards at every step, the same
-  trainer metrics and the same final weights.
+  trainer metrics and the same final weights. The killed run checkpoints only every third
+  step (`trainer.checkpoint_every`): its restarted trainer replays its batch journal.
 - Staleness: with k = 1 no trained rollout is more than one version old; with
   (j, k) = (4, 8) a worker reloads weights only every 4 or more versions; with k = 0 every
   trained rollout comes from the current weights.
@@ -170,7 +171,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cache = root / "jax_cache"
     calm = launch(root / "calm", cache, "workers.j=1", "trainer.k=1")
     kills = [(2, "worker0"), (4, "trainer"), (6, "controller"), (8, "paramserver")]
-    chaos = launch(root / "chaos", cache, "workers.j=1", "trainer.k=1", "chaos.max_delay_s=0.05", kills=kills)
+    # The chaos run checkpoints every 3rd step only: the trainer killed at step 4 or 5
+    # replays the journaled batches after checkpoint 3 and must land on the same weights.
+    chaos = launch(
+        root / "chaos",
+        cache,
+        "workers.j=1",
+        "trainer.k=1",
+        "trainer.checkpoint_every=3",
+        "chaos.max_delay_s=0.05",
+        kills=kills,
+    )
     return {"calm": calm, "chaos": chaos, "cache": cache, "root": root}
 
 
@@ -186,6 +197,9 @@ def test_killed_run_follows_the_undisturbed_trajectory(runs: dict[str, Any]) -> 
     assert len(consumed(calm)) == STEPS * 4
     check_trained_exactly_once(calm, batch=16)
     check_trained_exactly_once(chaos, batch=16)
+    trainer_log = (chaos["dir"] / "logs" / "trainer.log").read_text()
+    assert "resumed from checkpoint step 3" in trainer_log
+    assert "journaled step(s) after checkpoint step 3" in trainer_log
 
 
 def test_pinned_versions_make_the_killed_and_delayed_run_the_same_run(runs: dict[str, Any]) -> None:

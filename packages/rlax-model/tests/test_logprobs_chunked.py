@@ -68,3 +68,34 @@ def test_chunked_backward_needs_less_scratch_than_dense():
     logits_bytes = b * t * v * 4
     assert dense >= logits_bytes  # the dense backward holds at least one full logits tensor
     assert chunked < logits_bytes / 4
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4, 16])
+def test_scored_positions_match_the_reference_and_the_rest_are_zero(chunk_size):
+    """A loss mask: the scored positions' values and gradients are the float64 reference's
+    (of sum(coef * lp) over scored positions only); unscored positions come back 0."""
+    rng = np.random.default_rng(1)
+    b, t, hdim, v, temp = 3, 29, 16, 200, 0.9
+    hidden = rng.normal(size=(b, t, hdim)).astype(np.float32)
+    w = (0.5 * rng.normal(size=(hdim, v))).astype(np.float32)
+    targets = rng.integers(0, v, size=(b, t))
+    scored = np.zeros((b, t), bool)
+    scored[0, 20:] = True  # a reply at the end of a row
+    scored[2, 5:9] = True  # a short one in the middle; row 1 scores nothing
+    coef = rng.normal(size=(b, t)).astype(np.float32) * scored
+    lp_ref, ent_ref, dh_ref, dw_ref = reference(hidden, targets, w, coef, temp)
+
+    def run(hd, ww):
+        return head_logprobs(
+            hd, jnp.asarray(targets), ww, temperature=temp, chunk_size=chunk_size, scored=jnp.asarray(scored)
+        )
+
+    lp, ent = run(jnp.asarray(hidden), jnp.asarray(w))
+    dh, dw = jax.grad(lambda hd, ww: jnp.sum(coef * run(hd, ww)[0]), argnums=(0, 1))(
+        jnp.asarray(hidden), jnp.asarray(w)
+    )
+    np.testing.assert_allclose(np.where(scored, lp, 0), np.where(scored, lp_ref, 0), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.where(scored, ent, 0), np.where(scored, ent_ref, 0), atol=2e-5, rtol=1e-5)
+    assert not np.any(np.asarray(lp)[~scored]) and not np.any(np.asarray(ent)[~scored])
+    np.testing.assert_allclose(dh, dh_ref, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(dw, dw_ref, atol=2e-5, rtol=1e-4)

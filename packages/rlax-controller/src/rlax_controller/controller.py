@@ -353,6 +353,8 @@ class Controller:
             "response_tokens_mean": float(
                 np.mean([len(s.token_ids) for g in batch.groups for s in g.samples])
             ),
+            # Per rollout, in batch order: what a benchmark needs to replay the same work.
+            "response_tokens": [len(s.token_ids) for g in batch.groups for s in g.samples],
             **trajectory_record([s for g in batch.groups for s in g.samples]),
             "rollout_ids": batch.rollout_ids,
             "rollout_versions": [g.version for g in batch.groups],

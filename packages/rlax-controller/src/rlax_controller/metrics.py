@@ -278,14 +278,12 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                         f"{max(seen) - seen[0]:+.0f}",
                     )
                 )
-        # Start-up compilation of the workers and any compile during the run (total seconds).
-        compile_s = [
-            r["worker_compile_s"] for r in train if isinstance(r.get("worker_compile_s"), int | float)
-        ]
-        if compile_s:
-            rows.append(
-                ("train worker_compile_s (total)", f"{compile_s[0]:.1f}", f"{sum(compile_s):.1f}", "-")
-            )
+        # Compilation, counted apart from the step times: the workers' start-up warm-up and
+        # any shape compiled during the run, and the trainer's update per padded length.
+        for key in ("worker_compile_s", "trainer_compile_seconds"):
+            compile_s = [r[key] for r in train if isinstance(r.get(key), int | float)]
+            if compile_s:
+                rows.append((f"train {key} (total)", f"{compile_s[0]:.1f}", f"{sum(compile_s):.1f}", "-"))
         rows.append(
             ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
         )

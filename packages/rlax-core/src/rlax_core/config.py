@@ -269,6 +269,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     last step (`run.steps`); `warmup_steps` counts optimizer steps (`minibatches` per step).
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
     0 is synchronous, on-policy training (generation waits for each update).
+    `checkpoint_every`: steps between checkpoints of the train state (3x the model); every
+    batch is journaled before its update, so a restarted trainer replays the batches since
+    its last checkpoint and the run loses nothing either way (`rlax_trainer.journal`).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
     `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
     `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:
@@ -289,6 +292,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     sft_lr: float = 3e-3
     sft_batch: int = 32
     checkpoint_keep: int = 3
+    checkpoint_every: int = 1
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "nothing_saveable"] = "none"
     platform: str = "cpu"
@@ -317,6 +321,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
         _check(self.sft_steps >= 0, "sft_steps", self.sft_steps, "must be >= 0")
         _check(self.sft_batch >= 1, "sft_batch", self.sft_batch, "must be >= 1")
         _check(self.checkpoint_keep >= 2, "checkpoint_keep", self.checkpoint_keep, "must be >= 2")
+        _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "must be >= 1")
         _check(self.hosts >= 1, "hosts", self.hosts, "must be >= 1 (trainer processes in the gang)")
         _check(
             self.coordinator == AUTO or bool(_HOST_PORT.match(self.coordinator)),

@@ -329,6 +329,7 @@ class Worker:
                 in_tools = self.agent is not None and self.agent.active
                 self._take_inbox(0.0 if busy else 0.002 if in_tools else pc.weights_poll_s)
                 round_start = time.monotonic()
+                set_apart = self.reload_s + self.compile_s
                 wanted = self._requested_version()
                 if wanted is not None:
                     self._load_requested(wanted, round_start)
@@ -336,6 +337,9 @@ class Worker:
                     pass  # a trajectory in flight keeps the loaded weights until it ends
                 elif pc.follow_latest or self.engine is None or self._serving_unpinned():
                     self._maybe_reload(round_start, force=bool(self._queued))
+                # A weight load (and the first load's warm-up) is counted in reload_s and
+                # compile_s, not as this round's generation time.
+                round_start += self.reload_s + self.compile_s - set_apart
                 if self.engine is None:
                     continue
                 self._admit()

@@ -44,6 +44,7 @@ def head_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    scored: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each target and the entropy under softmax(hidden @ w / temperature).
 
@@ -52,10 +53,17 @@ def head_logprobs(
     flattened batch x seq) at a time and are recomputed in the backward pass, so neither
     the forward nor the backward ever holds the full [batch, seq, vocab] float32 logits,
     only a few [chunk_size, vocab] ones.
+    scored: [batch, seq] bool, the positions whose values are wanted (a loss mask). With
+    chunks, the scored positions are gathered to the front and a chunk holding none is
+    skipped, forward and backward: prompt and padding positions (most of an RL batch of
+    short replies) cost no vocabulary projection. Unscored positions return 0.
     Returns (logprobs [batch, seq] float32, entropy [batch, seq] float32).
     """
     if chunk_size is None:
-        return _head_logprobs(hidden, targets, w, temperature)
+        lp, ent = _head_logprobs(hidden, targets, w, temperature)
+        if scored is not None:
+            lp, ent = jnp.where(scored, lp, 0.0), jnp.where(scored, ent, 0.0)
+        return lp, ent
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size!r}: must be a positive int or None")
     # Chunks run over the flattened batch x seq tokens, so a chunk's logits are
@@ -64,16 +72,36 @@ def head_logprobs(
     hid = hidden.reshape(-1, hidden.shape[-1])
     tgt = targets.reshape(-1)
     total = tgt.shape[0]
+    order = None
+    if scored is not None:
+        flag = scored.reshape(-1).astype(bool)
+        order = jnp.argsort(~flag, stable=True)  # scored positions first, in their order
+        hid, tgt, flag = hid[order], tgt[order], flag[order]
     n = -(-total // chunk_size)
     pad = n * chunk_size - total
     hid = jnp.pad(hid, ((0, pad), (0, 0))).reshape(n, chunk_size, hid.shape[-1])
     tgt = jnp.pad(tgt, (0, pad)).reshape(n, chunk_size)
-    # checkpoint: the backward recomputes each chunk's logits instead of keeping all n of them.
-    step = jax.checkpoint(lambda xs: _head_logprobs(xs[0], xs[1], w, temperature))
-    lp, ent = jax.lax.map(step, (hid, tgt))
-    lp = lp.reshape(-1)[:total].reshape(lead)
-    ent = ent.reshape(-1)[:total].reshape(lead)
-    return lp, ent
+
+    def chunk(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        return _head_logprobs(xs[0], xs[1], w, temperature)
+
+    if order is None:
+        # checkpoint: the backward recomputes each chunk's logits instead of keeping all n.
+        lp, ent = jax.lax.map(jax.checkpoint(chunk), (hid, tgt))
+    else:
+        live = jnp.pad(flag, (0, pad)).reshape(n, chunk_size).any(axis=1)  # [n] bool
+
+        def maybe(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+            zeros = jnp.zeros(xs[1].shape, jnp.float32)
+            return jax.lax.cond(xs[2], chunk, lambda _: (zeros, zeros), xs[:2])
+
+        lp, ent = jax.lax.map(jax.checkpoint(maybe), (hid, tgt, live))
+    lp, ent = lp.reshape(-1)[:total], ent.reshape(-1)[:total]
+    if order is not None:
+        back = jnp.argsort(order)  # the inverse permutation: a gather, cheap to differentiate
+        lp = jnp.where(flag[back], lp[back], 0.0)
+        ent = jnp.where(flag[back], ent[back], 0.0)
+    return lp.reshape(lead), ent.reshape(lead)
 
 
 @overload
@@ -89,6 +117,7 @@ def logprobs(
     return_entropy: Literal[False] = ...,
     remat: Remat = ...,
     chunk_size: int | None = ...,
+    scored: jax.Array | None = ...,
 ) -> jax.Array: ...
 
 
@@ -105,6 +134,7 @@ def logprobs(
     return_entropy: Literal[True],
     remat: Remat = ...,
     chunk_size: int | None = ...,
+    scored: jax.Array | None = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -120,6 +150,7 @@ def logprobs(
     return_entropy: bool = False,
     remat: Remat = None,
     chunk_size: int | None = None,
+    scored: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) from one forward pass.
 
@@ -129,6 +160,8 @@ def logprobs(
     chunk_size: when set, the vocabulary projection and softmax run over `chunk_size`
     tokens (of batch x seq) at a time and are recomputed in the backward pass, so the full
     [batch, seq, vocab] float32 logits are never held in memory.
+    scored: [batch, seq-1] bool, the log-probs wanted (e.g. the loss mask); with chunks, the
+    others are never projected onto the vocabulary and come back 0 (`head_logprobs`).
 
     Returns logprobs [batch, seq-1] float32, and with return_entropy=True also the entropy
     of each predictive distribution, [batch, seq-1] float32. Entries whose target is
@@ -153,5 +186,7 @@ def logprobs(
         remat=remat,
     )
     w = lm_head_weight(params, config).astype(hidden.dtype)
-    lp, ent = head_logprobs(hidden[:, :-1], tokens[:, 1:], w, temperature=temperature, chunk_size=chunk_size)
+    lp, ent = head_logprobs(
+        hidden[:, :-1], tokens[:, 1:], w, temperature=temperature, chunk_size=chunk_size, scored=scored
+    )
     return (lp, ent) if return_entropy else lp

@@ -398,10 +398,10 @@ class WorkerStats(Message, frozen=True):
     """A worker's running totals since it started; the controller differences two of them.
 
     `active_s`: wall seconds with at least one unfinished request (generation as a run sees
-    it: engine steps plus the worker's own loop, socket and version checks, and reloads
-    that happen while requests wait); `engine_s`: seconds inside engine steps;
-    `compile_s`: start-up compilation of the shapes the run will use; `reload_s`: pulling
-    and installing weights."""
+    it: engine steps plus the worker's own loop, socket and version checks; weight loads
+    and compilation are counted apart, in `reload_s` and `compile_s`); `engine_s`: seconds
+    inside engine steps; `compile_s`: start-up compilation of the shapes the run will use,
+    and engine steps that compiled a new one; `reload_s`: pulling and installing weights."""
 
     generated_tokens: int = 0
     active_s: float = 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -94,8 +95,11 @@ def _dtype(cfg: LearnerConfig) -> jnp.dtype:
     return jnp.bfloat16 if rlax_model.resolve_dtypes(cfg.param_dtype)[0] == "bfloat16" else jnp.float32
 
 
-def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array, *, remat: bool = True):
-    """-> logprobs [b, S-1] f32, entropy [b, S-1] f32, values [b, S-1] f32 or None."""
+def _policy_outputs(
+    spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array, scored: jax.Array, *, remat: bool = True
+):
+    """-> logprobs [b, S-1] f32, entropy [b, S-1] f32, values [b, S-1] f32 or None; the
+    log-probs and entropies only where `scored` [b, S-1] (the loss mask), 0 elsewhere."""
     cfg, mc = spec.config, spec.model
     policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
     ctx = rlax_model.DenseContext(valid=valid)
@@ -110,6 +114,7 @@ def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Arra
             return_entropy=True,
             remat=remat_mode,
             chunk_size=cfg.logprob_chunk_size,
+            scored=scored,
         )
         return lp, ent, None
     positions = rlax_model.positions_from_valid(valid)
@@ -119,7 +124,12 @@ def _policy_outputs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Arra
     hidden = hidden[:, :-1]
     w = rlax_model.lm_head_weight(policy, mc).astype(hidden.dtype)
     lp, ent = head_logprobs(
-        hidden, tokens[:, 1:], w, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size
+        hidden,
+        tokens[:, 1:],
+        w,
+        temperature=cfg.temperature,
+        chunk_size=cfg.logprob_chunk_size,
+        scored=scored,
     )
     values = hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"]
     return lp, ent, values
@@ -180,7 +190,9 @@ def _sampler_old_logprobs(spec: _Spec, params: Any, tokens: jax.Array, valid: ja
     return jax.lax.map(one, (hid, tgt)).reshape(-1)[:total].reshape(lead)
 
 
-def _reference_logprobs(spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+def _reference_logprobs(
+    spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Array, scored: jax.Array
+) -> jax.Array:
     ctx = rlax_model.DenseContext(valid=valid)
     return rlax_model.logprobs(
         ref,
@@ -189,6 +201,7 @@ def _reference_logprobs(spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Arr
         attention_context=ctx,
         temperature=spec.config.temperature,
         chunk_size=spec.config.logprob_chunk_size,
+        scored=scored,
     )
 
 
@@ -201,7 +214,7 @@ def _micro_view(x: jax.Array, n_micro: int) -> jax.Array:
 
 def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
     """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1]))."""
-    lp, ent, values = _policy_outputs(spec, params, mb["tokens"], mb["valid"])
+    lp, ent, values = _policy_outputs(spec, params, mb["tokens"], mb["valid"], mb["mask"] > 0)
     if spec.config.mode == "sft":
         nll = -(mb["weights"] * lp).sum()
         return nll * scale, (
@@ -280,12 +293,15 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
 
     # (1) pi_old (and values, reference) by the trainer's own forward pass, no gradient.
     def old_body(_, xs):
-        lp, ent, values = _policy_outputs(spec, sg(state.params), xs["tokens"], xs["valid"], remat=False)
+        scored = xs["mask"] > 0
+        lp, ent, values = _policy_outputs(
+            spec, sg(state.params), xs["tokens"], xs["valid"], scored, remat=False
+        )
         out = {"old_logprobs": lp, "old_entropy": ent}
         if values is not None:
             out["old_values"] = values
         if ref is not None:
-            out["ref_logprobs"] = _reference_logprobs(spec, ref, xs["tokens"], xs["valid"])
+            out["ref_logprobs"] = _reference_logprobs(spec, ref, xs["tokens"], xs["valid"], scored)
         if cfg.mode == "rl" and cfg.truncated_sampling:
             out["sampler_old_logprobs"] = _sampler_old_logprobs(
                 spec, sg(state.params), xs["tokens"], xs["valid"]
@@ -295,7 +311,7 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     reuse = _reuses_policy_pass(spec, has_values="value" in state.params, has_ref=ref is not None)
     old: dict[str, jax.Array] = {}
     if not reuse:
-        view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid")}
+        view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid", "mask")}
         _, old = jax.lax.scan(old_body, None, view)
         old = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), old)
 
@@ -419,7 +435,11 @@ class Learner:
             self._ref_sh = None if ref is None else param_sharding(ref, mesh)
             self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
         self._update_fn = self._compile_update()
+        # One XLA executable per batch signature (the padded length varies by bucket),
+        # compiled ahead of the call so that compile time is measured apart from the step.
+        self._executables: dict[tuple[Any, ...], Any] = {}
         self.last_seq_len: int | None = None  # padded length the last update ran at
+        self.last_compile_seconds = 0.0  # what the last update spent compiling (0: reused)
 
     def _compile_update(self):
         spec = _Spec(self.model_config, self.config)
@@ -456,11 +476,32 @@ class Learner:
         self.last_seq_len = int(arrays["tokens"].shape[1])
         if self.mesh is not None:
             arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
-        self.state, metrics = self._update_fn(self.state, self.reference_params, arrays)
+        executable = self._executable(arrays)
+        self.state, metrics = executable(self.state, self.reference_params, arrays)
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
+        out["trainer_compile_seconds"] = self.last_compile_seconds
         out.update(peak_memory_metrics())
         return out
+
+    def _lower(self, arrays: dict[str, Any]) -> Any:
+        fn = self._update_fn
+        if isinstance(fn, functools.partial) and fn.func is _update_jit:
+            return _update_jit.lower(fn.args[0], self.state, self.reference_params, arrays)
+        return fn.lower(self.state, self.reference_params, arrays)
+
+    def _executable(self, arrays: dict[str, Any]) -> Any:
+        """The compiled update for these arrays' shapes and dtypes (compiled once, timed into
+        `last_compile_seconds`; JAX's persistent cache, when configured, serves it too)."""
+        key = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(arrays.items()))
+        executable = self._executables.get(key)
+        self.last_compile_seconds = 0.0
+        if executable is None:
+            started = time.perf_counter()
+            executable = self._lower(arrays).compile()
+            self.last_compile_seconds = time.perf_counter() - started
+            self._executables[key] = executable
+        return executable
 
     def compiled_memory(self, batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, int]:
         """XLA's memory analysis of the update compiled for this batch's shapes (nothing runs).
@@ -470,13 +511,7 @@ class Learner:
         """
         arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
         arrays.setdefault("versions", np.full((arrays["tokens"].shape[0],), -1, np.int32))
-        fn = self._update_fn
-        lowered = (
-            _update_jit.lower(fn.args[0], self.state, self.reference_params, arrays)
-            if isinstance(fn, functools.partial) and fn.func is _update_jit
-            else fn.lower(self.state, self.reference_params, arrays)
-        )
-        m = lowered.compile().memory_analysis()
+        m = self._lower(arrays).compile().memory_analysis()
         return {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),

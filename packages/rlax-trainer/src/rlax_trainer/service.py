@@ -1,14 +1,18 @@
 """The trainer process (`rlax trainer`, `rlax-trainer`): the loop around `rlax_trainer.Learner`.
 
-    restore the newest checkpoint, or: init (or load) the model, SFT warm start, save step 0
+    restore the newest checkpoint and replay the journaled batches after it, or: init (or
+    load) the model, SFT warm start, save step 0
     make sure the parameter server holds the version of that step
-    loop: ask the controller for the batch of step s  ->  update  ->  log the trained ids
-          ->  checkpoint step s+1 (and wait for it)  ->  push version s+1
+    loop: ask the controller for the batch of step s  ->  journal it  ->  update  ->  log
+          the trained ids  ->  push version s+1  ->  every `trainer.checkpoint_every` steps,
+          checkpoint step s+1 (and wait for it)
 
-The checkpoint is the commit point of a step: a crash before it retrains the same step
-(the controller resends the same batch, or rebuilds it from the snapshot of step s); a
-crash after it resumes at s+1 and re-pushes the weights if the parameter server lacks
-them. The controller learns that step s is done from the next request (step s+1).
+The journal entry is the commit point of a step (`rlax_trainer.journal`): a crash before
+it retrains the same step (the controller resends the same batch, or rebuilds it from the
+snapshot of step s); a crash after it restores the newest checkpoint, replays every
+journaled batch since it through the same deterministic update -- so it reaches the very
+weights it had pushed -- and re-pushes them if the parameter server lacks them. The
+controller learns that step s is done from the next request (step s+1).
 
 Several hosts (`trainer.hosts` > 1, `--process-id I`): the processes join one gang
 (`rlax_trainer.gang`) before any JAX computation and run this same loop over one mesh;
@@ -44,6 +48,7 @@ from rlax_core.control import (
 from rlax_core.fsutil import append_line_durable
 from rlax_core.links import ControlClient
 from rlax_trainer.gang import Gang, gang_mesh, join_gang
+from rlax_trainer.journal import BatchJournal, JournalDamagedError
 
 __all__ = ["TrainerLoop", "check", "learner_config", "main", "run"]
 
@@ -142,6 +147,7 @@ class TrainerLoop:
             else None
         )
         self.metrics_path = self.output / "trainer_metrics.jsonl"
+        self.journal = BatchJournal(self.output / "checkpoints" / "journal")
         template = Learner(self.model_config, self.rl_config, init, mesh=self.mesh, seed=config.run.seed)
         restored = self.checkpoints.restore(template.state)
         reference_store = CheckpointManager(
@@ -149,6 +155,7 @@ class TrainerLoop:
         )
         uses_reference = template.uses_reference
         self.last_metrics: dict[str, float] = {}  # the figures of the last committed step
+        self.last_rollout_ids: list[str] = []
         if restored is None:
             # The template's float32 params and optimizer state (3x the model) would otherwise
             # still be alive while the learner below allocates its own: free them first.
@@ -162,6 +169,7 @@ class TrainerLoop:
                 reference_store.wait()
             self.checkpoints.save(self.learner.state, version=0, extra={"rollout_ids": []})
             self.checkpoints.wait()
+            self.journal.clear()  # nothing before step 0 is replayed
             log.info("initial checkpoint saved (step 0)")
         else:
             state, info = restored
@@ -183,10 +191,46 @@ class TrainerLoop:
             )
             self.learner.load_state(state)
             self.last_metrics = dict(info.extra.get("metrics", {}))
+            self.last_rollout_ids = list(info.extra.get("rollout_ids", []))
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
         reference_store.close()
         jax.clear_caches()
         self.step = self.learner.step
+        if restored is not None:
+            self._replay(restored[1].step)
+
+    def _replay(self, checkpoint_step: int) -> None:
+        """Train the journaled batches after the restored checkpoint again, in order (the
+        leader reads them; every process of the gang runs the same updates)."""
+        replayed = 0
+        while True:
+            payload = None
+            if self.gang.leader:
+                try:
+                    payload = self.journal.read(self.step) or b""
+                except JournalDamagedError as error:
+                    # Stop here: the controller rebuilds this step's batch from its snapshot.
+                    log.error("%s; replay stops at step %d", error, self.step)
+                    self.journal.prune_from(self.step)
+                    payload = b""
+            payload = self.gang.broadcast_bytes(payload)
+            if not payload:
+                break
+            batch = decode_control(payload)
+            if not isinstance(batch, TrainBatch) or batch.step != self.step:
+                raise RuntimeError(
+                    f"{self.journal.directory}: the entry of step {self.step} holds "
+                    f"{type(batch).__name__} of step {getattr(batch, 'step', '?')}"
+                )
+            self.train(batch, replay=True)
+            replayed += 1
+        if replayed:
+            log.info(
+                "replayed %d journaled step(s) after checkpoint step %d: now at step %d",
+                replayed,
+                checkpoint_step,
+                self.step,
+            )
 
     # ------------------------------------------------------------------ SFT
     def sft_warm_start(self, params: Any) -> Any:
@@ -287,7 +331,10 @@ class TrainerLoop:
         log.info("published version %d", self.step)
 
     # ------------------------------------------------------------------ training
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch, *, replay: bool = False) -> dict[str, float]:
+        """One step: journal the batch (unless `replay`: it comes from the journal), update,
+        push the new version (not while replaying: it was pushed in the first life), and
+        checkpoint when the step is a multiple of `trainer.checkpoint_every`."""
         from rlax_trainer import collate
         from rlax_trainer.memory import release_free_memory
 
@@ -295,32 +342,52 @@ class TrainerLoop:
             raise RuntimeError(
                 f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}"
             )
-        if self.config.chaos.max_delay_s > 0:  # a test hook; unseeded: timing is the point
-            time.sleep(random.uniform(0.0, self.config.chaos.max_delay_s))
+        if not replay:
+            if self.config.chaos.max_delay_s > 0:  # a test hook; unseeded: timing is the point
+                time.sleep(random.uniform(0.0, self.config.chaos.max_delay_s))
+            if self.gang.leader:
+                self.journal.write(batch.step, encode_control(batch))
         g = batch.group_size
         groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
         arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
         started = time.monotonic()
         metrics = self.learner.update(arrays)
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        metrics["train_seconds"] = time.monotonic() - started
+        # Compiling a new padded length is reported on its own (trainer_compile_seconds).
+        metrics["train_seconds"] = time.monotonic() - started - metrics.get("trainer_compile_seconds", 0.0)
         release_free_memory()  # the update's temporaries, before the checkpoint allocates
-        # Logged before the checkpoint commits: the last line of a step is the committed one.
+        # A replayed step logs again: the last line of a step is the one that counts.
         self._log_metrics(
             {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
         )
+        self.step = self.learner.step
+        # The step's figures travel with the state: a trainer restarted before it could
+        # report them to the controller reports them from here (or from the replay).
+        self.last_metrics = metrics
+        if not replay:
+            self.publish()  # first: the workers pull while the checkpoint is written
+        self.last_rollout_ids = list(batch.rollout_ids)
+        if self.step % self.config.trainer.checkpoint_every == 0:
+            self.checkpoint()
+        return metrics
+
+    def checkpoint(self) -> None:
+        """Save the train state of `self.step` (unless saved already) and wait for it; then
+        drop the journal entries that no kept checkpoint needs."""
+        from rlax_trainer.memory import release_free_memory
+
+        if self.step in self.checkpoints.steps():
+            return
         self.checkpoints.save(
             self.learner.state,
-            version=self.step + 1,
-            # The step's figures travel with it: a trainer restarted before it could report
-            # them to the controller reports them from here.
-            extra={"rollout_ids": list(batch.rollout_ids), "metrics": metrics},
+            version=self.step,
+            extra={"rollout_ids": self.last_rollout_ids, "metrics": self.last_metrics},
         )
         self.checkpoints.wait()
         release_free_memory()  # the checkpoint's buffers, before the next update
-        self.step = self.learner.step
-        self.publish()
-        return metrics
+        kept = self.checkpoints.steps()
+        if kept and self.gang.leader:
+            self.journal.prune(before=kept[0])  # restore falls back at most to the oldest kept
 
     def close(self) -> None:
         self.checkpoints.close()
@@ -363,6 +430,7 @@ def run(config: RunConfig, process_id: int = 0) -> int:
             message = gang.broadcast_bytes(message)
             recheck, reply = bool(message[0]), decode_control(message[1:])
             if isinstance(reply, RunComplete):
+                loop.checkpoint()  # the final weights, for `rlax convert to-hf` and resumption
                 log.info("run complete at step %d; waiting to be stopped", reply.final_step)
                 # Exiting now would look like a crash to the supervisor, which would restart
                 # the trainer while the controller finishes; the controller's exit ends the run.
