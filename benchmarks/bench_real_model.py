@@ -190,6 +190,14 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         )
     row("  generation s/step", median(rlax["steps"], "generation_s"), median(trl["steps"], "generation_s"))
     row("  training s/step", median(rlax["steps"], "train_s"), median(trl["steps"], "train_s"))
+
+    # Per 1,000 tokens of the batch (prompts + completions, no padding): the two sides sample
+    # different completions, and a batch's cost grows with its longest one.
+    def per_1k(rows: list[dict[str, Any]]) -> float:
+        return statistics.median(1000 * r["train_s"] / r["tokens"] for r in rows[WARM_STEPS:])
+
+    if all(r.get("tokens") for r in rlax["steps"] + trl["steps"]):
+        row("  training s per 1k batch tokens", per_1k(rlax["steps"]), per_1k(trl["steps"]))
     row(
         "trainer peak RSS (MiB)",
         rlax["peak_rss_mb"].get("trainer", float("nan")),
@@ -224,6 +232,11 @@ def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
         "real_model_engine", out, steps, lengths=lengths if all(lengths) else None, skip_steps=WARM_STEPS
     )
     results["trl"] = run_child("real_model_trl", out, steps, hf_dir=str(export_hf(out)))
+    # The same prompts in the same order on both sides: RLAX's batch tokens are the step's
+    # prompt tokens (counted by the TRL side) plus RLAX's own completions.
+    for mine, theirs in zip(results["rlax"]["steps"], results["trl"]["steps"], strict=False):
+        if mine.get("response_tokens") and "prompt_tokens" in theirs:
+            mine["tokens"] = theirs["prompt_tokens"] + sum(mine["response_tokens"])
     return results
 
 

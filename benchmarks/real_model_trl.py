@@ -56,12 +56,15 @@ def main(spec_path: str) -> None:
     assert list(theirs) == list(ours), f"TRL's prompt ids {theirs} != RLAX's {ours}"
 
     rewards: list[float] = []
+    tokens: list[tuple[int, int]] = []  # per step: (prompt, completion) tokens of the batch, no padding
 
-    def reward(completions: list[Any], record_id: list[str], **_: Any) -> list[float]:
+    def reward(completions: list[Any], record_id: list[str], **kwargs: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         results = task.verifier.verify([(t, records[r]) for t, r in zip(texts, record_id, strict=True)])
         values = [float(r.reward) for r in results]
         rewards.append(sum(values) / len(values))
+        prompts = sum(len(task.encode_prompt(records[r])) for r in record_id)
+        tokens.append((prompts, sum(len(ids) for ids in kwargs["completion_ids"])))
         return values
 
     clock: dict[str, Any] = {"generation": [], "step": [], "begin": 0.0}
@@ -101,8 +104,18 @@ def main(spec_path: str) -> None:
     wall = time.perf_counter() - started
     result = {
         "steps": [
-            {"step": i + 1, "seconds": s, "generation_s": g, "train_s": s - g, "reward_mean": r}
-            for i, (s, g, r) in enumerate(zip(clock["step"], clock["generation"], rewards, strict=False))
+            {
+                "step": i + 1,
+                "seconds": s,
+                "generation_s": g,
+                "train_s": s - g,
+                "reward_mean": r,
+                "prompt_tokens": n[0],
+                "tokens": n[0] + n[1],
+            }  # fmt: skip
+            for i, (s, g, r, n) in enumerate(
+                zip(clock["step"], clock["generation"], rewards, tokens, strict=False)
+            )
         ],
         "wall_s": wall,
     }

@@ -49,6 +49,29 @@ def test_micro_batching_and_aligned_remat_give_the_same_update(model_config, mod
     assert np.abs(flat(whole.host_params()) - flat({"policy": model_params})).max() > 1e-4
 
 
+def test_precompiled_lengths_serve_the_steps_that_meet_them(model_config, model_params, make_batch):
+    """A length compiled ahead (in the background) is not compiled again by the step that
+    meets it, and gives the update a step compiling it inline gives."""
+    batch = make_batch(0)
+    inline = Learner(model_config, rl_config(), model_params)
+    m_inline = inline.update(batch)
+    seq = inline.last_seq_len
+    assert m_inline["trainer_compile_seconds"] > 0
+    assert inline.update(batch)["trainer_compile_seconds"] == 0.0  # compiled once per length
+    ahead = Learner(model_config, rl_config(), model_params)
+    started = ahead.precompile([seq, seq + 8, seq])
+    assert len(started) == 2  # one program per distinct length
+    for future in started:
+        future.result()
+    m_ahead = ahead.update(batch)
+    assert m_ahead["trainer_compile_seconds"] == 0.0
+    assert m_ahead["loss"] == m_inline["loss"]
+    ahead.update(batch)
+    np.testing.assert_array_equal(flat(ahead.host_params()), flat(inline.host_params()))
+    assert ahead.precompile([seq]) == []  # nothing left to compile for that length
+    ahead.stop_precompile()
+
+
 def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_params, make_batch):
     batch = make_batch(1)
     a = Learner(model_config, rl_config(), model_params)

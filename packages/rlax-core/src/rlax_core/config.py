@@ -272,6 +272,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `checkpoint_every`: steps between checkpoints of the train state (3x the model); every
     batch is journaled before its update, so a restarted trainer replays the batches since
     its last checkpoint and the run loses nothing either way (`rlax_trainer.journal`).
+    `precompile`: at start, compile the update for every padded length the run can meet
+    (from the shortest prompt to `model.max_seq_len`, by length bucket) in a background
+    thread, so that no step stops to compile a new length (XLA programs have static shapes).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
     `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
     `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:
@@ -293,6 +296,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     sft_batch: int = 32
     checkpoint_keep: int = 3
     checkpoint_every: int = 1
+    precompile: bool = False
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "nothing_saveable"] = "none"
     platform: str = "cpu"

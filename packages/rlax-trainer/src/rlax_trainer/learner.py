@@ -10,8 +10,10 @@ and one optax step is applied to the float32 master weights.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -438,6 +440,9 @@ class Learner:
         # One XLA executable per batch signature (the padded length varies by bucket),
         # compiled ahead of the call so that compile time is measured apart from the step.
         self._executables: dict[tuple[Any, ...], Any] = {}
+        self._pending: dict[tuple[Any, ...], concurrent.futures.Future[Any]] = {}
+        self._compile_lock = threading.Lock()
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_seq_len: int | None = None  # padded length the last update ran at
         self.last_compile_seconds = 0.0  # what the last update spent compiling (0: reused)
 
@@ -484,24 +489,82 @@ class Learner:
         out.update(peak_memory_metrics())
         return out
 
-    def _lower(self, arrays: dict[str, Any]) -> Any:
+    def _lower(self, arrays: dict[str, Any], state: Any = None, reference: Any = None) -> Any:
+        state = self.state if state is None else state
+        reference = self.reference_params if reference is None else reference
         fn = self._update_fn
         if isinstance(fn, functools.partial) and fn.func is _update_jit:
-            return _update_jit.lower(fn.args[0], self.state, self.reference_params, arrays)
-        return fn.lower(self.state, self.reference_params, arrays)
+            return _update_jit.lower(fn.args[0], state, reference, arrays)
+        return fn.lower(state, reference, arrays)
+
+    @staticmethod
+    def _signature(arrays: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(arrays.items()))
 
     def _executable(self, arrays: dict[str, Any]) -> Any:
         """The compiled update for these arrays' shapes and dtypes (compiled once, timed into
-        `last_compile_seconds`; JAX's persistent cache, when configured, serves it too)."""
-        key = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(arrays.items()))
-        executable = self._executables.get(key)
+        `last_compile_seconds`, also when it waits for `precompile`'s thread; JAX's
+        persistent cache, when configured, serves it too)."""
+        key = self._signature(arrays)
         self.last_compile_seconds = 0.0
-        if executable is None:
+        with self._compile_lock:
+            executable, pending = self._executables.get(key), self._pending.get(key)
+        if executable is not None:
+            return executable
+        if pending is not None and pending.done():
+            executable = pending.result()  # compiled ahead, while nothing waited for it
+        else:
             started = time.perf_counter()
-            executable = self._lower(arrays).compile()
+            executable = pending.result() if pending is not None else self._lower(arrays).compile()
             self.last_compile_seconds = time.perf_counter() - started
+        with self._compile_lock:
             self._executables[key] = executable
+            self._pending.pop(key, None)
         return executable
+
+    def precompile(self, seq_lens: list[int]) -> list[concurrent.futures.Future[Any]]:
+        """Compile the update for batches padded to each of `seq_lens` in a background
+        thread (one program at a time), so that the steps that first meet those lengths do
+        not compile; a step whose program is still being compiled waits for it. Call it
+        while the trainer would otherwise wait (before the first batch). Returns the
+        compilations it started."""
+        b = self.config.global_batch
+        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        state = jax.tree.map(as_abstract, self.state)  # the live state is donated by each update
+        reference = jax.tree.map(as_abstract, self.reference_params)
+        sharding = None if self.mesh is None else batch_sharding(self.mesh)
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
+        started = []
+        for s in sorted(set(seq_lens)):
+            fields = {
+                "tokens": ((b, s), np.int32),
+                "valid": ((b, s), np.bool_),
+                "mask": ((b, s - 1), np.float32),
+                "worker_logprobs": ((b, s - 1), np.float32),
+                "rewards": ((b,), np.float32),
+                "versions": ((b,), np.int32),
+            }  # fmt: skip  (the arrays `batch_arrays` makes)
+            arrays = {
+                k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in fields.items()
+            }
+            key = self._signature(arrays)
+            with self._compile_lock:
+                if key in self._executables or key in self._pending:
+                    continue
+                self._pending[key] = self._compiler.submit(
+                    lambda a=arrays: self._lower(a, state, reference).compile()
+                )
+                started.append(self._pending[key])
+        return started
+
+    def stop_precompile(self) -> None:
+        """Drop the lengths `precompile` has not started (the one compiling finishes)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler = None
+            with self._compile_lock:
+                self._pending = {k: f for k, f in self._pending.items() if not f.cancelled()}
 
     def compiled_memory(self, batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, int]:
         """XLA's memory analysis of the update compiled for this batch's shapes (nothing runs).

@@ -199,6 +199,21 @@ class TrainerLoop:
         if restored is not None:
             self._replay(restored[1].step)
 
+    def precompile(self) -> None:
+        """Start compiling the update for each padded length a batch can have: the length
+        buckets from the task's shortest prompt + 1 up to model.max_seq_len."""
+        from rlax_trainer.padding import bucketed_length
+
+        try:
+            shortest = min(len(self.task.encode_prompt(r)) for r in self.task.train_records()[:64])
+        except Exception as error:  # the prompts are not readable here: compile on first use
+            log.warning("precompile skipped: cannot read the task's prompts (%s)", error)
+            return
+        top = self.seq_len
+        lengths = sorted({min(bucketed_length(n), top) for n in range(min(shortest + 1, top), top + 1)})
+        log.info("compiling the update for padded lengths %s in the background", lengths)
+        self.learner.precompile(lengths)
+
     def _replay(self, checkpoint_step: int) -> None:
         """Train the journaled batches after the restored checkpoint again, in order (the
         leader reads them; every process of the gang runs the same updates)."""
@@ -390,6 +405,7 @@ class TrainerLoop:
             self.journal.prune(before=kept[0])  # restore falls back at most to the oldest kept
 
     def close(self) -> None:
+        self.learner.stop_precompile()
         self.checkpoints.close()
         if self.params_client is not None:
             self.params_client.close()
@@ -419,6 +435,8 @@ def run(config: RunConfig, process_id: int = 0) -> int:
     last_publish_check = 0.0
     try:
         loop.publish()
+        if config.trainer.precompile:
+            loop.precompile()  # while the workers warm up and make the first batch
         while True:
             # The leader asks; every process acts on the same reply (and the same "time
             # to check the parameter server" decision, a clock only the leader reads).
