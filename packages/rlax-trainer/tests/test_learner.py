@@ -72,6 +72,25 @@ def test_precompiled_lengths_serve_the_steps_that_meet_them(model_config, model_
     ahead.stop_precompile()
 
 
+@pytest.mark.timeout(300)
+def test_a_step_never_waits_on_a_background_compile_it_blocks(model_config, model_params, make_batch):
+    """The background thread compiles only while no step holds `busy()`: a step that meets
+    a length still queued there compiles it itself instead of waiting (a deadlock before)."""
+    batch = make_batch(0)
+    learner = Learner(model_config, rl_config(), model_params)
+    probe = Learner(model_config, rl_config(), model_params)
+    probe.update(batch)
+    seq = probe.last_seq_len
+    with learner.busy():
+        queued = learner.precompile([seq, seq + 8])
+        metrics = learner.update(batch)  # hung here when the step waited for the queued job
+        assert metrics["trainer_compile_seconds"] > 0
+    for future in queued:
+        assert future.cancelled() or future.result() is not None
+    assert learner.update(batch)["trainer_compile_seconds"] == 0.0
+    learner.stop_precompile()
+
+
 def test_trainer_recomputes_pi_old_and_reports_mismatch(model_config, model_params, make_batch):
     batch = make_batch(1)
     a = Learner(model_config, rl_config(), model_params)

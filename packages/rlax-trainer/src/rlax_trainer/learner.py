@@ -442,6 +442,10 @@ class Learner:
         self._executables: dict[tuple[Any, ...], Any] = {}
         self._pending: dict[tuple[Any, ...], concurrent.futures.Future[Any]] = {}
         self._compile_lock = threading.Lock()
+        # Held by an update (or a caller's whole step, `busy()`) while it runs and by a
+        # background compilation while it compiles: never both at once, so their memory does
+        # not pile up (SmolLM2 on a CPU: +0.5 GB of peak RSS per overlapped trainer step).
+        self._heavy = threading.RLock()
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_seq_len: int | None = None  # padded length the last update ran at
         self.last_compile_seconds = 0.0  # what the last update spent compiling (0: reused)
@@ -482,8 +486,15 @@ class Learner:
         if self.mesh is not None:
             arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
         executable = self._executable(arrays)
-        self.state, metrics = executable(self.state, self.reference_params, arrays)
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not self._heavy.acquire(blocking=False):
+            waited = time.perf_counter()
+            self._heavy.acquire()  # a background compilation is finishing: count it as compile
+            self.last_compile_seconds += time.perf_counter() - waited
+        try:
+            self.state, metrics = executable(self.state, self.reference_params, arrays)
+            out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        finally:
+            self._heavy.release()
         out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
         out["trainer_compile_seconds"] = self.last_compile_seconds
         out.update(peak_memory_metrics())
@@ -503,8 +514,7 @@ class Learner:
 
     def _executable(self, arrays: dict[str, Any]) -> Any:
         """The compiled update for these arrays' shapes and dtypes (compiled once, timed into
-        `last_compile_seconds`, also when it waits for `precompile`'s thread; JAX's
-        persistent cache, when configured, serves it too)."""
+        `last_compile_seconds`; JAX's persistent cache, when configured, serves it too)."""
         key = self._signature(arrays)
         self.last_compile_seconds = 0.0
         with self._compile_lock:
@@ -514,8 +524,13 @@ class Learner:
         if pending is not None and pending.done():
             executable = pending.result()  # compiled ahead, while nothing waited for it
         else:
+            # Not compiled yet: compile here. Waiting for the background thread could deadlock
+            # (it compiles only while no step holds `busy()`); a job not started is dropped,
+            # one started finds this program in the table and stops.
+            if pending is not None:
+                pending.cancel()
             started = time.perf_counter()
-            executable = pending.result() if pending is not None else self._lower(arrays).compile()
+            executable = self._lower(arrays).compile()
             self.last_compile_seconds = time.perf_counter() - started
         with self._compile_lock:
             self._executables[key] = executable
@@ -524,8 +539,9 @@ class Learner:
 
     def precompile(self, seq_lens: list[int]) -> list[concurrent.futures.Future[Any]]:
         """Compile the update for batches padded to each of `seq_lens` in a background
-        thread (one program at a time), so that the steps that first meet those lengths do
-        not compile; a step whose program is still being compiled waits for it. Call it
+        thread (one program at a time, never while an update or a `busy()` step runs), so
+        that the steps that first meet those lengths do not compile; a step that meets a
+        length not compiled yet compiles it itself. Call it
         while the trainer would otherwise wait (before the first batch). Returns the
         compilations it started."""
         b = self.config.global_batch
@@ -552,11 +568,21 @@ class Learner:
             with self._compile_lock:
                 if key in self._executables or key in self._pending:
                     continue
-                self._pending[key] = self._compiler.submit(
-                    lambda a=arrays: self._lower(a, state, reference).compile()
-                )
+                self._pending[key] = self._compiler.submit(self._compile_apart, arrays, state, reference)
                 started.append(self._pending[key])
         return started
+
+    def busy(self) -> threading.RLock:
+        """`with learner.busy():` around work that allocates a lot (a step's update, checkpoint
+        and publish): `precompile`'s thread does not compile meanwhile."""
+        return self._heavy
+
+    def _compile_apart(self, arrays: dict[str, Any], state: Any, reference: Any) -> Any:
+        lowered = self._lower(arrays, state, reference)
+        with self._heavy:
+            with self._compile_lock:
+                done = self._executables.get(self._signature(arrays))
+            return done if done is not None else lowered.compile()
 
     def stop_precompile(self) -> None:
         """Drop the lengths `precompile` has not started (the one compiling finishes)."""

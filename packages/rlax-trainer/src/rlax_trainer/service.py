@@ -4,8 +4,8 @@
     load) the model, SFT warm start, save step 0
     make sure the parameter server holds the version of that step
     loop: ask the controller for the batch of step s  ->  journal it  ->  update  ->  log
-          the trained ids  ->  push version s+1  ->  every `trainer.checkpoint_every` steps,
-          checkpoint step s+1 (and wait for it)
+          the trained ids  ->  every `trainer.checkpoint_every` steps, checkpoint step s+1
+          (and wait for it)  ->  push version s+1
 
 The journal entry is the commit point of a step (`rlax_trainer.journal`): a crash before
 it retrains the same step (the controller resends the same batch, or rebuilds it from the
@@ -306,9 +306,13 @@ class TrainerLoop:
         needed = self.gang.broadcast_flag(self._needs_push() if self.gang.leader else None)
         if not needed:
             return
+        from rlax_trainer.memory import release_free_memory
+
         tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
         if self.gang.leader:
             self._retrying(lambda: self._push(tree))
+        del tree
+        release_free_memory()  # the weights' host copy, before the next update allocates
 
     def _retrying(self, attempt: Any) -> Any:
         from rlax_protocol.errors import ProtocolTimeoutError
@@ -348,8 +352,21 @@ class TrainerLoop:
     # ------------------------------------------------------------------ training
     def train(self, batch: TrainBatch, *, replay: bool = False) -> dict[str, float]:
         """One step: journal the batch (unless `replay`: it comes from the journal), update,
-        push the new version (not while replaying: it was pushed in the first life), and
-        checkpoint when the step is a multiple of `trainer.checkpoint_every`."""
+        checkpoint when the step is a multiple of `trainer.checkpoint_every`, and push the
+        new version (not while replaying: it was pushed in the first life). A background
+        precompilation (`trainer.precompile`) waits while a step runs."""
+        busy = self.learner.busy()
+        waited = 0.0
+        if not busy.acquire(blocking=False):
+            started = time.monotonic()
+            busy.acquire()  # a background compilation is finishing: counted as compile time
+            waited = time.monotonic() - started
+        try:
+            return self._train(batch, replay=replay, compile_wait_s=waited)
+        finally:
+            busy.release()
+
+    def _train(self, batch: TrainBatch, *, replay: bool, compile_wait_s: float) -> dict[str, float]:
         from rlax_trainer import collate
         from rlax_trainer.memory import release_free_memory
 
@@ -370,6 +387,8 @@ class TrainerLoop:
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
         # Compiling a new padded length is reported on its own (trainer_compile_seconds).
         metrics["train_seconds"] = time.monotonic() - started - metrics.get("trainer_compile_seconds", 0.0)
+        if compile_wait_s:
+            metrics["trainer_compile_seconds"] = metrics.get("trainer_compile_seconds", 0.0) + compile_wait_s
         release_free_memory()  # the update's temporaries, before the checkpoint allocates
         # A replayed step logs again: the last line of a step is the one that counts.
         self._log_metrics(
@@ -379,11 +398,13 @@ class TrainerLoop:
         # The step's figures travel with the state: a trainer restarted before it could
         # report them to the controller reports them from here (or from the replay).
         self.last_metrics = metrics
-        if not replay:
-            self.publish()  # first: the workers pull while the checkpoint is written
         self.last_rollout_ids = list(batch.rollout_ids)
+        # The checkpoint (when due) before the push: the two together would hold the weights'
+        # host copy for the push on top of the checkpoint's buffers (+0.5 GB for SmolLM2).
         if self.step % self.config.trainer.checkpoint_every == 0:
             self.checkpoint()
+        if not replay:
+            self.publish()
         return metrics
 
     def checkpoint(self) -> None:
