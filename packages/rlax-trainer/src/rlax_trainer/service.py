@@ -306,13 +306,9 @@ class TrainerLoop:
         needed = self.gang.broadcast_flag(self._needs_push() if self.gang.leader else None)
         if not needed:
             return
-        from rlax_trainer.memory import release_free_memory
-
         tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
         if self.gang.leader:
             self._retrying(lambda: self._push(tree))
-        del tree
-        release_free_memory()  # the weights' host copy, before the next update allocates
 
     def _retrying(self, attempt: Any) -> Any:
         from rlax_protocol.errors import ProtocolTimeoutError
@@ -405,6 +401,7 @@ class TrainerLoop:
             self.checkpoint()
         if not replay:
             self.publish()
+            release_free_memory()  # the weights' host copy for the push, before the next update
         return metrics
 
     def checkpoint(self) -> None:
