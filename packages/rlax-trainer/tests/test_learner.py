@@ -81,7 +81,8 @@ def test_a_step_never_waits_on_a_background_compile_it_blocks(model_config, mode
     probe = Learner(model_config, rl_config(), model_params)
     probe.update(batch)
     seq = probe.last_seq_len
-    with learner.busy():
+    with learner.busy() as waited:
+        assert waited == 0.0  # nothing was compiling
         queued = learner.precompile([seq, seq + 8])
         metrics = learner.update(batch)  # hung here when the step waited for the queued job
         assert metrics["trainer_compile_seconds"] > 0

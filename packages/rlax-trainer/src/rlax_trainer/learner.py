@@ -11,10 +11,12 @@ and one optax step is applied to the float32 master weights.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -486,15 +488,10 @@ class Learner:
         if self.mesh is not None:
             arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
         executable = self._executable(arrays)
-        if not self._heavy.acquire(blocking=False):
-            waited = time.perf_counter()
-            self._heavy.acquire()  # a background compilation is finishing: count it as compile
-            self.last_compile_seconds += time.perf_counter() - waited
-        try:
+        with self.busy() as waited:
+            self.last_compile_seconds += waited
             self.state, metrics = executable(self.state, self.reference_params, arrays)
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        finally:
-            self._heavy.release()
         out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
         out["trainer_compile_seconds"] = self.last_compile_seconds
         out.update(peak_memory_metrics())
@@ -541,29 +538,24 @@ class Learner:
         """Compile the update for batches padded to each of `seq_lens` in a background
         thread (one program at a time, never while an update or a `busy()` step runs), so
         that the steps that first meet those lengths do not compile; a step that meets a
-        length not compiled yet compiles it itself. Call it
-        while the trainer would otherwise wait (before the first batch). Returns the
-        compilations it started."""
+        length not compiled yet compiles it itself. Call it while the trainer would
+        otherwise wait (before the first batch). Returns the compilations it started."""
+
+        def abstract(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None))
+
         b = self.config.global_batch
-        as_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
-        state = jax.tree.map(as_abstract, self.state)  # the live state is donated by each update
-        reference = jax.tree.map(as_abstract, self.reference_params)
+        state = jax.tree.map(abstract, self.state)  # the live state is donated by each update
+        reference = jax.tree.map(abstract, self.reference_params)
         sharding = None if self.mesh is None else batch_sharding(self.mesh)
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
         started = []
         for s in sorted(set(seq_lens)):
-            fields = {
-                "tokens": ((b, s), np.int32),
-                "valid": ((b, s), np.bool_),
-                "mask": ((b, s - 1), np.float32),
-                "worker_logprobs": ((b, s - 1), np.float32),
-                "rewards": ((b,), np.float32),
-                "versions": ((b,), np.int32),
-            }  # fmt: skip  (the arrays `batch_arrays` makes)
-            arrays = {
-                k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in fields.items()
-            }
+            # The arrays `batch_arrays` makes of a batch padded to s (their dtypes from it).
+            rows, cols = np.zeros((b, s)), np.zeros((b, s - 1))
+            padded = RolloutBatch(rows, rows, cols, cols, np.zeros(b), np.zeros(b))
+            arrays = {k: abstract(v, sharding) for k, v in batch_arrays(padded).items()}
             key = self._signature(arrays)
             with self._compile_lock:
                 if key in self._executables or key in self._pending:
@@ -572,10 +564,21 @@ class Learner:
                 started.append(self._pending[key])
         return started
 
-    def busy(self) -> threading.RLock:
-        """`with learner.busy():` around work that allocates a lot (a step's update, checkpoint
-        and publish): `precompile`'s thread does not compile meanwhile."""
-        return self._heavy
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[float]:
+        """`with learner.busy() as waited:` around work that allocates a lot (an update; a
+        trainer's whole step with its checkpoint and push): `precompile`'s thread does not
+        compile meanwhile. `waited`: seconds spent waiting for a compilation in progress to
+        finish (0.0 when none was), which callers count as compile time. Reentrant."""
+        waited = 0.0
+        if not self._heavy.acquire(blocking=False):
+            started = time.perf_counter()
+            self._heavy.acquire()
+            waited = time.perf_counter() - started
+        try:
+            yield waited
+        finally:
+            self._heavy.release()
 
     def _compile_apart(self, arrays: dict[str, Any], state: Any, reference: Any) -> Any:
         lowered = self._lower(arrays, state, reference)

@@ -351,16 +351,8 @@ class TrainerLoop:
         checkpoint when the step is a multiple of `trainer.checkpoint_every`, and push the
         new version (not while replaying: it was pushed in the first life). A background
         precompilation (`trainer.precompile`) waits while a step runs."""
-        busy = self.learner.busy()
-        waited = 0.0
-        if not busy.acquire(blocking=False):
-            started = time.monotonic()
-            busy.acquire()  # a background compilation is finishing: counted as compile time
-            waited = time.monotonic() - started
-        try:
+        with self.learner.busy() as waited:  # a compilation finishing counts as compile time
             return self._train(batch, replay=replay, compile_wait_s=waited)
-        finally:
-            busy.release()
 
     def _train(self, batch: TrainBatch, *, replay: bool, compile_wait_s: float) -> dict[str, float]:
         from rlax_trainer import collate
