@@ -267,6 +267,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     """Learner: objective preset, optimiser, acceptance staleness k, SFT warm start.
     `lr_schedule`: `constant`, or `cosine` from `lr` down to `lr * min_lr_ratio` at the run's
     last step (`run.steps`); `warmup_steps` counts optimizer steps (`minibatches` per step).
+    `minibatch_split`: `rows` (default) shuffles the batch's rollouts across all prompts before
+    splitting it into `minibatches` (TRL's rule: every optimizer step sees about every
+    prompt); `groups` keeps each prompt's samples together in one minibatch.
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
     0 is synchronous, on-policy training (generation waits for each update).
     `checkpoint_every`: steps between checkpoints of the train state (3x the model); every
@@ -290,6 +293,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     max_grad_norm: float = 1.0
     micro_batch: int = 0
     minibatches: int = 1
+    minibatch_split: Literal["rows", "groups"] = "rows"
     k: int = 2
     sft_steps: int = 0
     sft_lr: float = 3e-3

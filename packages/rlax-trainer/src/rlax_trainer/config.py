@@ -87,8 +87,15 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - `mode`: `rl` (the objective) or `sft` (cross-entropy on completion tokens).
     - `micro_batch`: rollouts per forward/backward pass (gradients accumulated); must divide
       the rollouts of one minibatch. 0: the whole minibatch at once.
-    - `minibatches`: optimizer steps per rollout batch (each over whole groups), so that
-      the PPO clip acts between them.
+    - `minibatches`: optimizer steps per rollout batch, so that the PPO clip acts between them.
+    - `minibatch_split`: how a batch is dealt into its minibatches (seeded by the train
+      state's key, so resumption is exact). `rows` (default): the rollouts are shuffled across
+      the whole batch, so each minibatch holds samples of about every prompt, as TRL's
+      `GRPOTrainer` does; every gradient step then sees all prompts, and its direction is
+      far less noisy than with whole groups. `groups`: whole prompt groups per minibatch
+      (the previous rule), for objectives whose loss would need a group's samples
+      together. Advantages and aggregation weights are formed on the whole batch before
+      the split, so no built-in objective needs `groups`.
     - `param_dtype`: dtype the forward pass sees; the optimizer always updates float32
       master weights.
     - `remat`: rematerialisation of each layer; `nothing_saveable` is the "aligned" mode.
@@ -111,6 +118,7 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     global_batch: int = 1
     micro_batch: int = 0
     minibatches: int = 1
+    minibatch_split: Literal["rows", "groups"] = "rows"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Remat = "none"
     logprob_chunk_size: int | None = 256
@@ -129,9 +137,14 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"global_batch={self.global_batch} must be a positive multiple of group_size={self.group_size}"
             )
-        if self.minibatches < 1 or self.global_batch % (self.minibatches * self.group_size):
+        if self.minibatches < 1 or self.global_batch % self.minibatches:
             raise ValueError(
-                f"minibatches={self.minibatches} must split global_batch={self.global_batch} into whole groups of {self.group_size}"
+                f"minibatches={self.minibatches} must divide global_batch={self.global_batch} into equal minibatches"
+            )
+        if self.minibatch_split == "groups" and self.global_batch % (self.minibatches * self.group_size):
+            raise ValueError(
+                f"minibatch_split='groups': minibatches={self.minibatches} must split "
+                f"global_batch={self.global_batch} into whole groups of {self.group_size}"
             )
         rows = self.global_batch // self.minibatches
         if self.micro_batch < 0 or (self.micro_batch and rows % self.micro_batch):

@@ -4,7 +4,8 @@ Inside one `jax.jit`: (1) the trainer's own forward pass recomputes pi_old logpr
 (and values, and reference logprobs) over micro-batches; the workers' logprobs are used
 only for mismatch metrics and the off-policy correction (when the sampler truncates with
 top-p/top-k, against pi_old recomputed on the same truncated support: `sampler_logprobs`); (2) advantages and aggregation weights are formed on
-the whole batch; (3) for each minibatch, gradients are accumulated over micro-batches
+the whole batch; (3) the batch is dealt into minibatches (rows shuffled across the batch,
+or whole groups: `LearnerConfig.minibatch_split`); for each minibatch, gradients are accumulated over micro-batches
 and one optax step is applied to the float32 master weights.
 """
 
@@ -35,7 +36,7 @@ from rlax_trainer.objective import objective_loss, prepare_batch
 from rlax_trainer.padding import trim_to_bucket
 from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
 
-__all__ = ["Learner", "TrainState", "batch_arrays", "sampler_logprobs"]
+__all__ = ["Learner", "TrainState", "batch_arrays", "minibatch_order", "sampler_logprobs"]
 
 sg = jax.lax.stop_gradient
 _SUMMED = ("loss", "pg_loss", "regularizer_loss", "value_loss", "nll")
@@ -245,6 +246,20 @@ def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
     return loss * scale, (metrics, sg(lp))
 
 
+def minibatch_order(key: jax.Array, rows: int, cfg: LearnerConfig) -> jax.Array:
+    """-> [rows] int32: the batch's row order; minibatch m takes rows m*rows/M .. (m+1)*rows/M.
+
+    One minibatch keeps batch order (its gradient pass then doubles as pi_old's). `rows`:
+    a seeded permutation of all rollouts (TRL's shuffle-then-split). `groups`: a permutation
+    of whole groups (the G samples of a prompt stay together, in order)."""
+    if cfg.minibatches == 1:
+        return jnp.arange(rows)
+    if cfg.minibatch_split == "rows":
+        return jax.random.permutation(key, rows)
+    groups = jax.random.permutation(key, rows // cfg.group_size)
+    return (groups[:, None] * cfg.group_size + jnp.arange(cfg.group_size)[None, :]).reshape(-1)
+
+
 def _reuses_policy_pass(spec: _Spec, has_values: bool, has_ref: bool) -> bool:
     """True when pi_old equals the policy of the (only) optimizer step: one minibatch, so the
     gradient pass's own log-probs (without gradient) are pi_old's, and the separate forward
@@ -348,11 +363,9 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     lengths = mask.sum(1)
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 
-    # (2) minibatches over whole groups, shuffled by group with the state's key.
+    # (2) minibatches: rows (or whole groups) shuffled with the state's key.
     rng, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
-    groups = b // cfg.group_size
-    order = jax.random.permutation(sub, groups) if cfg.minibatches > 1 else jnp.arange(groups)
-    row_order = (order[:, None] * cfg.group_size + jnp.arange(cfg.group_size)[None, :]).reshape(-1)
+    row_order = minibatch_order(sub, b, cfg)
     mbs = jax.tree.map(
         lambda x: x[row_order].reshape(cfg.minibatches, b // cfg.minibatches, *x.shape[1:]), rows
     )

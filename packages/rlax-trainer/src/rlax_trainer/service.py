@@ -80,6 +80,7 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "global_batch": config.batch_size,
             "micro_batch": t.micro_batch,
             "minibatches": t.minibatches,
+            "minibatch_split": t.minibatch_split,
             "param_dtype": param_dtype,
             "remat": t.remat,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
