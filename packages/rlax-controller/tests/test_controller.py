@@ -258,6 +258,7 @@ def test_trainer_rewind_to_older_checkpoint(tmp_path: pathlib.Path, toy: Any, fa
 def serve_trainer_side(controller: Controller) -> None:
     """One turn of the controller's trainer-side socket (a test thread drives it alone)."""
     controller._serve_router()
+    controller._answer_held(time.monotonic())  # a held BatchRequest is answered within its hold
     controller.router.poll(5)
 
 
@@ -501,3 +502,33 @@ def test_trainer_metrics_never_replace_the_controllers_fields(
     records = [r for r in read_metrics(config.output_dir / "metrics.jsonl") if r.get("kl") == 0.25]
     assert [(r["kind"], r["step"], r["version"]) for r in records] == [("train", 1, 1), ("train", 2, 2)]
     assert not any("loss" in r for r in records)  # not a finite number
+
+
+def test_a_batch_request_is_held_until_its_batch_is_ready_then_answered_within_the_hold(
+    tmp_path: pathlib.Path, toy: Any, loop_thread: Any
+) -> None:
+    """After the first request (which restores and starts the dispatch), a BatchRequest whose
+    batch is not ready is held, not answered `NoBatchYet` at once: the trainer gets its batch
+    the moment it is scored. With no worker the batch never comes; the held request is
+    answered after the hold with `retry_after_s=0`, and a newer request supersedes it."""
+    config = make_config(tmp_path, toy.port())
+    controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[])
+    pump = loop_thread(lambda: serve_trainer_side(controller))
+    client = ControlClient(
+        config.controller.address, encode=encode_control, decode=decode_control, timeout_s=5.0
+    )
+    try:
+        first = client.call(BatchRequest(trainer_step=0))
+        assert isinstance(first, NoBatchYet) and first.retry_after_s > 0  # the restoring request
+        link = client.link
+        assert link is not None and link.socket is not None
+        started = time.monotonic()
+        held = client.call(BatchRequest(trainer_step=0))
+        waited = time.monotonic() - started
+        assert isinstance(held, NoBatchYet) and held.retry_after_s == 0.0
+        assert waited >= controller_module.BATCH_HOLD_S * 0.9  # monotonic: never answered early
+    finally:
+        client.close()
+        pump.stop()
+        controller.close()
+    assert pump.error is None, repr(pump.error)

@@ -206,3 +206,37 @@ def test_an_unreadable_older_kept_file_fails_the_start_and_is_left_alone(tmp_pat
     # keep=1 never reads it: the newest alone is served as before.
     with running_server(tmp_path, keep=1) as address, ParamClient(address, timeout_s=5) as client:
         assert client.stat().versions == (3,)
+
+
+def test_without_fsync_a_version_is_written_whole_without_flushing_and_survives_kill_9(
+    tmp_path, stamp, monkeypatch
+) -> None:
+    """`--no-fsync` (`paramserver.fsync: false`): the write never calls fsync, and what a
+    SIGKILLed server had committed is served again after its restart (the kernel kept it)."""
+    from rlax_paramserver import persist
+    from rlax_protocol import encode_tree
+
+    def no_fsync(fd: int) -> None:
+        raise AssertionError("fsync called with fsync=False")
+
+    make, _ = stamp
+    with monkeypatch.context() as patch:
+        patch.setattr(persist.os, "fsync", no_fsync)
+        encoded = encode_tree(make(1))
+        persist.write_state(tmp_path / "direct", 1, encoded.manifest, {"v": 1}, encoded.frames, fsync=False)
+    (loaded,), error = load_states(tmp_path / "direct", keep=1)
+    assert error is None
+    assert loaded.version == 1 and loaded.metadata == {"v": 1}
+    with running_server_process(tmp_path / "served", keep=2, args=["--no-fsync"]) as server:
+        with ParamClient(server.address, timeout_s=10) as client:
+            for version in (1, 2, 3):
+                assert client.push(make(version), version, {"v": version}).persisted
+        server.kill()
+    with (
+        running_server_process(tmp_path / "served", keep=2) as server,
+        ParamClient(server.address, timeout_s=10) as client,
+    ):
+        assert client.stat().versions == (2, 3)
+        pulled = client.pull(3)
+        assert pulled is not None and pulled.metadata == {"v": 3}
+        assert_same_bytes(pulled.tree, make(3))

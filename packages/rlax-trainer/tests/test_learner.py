@@ -271,3 +271,74 @@ def test_one_minibatch_without_reference_reuses_the_gradient_pass_as_pi_old(
     delta = np.abs(own - batch["worker_logprobs"])[batch["mask"] > 0]
     assert m_reused["logprob_delta_max"] == pytest.approx(delta.max(), abs=1e-4)
     assert m_reused["on_policy_tokens"] == m_separate["on_policy_tokens"]
+
+
+def test_minibatch_order_rows_shuffles_every_rollout_groups_keeps_each_prompt_together():
+    from rlax_trainer.learner import minibatch_order
+
+    def config(split: str, minibatches: int = 4) -> LearnerConfig:
+        return LearnerConfig(
+            objective=preset("grpo"),
+            group_size=4,
+            global_batch=32,
+            minibatches=minibatches,
+            minibatch_split=split,
+        )
+
+    key = jax.random.key(3)
+    rows = np.asarray(minibatch_order(key, 32, config("rows")))
+    assert sorted(rows.tolist()) == list(range(32)) and rows.tolist() != list(range(32))
+    # Each minibatch of 8 rows holds samples of several prompts (TRL's shuffle-then-split).
+    assert all(len(set((rows[m * 8 : (m + 1) * 8] // 4).tolist())) > 2 for m in range(4))
+    other = np.asarray(minibatch_order(jax.random.key(4), 32, config("rows")))
+    assert other.tolist() != rows.tolist()  # seeded by the train state's key
+    groups = np.asarray(minibatch_order(key, 32, config("groups"))).reshape(8, 4)
+    assert (groups == groups[:, :1] + np.arange(4)).all() and (groups[:, 0] % 4 == 0).all()
+    assert sorted(groups[:, 0].tolist()) == list(range(0, 32, 4))
+    one = np.asarray(minibatch_order(key, 32, config("rows", minibatches=1)))
+    assert one.tolist() == list(range(32))  # one minibatch: batch order (its pass is pi_old's)
+
+
+def test_minibatches_of_rows_need_not_hold_whole_groups():
+    # 8 rollouts of group 4 in 4 minibatches of 2: fine as rows, impossible as whole groups.
+    LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=8, minibatches=4)
+    with pytest.raises(ValueError, match="minibatch_split='groups'.*whole groups of 4"):
+        LearnerConfig(
+            objective=preset("grpo"), group_size=4, global_batch=8, minibatches=4, minibatch_split="groups"
+        )
+    with pytest.raises(ValueError, match="must divide global_batch=8"):
+        LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=8, minibatches=3)
+
+
+def test_small_logits_run_dense_and_match_the_chunked_projection(
+    model_config, model_params, make_batch, monkeypatch
+):
+    """Below `DENSE_LOGITS_ELEMENTS` the update skips the chunked vocabulary projection; forced
+    to chunk (the limit at 0, a config of its own so the update traces anew) it gives the same
+    update."""
+    from rlax_trainer import learner as learner_module
+    from rlax_trainer.learner import _chunk_size, _Spec
+
+    def config(chunk: int) -> LearnerConfig:
+        return LearnerConfig(
+            objective=preset("grpo"),
+            group_size=4,
+            global_batch=8,
+            minibatches=2,
+            logprob_chunk_size=chunk,
+            optimizer=OptimizerConfig(lr=0.01),
+        )
+
+    tokens = np.zeros((8, 12), np.int32)
+    assert _chunk_size(_Spec(model_config, config(5)), tokens) is None  # 8 x 11 x 32 logits
+    big = np.zeros((4096, 1025), np.int32)
+    assert _chunk_size(_Spec(model_config, config(5)), big) == 5
+    batch = make_batch(11)
+    dense = Learner(model_config, config(8), model_params)
+    m_dense = dense.update(batch)
+    monkeypatch.setattr(learner_module, "DENSE_LOGITS_ELEMENTS", 0)
+    chunked = Learner(model_config, config(5), model_params)
+    m_chunked = chunked.update(batch)
+    assert np.abs(flat(dense.host_params()) - flat({"policy": model_params})).max() > 1e-4  # moved
+    np.testing.assert_allclose(flat(chunked.host_params()), flat(dense.host_params()), atol=1e-5, rtol=0)
+    assert abs(m_chunked["loss"] - m_dense["loss"]) < 1e-5

@@ -14,12 +14,13 @@ to an older checkpoint rewinds the controller the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -137,6 +138,11 @@ def _check_result(result: GenerateResult) -> None:
             raise MalformedMessageError(f"result {result.request_id!r}: sample {i} has a negative token id")
 
 
+# How long the controller holds a trainer's BatchRequest waiting for the batch; well under
+# the trainer's client timeout (>= 1 s), so a held request never looks like a lost one.
+BATCH_HOLD_S = 0.5
+
+
 class Controller:
     """Runs the RL loop's control plane until the last step is trained and evaluated."""
 
@@ -203,6 +209,18 @@ class Controller:
         self._rate_since = time.monotonic()
         self._stats_at_commit: dict[str, WorkerStats | None] = {}
         self._last_step_time = time.monotonic()
+        # Seconds of this step's wall time spent by the controller, by part (reset at commit).
+        self._step_seconds: dict[str, float] = {}
+        # The trainer's BatchRequest held until a batch is ready: identity, request id, request, since.
+        self._held: tuple[bytes, int, BatchRequest, float] | None = None
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._step_seconds[part] = self._step_seconds.get(part, 0.0) + time.monotonic() - started
 
     # ------------------------------------------------------------------ trainer side
     def _reply(self, identity: bytes, request_id: int, message: Message) -> None:
@@ -231,12 +249,39 @@ class Controller:
                 self._count("malformed_requests")
                 self._reply(identity, 0, ErrorReply(code="malformed", message=_describe(error)))
                 continue
-            try:
-                reply = self._handle(message)
-            except Exception as error:  # a bad request must not stop the controller
-                log.exception("error handling %s", type(message).__name__)
-                reply = ErrorReply(code="internal", message=_describe(error))
+            started = self.restored  # the first request restores and starts the dispatch
+            reply = self._answer(message)
+            if started and isinstance(message, BatchRequest) and isinstance(reply, NoBatchYet):
+                # Held until the batch is ready (or BATCH_HOLD_S): the trainer gets it the
+                # moment its last group is scored instead of at its next poll.
+                if self._held is not None:
+                    self._reply(
+                        self._held[0], self._held[1], NoBatchYet(reason="superseded", retry_after_s=0.0)
+                    )
+                self._held = (identity, request_id, message, time.monotonic())
+                continue
             self._reply(identity, request_id, reply)
+
+    def _answer(self, message: Message) -> Message:
+        try:
+            return self._handle(message)
+        except Exception as error:  # a bad request must not stop the controller
+            log.exception("error handling %s", type(message).__name__)
+            return ErrorReply(code="internal", message=_describe(error))
+
+    def _answer_held(self, now: float) -> None:
+        """Ask the held BatchRequest again; reply once there is a batch (or another answer),
+        or `NoBatchYet` with no delay once it has waited BATCH_HOLD_S."""
+        if self._held is None:
+            return
+        identity, request_id, request, since = self._held
+        reply = self._answer(request)
+        if isinstance(reply, NoBatchYet):
+            if now - since < min(BATCH_HOLD_S, self.config.controller.request_timeout_s / 4):
+                return
+            reply = NoBatchYet(reason=reply.reason, retry_after_s=0.0)
+        self._held = None
+        self._reply(identity, request_id, reply)
 
     def _handle(self, message: Message) -> Message:
         if isinstance(message, Hello):
@@ -330,10 +375,12 @@ class Controller:
             return NoBatchYet(reason=f"evaluation at step {self.scheduler.step}", retry_after_s=0.05)
         if self.sent_batch is None:
             try:
-                batch = self.scheduler.build_batch()
+                with self._timed("controller_bookkeeping_seconds"):
+                    batch = self.scheduler.build_batch()
             except BatchNotReady as why:
                 return NoBatchYet(reason=str(why), retry_after_s=0.02)
-            self._write_pending_snapshot(batch)
+            with self._timed("controller_snapshot_seconds"):
+                self._write_pending_snapshot(batch)
             self.sent_batch = batch
         return self._train_batch(self.sent_batch)
 
@@ -418,7 +465,8 @@ class Controller:
         }
 
     def _commit(self, batch: Batch) -> None:
-        self.scheduler.commit(batch)
+        with self._timed("controller_bookkeeping_seconds"):
+            self.scheduler.commit(batch)
         self.sent_batch = None
         now = time.monotonic()
         elapsed = max(now - self._rate_since, 1e-9)
@@ -431,7 +479,9 @@ class Controller:
             "inflight_groups": sum(len(w.requests) for w in self.workers.values()),
             "workers_alive": sum(w.alive for w in self.workers.values()),
             **{k: v for k, v in self.scheduler.counters.items()},
+            **self._step_seconds,
         }
+        self._step_seconds = {}
         stats = {name: w.stats for name, w in self.workers.items()}
         record.update(generation_record(self._stats_at_commit, stats))
         self._stats_at_commit = stats
@@ -799,7 +849,8 @@ class Controller:
             self.scheduler.release(group)
             return
         try:
-            scores = self._score(group.item, completions)
+            with self._timed("controller_score_seconds"):
+                scores = self._score(group.item, completions)
         except (ProtocolError, TimeoutError) as error:
             # A verifier service that is down: generate this group again later.
             log.error("scoring %s failed (%s); the group goes back to the queue", result.request_id, error)
@@ -879,6 +930,7 @@ class Controller:
             self._heartbeat(now)
             if self.restored:
                 self._dispatch(now)
+            self._answer_held(now)
             if self.complete_replied:
                 completed_at = completed_at or now
                 if now - completed_at > stop_after_complete_s:

@@ -64,6 +64,8 @@ def _paramserver_command(config: RunConfig) -> list[str]:
     # A parameter-server node installs rlax-paramserver alone: its own entry point, no run config.
     state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
     flags = ["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep)]
+    if not config.paramserver.fsync:
+        flags.append("--no-fsync")
     return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", state_dir]
 
 

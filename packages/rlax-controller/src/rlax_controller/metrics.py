@@ -1,8 +1,8 @@
 """Run metrics: JSONL + TensorBoard writer, live progress display, summary table and plot.
 
 Every record is a flat dict with a `kind` (``train``, ``eval``, ``worker``, ``event``) and
-a `step`. Records go to `metrics.jsonl` (one JSON object per line, fsynced, so a record
-survives a SIGKILL of the writer) and numeric fields to TensorBoard as ``kind/field``.
+a `step`. Records go to `metrics.jsonl` (one JSON object per line, appended in one write
+call, so a record survives a SIGKILL of the writer; not fsynced: see `rlax_core.fsutil`) and numeric fields to TensorBoard as ``kind/field``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlax_core.fsutil import append_line_durable
+from rlax_core.fsutil import append_line
 
 __all__ = [
     "MetricsWriter",
@@ -51,7 +51,7 @@ class MetricsWriter:
         if "kind" not in record or "step" not in record:
             raise ValueError(f"a metrics record needs `kind` and `step`, got keys {sorted(record)}")
         record = {"time": time.time(), **record}
-        append_line_durable(self.path, json.dumps(record, allow_nan=True))
+        append_line(self.path, json.dumps(record, allow_nan=True))
         if self._tb is not None:
             step = int(record["step"])
             for key, value in record.items():

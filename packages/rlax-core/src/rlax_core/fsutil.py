@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-__all__ = ["append_line_durable", "atomic_write_bytes"]
+__all__ = ["append_line", "append_line_durable", "atomic_write_bytes"]
 
 
 def atomic_write_bytes(path: pathlib.Path, data: bytes) -> pathlib.Path:
@@ -26,11 +26,31 @@ def atomic_write_bytes(path: pathlib.Path, data: bytes) -> pathlib.Path:
     return path
 
 
-def append_line_durable(path: pathlib.Path, line: str) -> None:
-    """Append one line and fsync, so a record survives a SIGKILL right after it."""
+def _append(path: pathlib.Path, line: str, *, fsync: bool) -> None:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line.rstrip("\n") + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # One write call for the whole line (a buffered file may split a long line in
+        # several): a process killed mid-append leaves at most a torn last line.
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_line(path: pathlib.Path, line: str) -> None:
+    """Append one line. Once this returns the line is in the kernel's page cache, so it
+    survives a SIGKILL of this process (not a crash of the machine): enough for metrics
+    logs, which a restored controller completes for the step in flight, and ~10 ms per
+    line cheaper than `append_line_durable` on a laptop disk."""
+    _append(path, line, fsync=False)
+
+
+def append_line_durable(path: pathlib.Path, line: str) -> None:
+    """Append one line and fsync: it also survives a crash of the machine."""
+    _append(path, line, fsync=True)

@@ -173,12 +173,15 @@ def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
 class WarmUp:
     """The shapes to compile at the first weights: decode for up to `rows` rows at every
     block-table width and each of `decode_steps`; prefill of `sampling.n` samples of dummy
-    prompts of `prompt_lengths` tokens (one token each)."""
+    prompts of `prompt_lengths` tokens (one token each), and of `prompt_counts` prompts
+    prefilled together (groups that arrive at once share one prefill call, whose row
+    buckets would otherwise compile in the middle of the run)."""
 
     rows: int
     decode_steps: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     sampling: SamplingParams
+    prompt_counts: tuple[int, ...] = ()
 
     @classmethod
     def for_run(cls, config: RunConfig, task: Any) -> WarmUp:
@@ -191,7 +194,12 @@ class WarmUp:
             log.warning("prefill warm-up skipped: cannot read the task's prompts (%s)", error)
             lengths = []
         room = config.model.max_seq_len - 1
+        # Row buckets are powers of two: 2, 4, 8, ... prompts up to the groups a worker can
+        # hold at once reach every prefill shape of the run.
+        together = min(workers.max_inflight_groups, max(1, workers.max_batch_seqs // data.group_size))
+        counts = tuple(k for k in (2**i for i in range(1, together.bit_length() + 1)) if k <= together)
         return cls(
+            prompt_counts=tuple(sorted(set(counts) | ({together} if together > 1 else set()))),
             rows=min(workers.max_batch_seqs, data.group_size * max(1, workers.max_inflight_groups)),
             decode_steps=tuple(sorted({1, workers.decode_steps})),
             prompt_lengths=tuple(sorted({max(1, min(n, room)) for n in (lengths[:1] + lengths[-1:])})),
@@ -518,6 +526,11 @@ class Worker:
             row_count = min(plan.rows, row_count * 2)
         for length in plan.prompt_lengths:
             engine.generate([[0] * length], plan.sampling)
+        if plan.prompt_lengths:
+            vocab, length = engine.runner.config.vocab_size, plan.prompt_lengths[-1]
+            for count in plan.prompt_counts:
+                # Distinct first tokens: no prompt shares another's prefix (or its cache).
+                engine.generate([[i % vocab] + [0] * (length - 1) for i in range(count)], plan.sampling)
         self.compile_s += time.monotonic() - started
         log.info(
             "compiled the run's shapes (up to %d rows) in %.1fs (%s)",

@@ -43,6 +43,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
         default=None,
         help="persist the newest --keep versions here (and load them at start)",
     )
+    parser.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="persist without fsync: a version survives a SIGKILL, not a crash of the machine",
+    )
     parser.add_argument("--workers", type=int, default=4, help="request-handling threads")
     parser.add_argument("--io-threads", type=int, default=2, help="ZeroMQ I/O threads")
     parser.add_argument(
@@ -80,6 +85,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
             bind=args.bind,
             keep=args.keep,
             state_dir=args.state_dir,
+            fsync=not args.no_fsync,
             workers=args.workers,
             io_threads=args.io_threads,
             lease_ttl_s=args.lease_ttl,

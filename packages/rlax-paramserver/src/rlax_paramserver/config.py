@@ -23,6 +23,8 @@ class ServerConfig:
     keep: how many newest versions to hold (an older one lives on while a pull of it runs).
     state_dir: where the newest `keep` versions are persisted (and restored from on start);
         None keeps everything in memory only.
+    fsync: flush each persisted version to the disk (it then survives a machine crash);
+        False: written and renamed only (it survives a SIGKILL of any process).
     workers: request-handling threads; io_threads: ZeroMQ I/O threads.
     lease_ttl_s: a pull lease not renewed for this long expires (its client is presumed dead).
     push_idle_timeout_s: a pending push with no chunk for this long is dropped.
@@ -43,6 +45,7 @@ class ServerConfig:
     bind: str = DEFAULT_BIND
     keep: int = 3
     state_dir: pathlib.Path | None = None
+    fsync: bool = True
     workers: int = 4
     io_threads: int = 2
     lease_ttl_s: float = 30.0

@@ -90,11 +90,16 @@ def write_state(
     frames: Sequence[memoryview],
     *,
     keep: int = 1,
+    fsync: bool = True,
 ) -> pathlib.Path:
-    """Durably write one version (frames in manifest frame order).
+    """Write one version (frames in manifest frame order) under a temporary name and rename it.
 
-    Once the new file is durable, older state files beyond the newest `keep` (this one
-    included) are removed; `keep=1` leaves only this version on disk.
+    `fsync`: flush the file and the folder to the disk before the version counts as written,
+    so it survives a crash of the machine. Without it the rename alone makes the file whole
+    or absent and it survives a SIGKILL of any process (the kernel holds the data), which
+    is what exact resumption after killed processes needs; ~20 ms less per version on a
+    laptop disk. Once the new file is written, older state files beyond the newest `keep`
+    (this one included) are removed; `keep=1` leaves only this version on disk.
     """
     if keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (the newest version is always kept)")
@@ -110,12 +115,14 @@ def write_state(
             for frame in frames:
                 f.write(frame)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)  # a failed write (e.g. a full disk) leaves no half file
         raise
-    _fsync_dir(state_dir)
+    if fsync:
+        _fsync_dir(state_dir)
     older = sorted(
         (int(m.group(1)), p)
         for p in state_dir.iterdir()

@@ -457,6 +457,7 @@ class ParamServer:
                 stored.metadata,
                 stored.frames,
                 keep=self.config.keep,
+                fsync=self.config.fsync,
             )
         except Exception as err:
             self.store.release(push.version)

@@ -107,7 +107,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ratio pi_theta / pi_old stays on the full distribution.
     - `logprob_chunk_size`: tokens (of batch x seq) per chunk of the vocabulary projection + softmax,
       recomputed in the backward pass (never a full [B, S, V] float32 logits tensor).
-      None: dense.
+      None: dense. A micro-batch whose full logits are small (`learner.DENSE_LOGITS_ELEMENTS`,
+      16 MB of float32) runs dense either way: there chunking costs time and saves nothing.
     - `trim_padding`: run the update at the batch's longest real sequence rounded up to a
       bucket (`rlax_trainer.padding`), not at the length the batch was padded to.
     """

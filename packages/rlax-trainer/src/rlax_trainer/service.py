@@ -45,7 +45,7 @@ from rlax_core.control import (
     decode_control,
     encode_control,
 )
-from rlax_core.fsutil import append_line_durable
+from rlax_core.fsutil import append_line
 from rlax_core.links import ControlClient
 from rlax_trainer.gang import Gang, gang_mesh, join_gang
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
@@ -295,7 +295,7 @@ class TrainerLoop:
 
     def _log_metrics(self, record: dict[str, Any]) -> None:
         if self.gang.leader:
-            append_line_durable(self.metrics_path, json.dumps(record))
+            append_line(self.metrics_path, json.dumps(record))
 
     # ------------------------------------------------------------------ publishing
     def publish(self) -> None:
@@ -347,15 +347,19 @@ class TrainerLoop:
         log.info("published version %d", self.step)
 
     # ------------------------------------------------------------------ training
-    def train(self, batch: TrainBatch, *, replay: bool = False) -> dict[str, float]:
+    def train(self, batch: TrainBatch, *, replay: bool = False, waited_s: float = 0.0) -> dict[str, float]:
         """One step: journal the batch (unless `replay`: it comes from the journal), update,
         checkpoint when the step is a multiple of `trainer.checkpoint_every`, and push the
         new version (not while replaying: it was pushed in the first life). A background
-        precompilation (`trainer.precompile`) waits while a step runs."""
+        precompilation (`trainer.precompile`) waits while a step runs. `waited_s`: how long
+        the trainer waited for this batch since its previous step ended (rollouts and scoring,
+        as the trainer sees them), reported as `trainer_wait_seconds`."""
         with self.learner.busy() as waited:  # a compilation finishing counts as compile time
-            return self._train(batch, replay=replay, compile_wait_s=waited)
+            return self._train(batch, replay=replay, compile_wait_s=waited, waited_s=waited_s)
 
-    def _train(self, batch: TrainBatch, *, replay: bool, compile_wait_s: float) -> dict[str, float]:
+    def _train(
+        self, batch: TrainBatch, *, replay: bool, compile_wait_s: float, waited_s: float
+    ) -> dict[str, float]:
         from rlax_trainer import collate
         from rlax_trainer.memory import release_free_memory
 
@@ -363,11 +367,14 @@ class TrainerLoop:
             raise RuntimeError(
                 f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}"
             )
+        parts = {"trainer_wait_seconds": waited_s}  # the step's wall time by part
         if not replay:
             if self.config.chaos.max_delay_s > 0:  # a test hook; unseeded: timing is the point
                 time.sleep(random.uniform(0.0, self.config.chaos.max_delay_s))
             if self.gang.leader:
+                started = time.monotonic()
                 self.journal.write(batch.step, encode_control(batch))
+                parts["trainer_journal_seconds"] = time.monotonic() - started
         g = batch.group_size
         groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
         arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
@@ -379,22 +386,28 @@ class TrainerLoop:
         if compile_wait_s:
             metrics["trainer_compile_seconds"] = metrics.get("trainer_compile_seconds", 0.0) + compile_wait_s
         release_free_memory()  # the update's temporaries, before the checkpoint allocates
-        # A replayed step logs again: the last line of a step is the one that counts.
-        self._log_metrics(
-            {"kind": "train", "step": self.step + 1, "rollout_ids": list(batch.rollout_ids), **metrics}
-        )
         self.step = self.learner.step
-        # The step's figures travel with the state: a trainer restarted before it could
-        # report them to the controller reports them from here (or from the replay).
-        self.last_metrics = metrics
         self.last_rollout_ids = list(batch.rollout_ids)
         # The checkpoint (when due) before the push: the two together would hold the weights'
         # host copy for the push on top of the checkpoint's buffers (+0.5 GB for SmolLM2).
+        started = time.monotonic()
         if self.step % self.config.trainer.checkpoint_every == 0:
+            self.last_metrics = {**metrics, **parts}  # saved with the state (the push is not yet)
             self.checkpoint()
+        parts["trainer_checkpoint_seconds"] = time.monotonic() - started
         if not replay:
+            started = time.monotonic()
             self.publish()
             release_free_memory()  # the weights' host copy for the push, before the next update
+            parts["trainer_push_seconds"] = time.monotonic() - started
+        metrics.update(parts)
+        # The step's figures travel with the state: a trainer restarted before it could
+        # report them to the controller reports them from here (or from the replay).
+        self.last_metrics = metrics
+        # A replayed step logs again: the last line of a step is the one that counts.
+        self._log_metrics(
+            {"kind": "train", "step": self.step, "rollout_ids": list(batch.rollout_ids), **metrics}
+        )
         return metrics
 
     def checkpoint(self) -> None:
@@ -444,6 +457,7 @@ def run(config: RunConfig, process_id: int = 0) -> int:
     )
     metrics = loop.last_metrics
     last_publish_check = 0.0
+    step_ended = time.monotonic()  # from here the trainer waits for its next batch
     try:
         loop.publish()
         if config.trainer.precompile:
@@ -473,7 +487,8 @@ def run(config: RunConfig, process_id: int = 0) -> int:
                 time.sleep(reply.retry_after_s)
                 continue
             if isinstance(reply, TrainBatch):
-                metrics = loop.train(reply)
+                metrics = loop.train(reply, waited_s=time.monotonic() - step_ended)
+                step_ended = time.monotonic()
                 log.info("step %d done: %s", loop.step, {k: round(v, 4) for k, v in metrics.items()})
                 continue
             raise RuntimeError(f"unexpected reply from the controller: {type(reply).__name__}")
