@@ -123,3 +123,16 @@ def test_generation_record_differences_worker_totals_and_survives_a_restart() ->
     assert record["worker_compile_s"] == pytest.approx(5.0)
     assert record["worker_reload_s"] == pytest.approx(0.5)
     assert generation_record(after, after) == {}  # nothing generated in between: no rate
+
+
+def test_summary_shows_the_median_step_and_its_parts() -> None:
+    records = [
+        {"kind": "train", "step": s, "step_time_s": t, "train_seconds": 0.1, "trainer_wait_seconds": w}
+        for s, t, w in ((1, 9.0, 8.0), (2, 0.3, 0.12), (3, 0.2, 0.08), (4, 0.25, 0.1))
+    ]
+    rows = {r[0]: r for r in summary_rows(records)}
+    # The first step (compilations) is the start column; the median leaves it out of the end.
+    assert rows["train step_time_s (median)"][1:3] == ("9.000", "0.275")
+    assert rows["train trainer_wait_seconds (median)"][1:3] == ("8.000", "0.110")
+    assert rows["train train_seconds (median)"][2] == "0.100"
+    assert "train trainer_push_seconds (median)" not in rows  # a part no record carries

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -221,6 +222,17 @@ def trajectory_record(samples: Sequence[Any]) -> dict[str, float]:
     return record
 
 
+# A step's wall time (`step_time_s`, commit to commit) and its parts in the summary table.
+STEP_TIME_PARTS = (
+    "step_time_s",
+    "trainer_wait_seconds",
+    "train_seconds",
+    "trainer_push_seconds",
+    "trainer_checkpoint_seconds",
+    "worker_active_s",
+)
+
+
 def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     """(metric, start, end, change) rows: evaluation scores first, then training figures."""
     rows: list[tuple[str, str, str, str]] = []
@@ -284,6 +296,14 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
             compile_s = [r[key] for r in train if isinstance(r.get(key), int | float)]
             if compile_s:
                 rows.append((f"train {key} (total)", f"{compile_s[0]:.1f}", f"{sum(compile_s):.1f}", "-"))
+        # Where a step's wall time goes: the median over steps (the first step, with its
+        # compilations, shown as the start) of the whole step and its largest parts.
+        for key in STEP_TIME_PARTS:
+            seen = [float(r[key]) for r in train if isinstance(r.get(key), int | float)]
+            if seen:
+                rows.append(
+                    (f"train {key} (median)", f"{seen[0]:.3f}", f"{statistics.median(seen):.3f}", "-")
+                )
         rows.append(
             ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
         )
