@@ -87,6 +87,7 @@ from typing import Any
 
 import pytest
 
+from rlax_controller.metrics import format_number as fmt
 from rlax_controller.metrics import latest_per_step, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -465,14 +466,6 @@ def run_figures(run: dict[str, Any], target: float, steps: int) -> dict[str, Any
         "rl_seconds_total": total,
         "rl_seconds_per_step": None if total is None else total / steps,
     }
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 def fmt_stats(s: dict[str, Any], digits: int = 3) -> str:

@@ -62,7 +62,9 @@ def test_update_runs_at_the_bucket_and_matches_the_padded_update(model_config, m
     a, b = (
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(lr.host_params())]) for lr in (trimmed, full)
     )
-    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    # float32 rounding only: the dense vocabulary projection reduces over the padded length
+    # in another order (2 of 20,640 weights differed by 2e-6 after the Adam step at lr 1e-2).
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert abs(m["loss"] - m_full["loss"]) < 1e-6
     assert abs(m["grad_norm"] - m_full["grad_norm"]) < 1e-5
 

@@ -23,6 +23,7 @@ from rich.table import Table
 from rlax_core.fsutil import append_line
 
 __all__ = [
+    "format_number",
     "MetricsWriter",
     "generation_record",
     "ProgressDisplay",
@@ -128,7 +129,8 @@ def generation_record(before: dict[str, Any], after: dict[str, Any]) -> dict[str
     }
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def format_number(value: Any, digits: int = 3) -> str:
+    """`value` for a table: "-" for None, floats with `digits` decimals."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -167,10 +169,12 @@ class ProgressDisplay:
         table = Table(title=f"RLAX run: step {self.last.get('step', 0)}/{self.total_steps}")
         for title, _ in self.COLUMNS:
             table.add_column(title, justify="right")
-        table.add_row(*(_fmt(self.last.get(key)) for _, key in self.COLUMNS))
+        table.add_row(*(format_number(self.last.get(key)) for _, key in self.COLUMNS))
         if self.last_eval:
             evals = ", ".join(
-                f"{k}={_fmt(v)}" for k, v in self.last_eval.items() if k.startswith(("pass@", "reward"))
+                f"{k}={format_number(v)}"
+                for k, v in self.last_eval.items()
+                if k.startswith(("pass@", "reward"))
             )
             table.caption = f"eval @ step {self.last_eval.get('step')}: {evals}"
         return table
@@ -185,12 +189,15 @@ class ProgressDisplay:
             return
         if record.get("kind") == "eval":
             values = " ".join(
-                f"{k}={_fmt(v)}" for k, v in record.items() if k.startswith(("pass@", "reward", "avg"))
+                f"{k}={format_number(v)}"
+                for k, v in record.items()
+                if k.startswith(("pass@", "reward", "avg"))
             )
             print(f"[eval] step={record.get('step')} {values}", file=self.stream, flush=True)
         else:
             values = " ".join(
-                f"{title.replace(' ', '_')}={_fmt(record.get(key))}" for title, key in self.COLUMNS[1:]
+                f"{title.replace(' ', '_')}={format_number(record.get(key))}"
+                for title, key in self.COLUMNS[1:]
             )
             print(
                 f"[train] step={record.get('step')}/{self.total_steps} {values}", file=self.stream, flush=True
@@ -251,7 +258,14 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                 if isinstance(a, int | float) and isinstance(b, int | float)
                 else "-"
             )
-            rows.append((f"eval {key} (step {first['step']} -> {last['step']})", _fmt(a), _fmt(b), change))
+            rows.append(
+                (
+                    f"eval {key} (step {first['step']} -> {last['step']})",
+                    format_number(a),
+                    format_number(b),
+                    change,
+                )
+            )
     train = latest_per_step(r for r in records if r.get("kind") == "train")
     if train:
         first, last = train[0], train[-1]
@@ -270,7 +284,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
             if key in last:
                 a, b = first.get(key), last.get(key)
                 change = f"{b - a:+.3f}" if isinstance(a, int | float) and isinstance(b, int | float) else "-"
-                rows.append((f"train {key}", _fmt(a), _fmt(b), change))
+                rows.append((f"train {key}", format_number(a), format_number(b), change))
         # Engine-vs-trainer numerics: only steps that trained on same-version rollouts carry it.
         same = [r for r in train if r.get("on_policy_tokens")]
         if same:
@@ -305,7 +319,12 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
                     (f"train {key} (median)", f"{seen[0]:.3f}", f"{statistics.median(seen):.3f}", "-")
                 )
         rows.append(
-            ("train steps", _fmt(first["step"]), _fmt(last["step"]), f"{last['step'] - first['step']:+d}")
+            (
+                "train steps",
+                format_number(first["step"]),
+                format_number(last["step"]),
+                f"{last['step'] - first['step']:+d}",
+            )
         )
     return rows
 
