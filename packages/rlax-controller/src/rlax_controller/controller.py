@@ -249,9 +249,9 @@ class Controller:
                 self._count("malformed_requests")
                 self._reply(identity, 0, ErrorReply(code="malformed", message=_describe(error)))
                 continue
-            started = self.restored  # the first request restores and starts the dispatch
+            was_restored = self.restored  # the first request restores and starts the dispatch
             reply = self._answer(message)
-            if started and isinstance(message, BatchRequest) and isinstance(reply, NoBatchYet):
+            if was_restored and isinstance(message, BatchRequest) and isinstance(reply, NoBatchYet):
                 # Held until the batch is ready (or BATCH_HOLD_S): the trainer gets it the
                 # moment its last group is scored instead of at its next poll.
                 if self._held is not None:

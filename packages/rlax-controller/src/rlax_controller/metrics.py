@@ -2,7 +2,8 @@
 
 Every record is a flat dict with a `kind` (``train``, ``eval``, ``worker``, ``event``) and
 a `step`. Records go to `metrics.jsonl` (one JSON object per line, appended in one write
-call, so a record survives a SIGKILL of the writer; not fsynced: see `rlax_core.fsutil`) and numeric fields to TensorBoard as ``kind/field``.
+call, so a record survives a SIGKILL of the writer; not fsynced: see `rlax_core.fsutil`)
+and numeric fields to TensorBoard as ``kind/field``.
 """
 
 from __future__ import annotations

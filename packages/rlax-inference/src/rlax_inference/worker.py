@@ -197,9 +197,9 @@ class WarmUp:
         # Row buckets are powers of two: 2, 4, 8, ... prompts up to the groups a worker can
         # hold at once reach every prefill shape of the run.
         together = min(workers.max_inflight_groups, max(1, workers.max_batch_seqs // data.group_size))
-        counts = tuple(k for k in (2**i for i in range(1, together.bit_length() + 1)) if k <= together)
+        counts = {min(2**i, together) for i in range(1, together.bit_length() + 1)} if together > 1 else set()
         return cls(
-            prompt_counts=tuple(sorted(set(counts) | ({together} if together > 1 else set()))),
+            prompt_counts=tuple(sorted(counts)),
             rows=min(workers.max_batch_seqs, data.group_size * max(1, workers.max_inflight_groups)),
             decode_steps=tuple(sorted({1, workers.decode_steps})),
             prompt_lengths=tuple(sorted({max(1, min(n, room)) for n in (lengths[:1] + lengths[-1:])})),
