@@ -53,12 +53,13 @@ def test_precompiled_lengths_serve_the_steps_that_meet_them(model_config, model_
     """A length compiled ahead (in the background) is not compiled again by the step that
     meets it, and gives the update a step compiling it inline gives."""
     batch = make_batch(0)
-    inline = Learner(model_config, rl_config(), model_params)
+    padded = rl_config(packing=False)  # length buckets; test_packing covers packed programs
+    inline = Learner(model_config, padded, model_params)
     m_inline = inline.update(batch)
     seq = inline.last_seq_len
     assert m_inline["trainer_compile_seconds"] > 0
     assert inline.update(batch)["trainer_compile_seconds"] == 0.0  # compiled once per length
-    ahead = Learner(model_config, rl_config(), model_params)
+    ahead = Learner(model_config, padded, model_params)
     started = ahead.precompile([seq, seq + 8, seq])
     assert len(started) == 2  # one program per distinct length
     for future in started:

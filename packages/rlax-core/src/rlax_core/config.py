@@ -278,6 +278,11 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `precompile`: at start, compile the update for every padded length the run can meet
     (from the shortest prompt to `model.max_seq_len`, by length bucket) in a background
     thread, so that no step stops to compile a new length (XLA programs have static shapes).
+    `packing`: the update computes only real tokens: rollouts packed into rows of
+    `pack_length` tokens (0: twice `model.max_seq_len`), a prompt's shared prefix once per
+    row, one forward/backward pass per row used, one compiled program for the run; false:
+    rows padded to the batch's length bucket, `micro_batch` rollouts per pass (a mesh of
+    several devices always runs this way).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
     `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
     `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:
@@ -303,6 +308,8 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     precompile: bool = False
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "nothing_saveable"] = "none"
+    packing: bool = True
+    pack_length: int = 0
     platform: str = "cpu"
     hosts: int = 1
     coordinator: str = AUTO
@@ -322,6 +329,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(self.micro_batch >= 0, "micro_batch", self.micro_batch, "must be >= 0 (0: whole batch)")
+        _check(self.pack_length >= 0, "pack_length", self.pack_length, "must be >= 0 (0: twice max_seq_len)")
         _check(
             self.minibatches >= 1, "minibatches", self.minibatches, "must be >= 1 (optimizer steps per batch)"
         )

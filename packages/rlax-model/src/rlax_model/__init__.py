@@ -4,6 +4,7 @@ from rlax_core.gguf_file import GGUFError, GGUFFile, find_smollm2_gguf
 from rlax_model.attention import (
     AttentionFn,
     DenseContext,
+    PackedContext,
     causal_valid_mask,
     dense_attention_reference,
     dense_causal_attention,
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DenseContext",
+    "PackedContext",
     "GGUFError",
     "GGUFFile",
     "LinearRopeScaling",

@@ -51,6 +51,38 @@ class DenseContext:
     valid: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedContext:
+    """Context of `dense_causal_attention` for rows that pack several sequences.
+
+    segment: [batch, seq] int32, 0 on padding, else the id of the segment the token is in;
+    parent: [batch, seq] int32, the segment a token may also attend to (a shared prefix
+    placed earlier in the row; a prefix's own id for its tokens); positions: [batch, seq]
+    int32, the tokens' positions in their sequences (for a sliding window). A query attends
+    to the keys at the same or an earlier index of its own segment or of its parent.
+    """
+
+    segment: jax.Array
+    parent: jax.Array
+    positions: jax.Array
+
+
+def packed_mask(ctx: PackedContext, sliding_window: int | None = None) -> jax.Array:
+    """PackedContext -> [batch, 1, seq_q, seq_k] bool (see `PackedContext`)."""
+    seq = ctx.segment.shape[-1]
+    idx = jnp.arange(seq)
+    seg_k = ctx.segment[:, None, :]
+    mask = (
+        (idx[None, None, :] <= idx[None, :, None])
+        & (seg_k != 0)
+        & ((seg_k == ctx.segment[:, :, None]) | (seg_k == ctx.parent[:, :, None]))
+    )
+    if sliding_window is not None:
+        mask &= ctx.positions[:, :, None] - ctx.positions[:, None, :] < sliding_window
+    return mask[:, None]
+
+
 def positions_from_valid(valid: jax.Array) -> jax.Array:
     """Positions that count only valid tokens: [batch, seq] bool -> [batch, seq] int32.
 
@@ -108,7 +140,8 @@ def dense_causal_attention(
 ) -> tuple[jax.Array, None]:
     """Default `AttentionFn`: causal attention over the current sequence, no KV cache.
 
-    attention_context: a `DenseContext` (padding mask) or None (every token valid).
+    attention_context: a `DenseContext` (padding mask), a `PackedContext` (packed
+    sequences) or None (every token valid).
     sliding_window: `forward` binds `config.sliding_window` here.
     layer_cache must be None. Returns (out [batch, seq, num_heads, head_dim], None).
     """
@@ -118,6 +151,12 @@ def dense_causal_attention(
             "function that manages a cache"
         )
     b, s = q.shape[:2]
+    if isinstance(attention_context, PackedContext):
+        if attention_context.segment.shape != (b, s):
+            raise ValueError(
+                f"PackedContext.segment has shape {attention_context.segment.shape}, expected {(b, s)}"
+            )
+        return dense_attention_reference(q, k, v, packed_mask(attention_context, sliding_window)), None
     if attention_context is None:
         valid = jnp.ones((b, s), dtype=bool)
     elif isinstance(attention_context, DenseContext):
@@ -126,6 +165,6 @@ def dense_causal_attention(
             raise ValueError(f"DenseContext.valid has shape {valid.shape}, expected [batch, seq]={(b, s)}")
     else:
         raise TypeError(
-            f"dense_causal_attention needs a DenseContext or None, got {type(attention_context).__name__}"
+            f"dense_causal_attention needs a DenseContext, a PackedContext or None, got {type(attention_context).__name__}"
         )
     return dense_attention_reference(q, k, v, causal_valid_mask(valid, sliding_window)), None

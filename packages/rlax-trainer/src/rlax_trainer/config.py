@@ -110,7 +110,16 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       None: dense. A micro-batch whose full logits are small (`learner.DENSE_LOGITS_ELEMENTS`,
       16 MB of float32) runs dense either way: there chunking costs time and saves nothing.
     - `trim_padding`: run the update at the batch's longest real sequence rounded up to a
-      bucket (`rlax_trainer.padding`), not at the length the batch was padded to.
+      bucket (`rlax_trainer.padding`), not at the length the batch was padded to (unpacked
+      batches only).
+    - `packing`: compute only real tokens (`rlax_trainer.packing`): each minibatch's
+      rollouts are packed into rows of `pack_length` tokens, a prompt group's common prefix
+      once per row, and the model runs one forward/backward pass per row used, so padding
+      and repeated prompts cost nothing and every batch has the same shapes (one compiled
+      program). `micro_batch` then does not apply: a pass is one packed row. False: rows
+      padded to the batch's length bucket, `micro_batch` rollouts per pass.
+    - `pack_length`: tokens per packed row (0: `packing.auto_pack_length` of the batch's
+      padded length, twice it); memory per pass grows with it, attention quadratically.
     """
 
     objective: ObjectiveConfig | None = None
@@ -122,8 +131,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     minibatch_split: Literal["rows", "groups"] = "rows"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Remat = "none"
-    logprob_chunk_size: int | None = 256
+    logprob_chunk_size: int | None = 64
     trim_padding: bool = True
+    packing: bool = True
+    pack_length: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -150,6 +161,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         rows = self.global_batch // self.minibatches
         if self.micro_batch < 0 or (self.micro_batch and rows % self.micro_batch):
             raise ValueError(f"micro_batch={self.micro_batch} must divide the {rows} rollouts of a minibatch")
+        if self.pack_length < 0:
+            raise ValueError(
+                f"pack_length must be >= 0 (0: twice the batch's padded length), got {self.pack_length}"
+            )
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if not self.temperature > 0:

@@ -33,6 +33,7 @@ from rlax_trainer.config import LearnerConfig, make_optimizer
 from rlax_trainer.config import learning_rate_schedule as _lr_schedule
 from rlax_trainer.memory import peak_memory_metrics
 from rlax_trainer.objective import objective_loss, prepare_batch
+from rlax_trainer.packing import best_layout, candidate_lengths
 from rlax_trainer.padding import trim_to_bucket
 from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
 
@@ -191,10 +192,15 @@ def _sampler_old_logprobs(spec: _Spec, params: Any, tokens: jax.Array, valid: ja
     ctx = rlax_model.DenseContext(valid=valid)
     positions = rlax_model.positions_from_valid(valid)
     hidden, _ = rlax_model.hidden_states(policy, tokens, positions, config=mc, attention_context=ctx)
-    hidden = hidden[:, :-1]
-    lead = tokens[:, 1:].shape
+    return _sampler_logprobs_of_hidden(spec, policy, hidden[:, :-1], tokens[:, 1:])
+
+
+def _sampler_logprobs_of_hidden(spec: _Spec, policy: Any, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """hidden [b, T, H] (the states predicting `targets` [b, T]) -> sampler-support log-probs [b, T]."""
+    cfg, mc = spec.config, spec.model
+    lead = targets.shape
     hid = hidden.reshape(-1, hidden.shape[-1])
-    tgt = tokens[:, 1:].reshape(-1)
+    tgt = targets.reshape(-1)
     total = tgt.shape[0]
     chunk = min(cfg.logprob_chunk_size or total, total)
     n = -(-total // chunk)
@@ -235,10 +241,25 @@ def _micro_view(x: jax.Array, n_micro: int) -> jax.Array:
 def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
     """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1]))."""
     lp, ent, values = _policy_outputs(spec, params, mb["tokens"], mb["valid"], mb["mask"] > 0)
+    return _objective(spec, mb, mb["mask"], mb["weights"], lp, ent, values, scale)
+
+
+def _objective(
+    spec: _Spec,
+    mb: dict[str, jax.Array],
+    mask: jax.Array,
+    weights: jax.Array,
+    lp: jax.Array,
+    ent: jax.Array,
+    values: jax.Array | None,
+    scale: float,
+):
+    """The objective of the rollouts in `mb` whose tokens `mask` [rows, T-1] keeps, from the
+    policy's outputs on them -> (loss * scale, (metrics, `lp` without gradient))."""
     if spec.config.mode == "sft":
-        nll = -(mb["weights"] * lp).sum()
+        nll = -(weights * lp).sum()
         return nll * scale, (
-            {"nll": nll, "entropy": (ent * mb["mask"]).sum() / jnp.maximum(mb["mask"].sum(), 1.0)},
+            {"nll": nll, "entropy": (ent * mask).sum() / jnp.maximum(mask.sum(), 1.0)},
             sg(lp),
         )
     loss, metrics = objective_loss(
@@ -248,8 +269,8 @@ def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
         # define is pi_old: its log-probs, without gradient (ratio 1, as TRL does).
         old_logprobs=mb["old_logprobs"] if "old_logprobs" in mb else sg(lp),
         advantages=mb["advantages"],
-        weights=mb["weights"],
-        mask=mb["mask"],
+        weights=weights,
+        mask=mask,
         ref_logprobs=mb.get("ref_logprobs"),
         infer_logprobs=mb["worker_logprobs"],
         sampler_old_logprobs=mb.get("sampler_old_logprobs"),
@@ -259,6 +280,169 @@ def _loss(spec: _Spec, params: Any, mb: dict[str, jax.Array], scale: float):
         returns=mb.get("returns"),
     )
     return loss * scale, (metrics, sg(lp))
+
+
+# ------------------------------------------------------------------ packed passes
+_ROW_FIELDS = ("tokens", "segment", "parent", "positions")
+
+
+def _packed_hidden(spec: _Spec, params: Any, row: dict[str, jax.Array], *, remat: bool) -> jax.Array:
+    """One packed row (`rlax_trainer.packing`: tokens/segment/parent/positions [L]) through the
+    decoder -> hidden [L, H] in the compute dtype."""
+    cfg = spec.config
+    ctx = rlax_model.PackedContext(
+        segment=row["segment"][None], parent=row["parent"][None], positions=row["positions"][None]
+    )
+    remat_mode = None if (cfg.remat == "none" or not remat) else cfg.remat
+    hidden, _ = rlax_model.hidden_states(
+        params, row["tokens"][None], row["positions"][None], config=spec.model, attention_context=ctx,
+        remat=remat_mode,
+    )  # fmt: skip
+    return hidden[0]
+
+
+def _packed_outputs(
+    spec: _Spec,
+    params: Any,
+    row: dict[str, jax.Array],
+    source: jax.Array,
+    targets: jax.Array,
+    scored: jax.Array,
+    *,
+    remat: bool = True,
+):
+    """The policy's outputs for the rollouts of one packed row, in the padded row layout.
+
+    row: one packed row; source [b, T-1]: where each rollout's predicting hidden state sits
+    in it; targets [b, T-1]: the next tokens; scored [b, T-1] bool: the positions wanted
+    (this row's rollouts' loss mask). -> logprobs, entropy [b, T-1] f32 (0 off `scored`),
+    values [b, T-1] f32 or None."""
+    cfg, mc = spec.config, spec.model
+    policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
+    hidden = _packed_hidden(spec, policy, row, remat=remat)[source]  # [b, T-1, H]
+    w = rlax_model.lm_head_weight(policy, mc).astype(hidden.dtype)
+    lp, ent = head_logprobs(
+        hidden, targets, w, temperature=cfg.temperature, chunk_size=_chunk_size(spec, targets), scored=scored
+    )
+    if "value" not in params:
+        return lp, ent, None
+    return lp, ent, hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"]
+
+
+def _packed_loss(spec: _Spec, params: Any, row: dict[str, jax.Array], j: jax.Array, mb, scale: float):
+    """The objective of the rollouts packed in row j of minibatch `mb` (its padded-layout
+    arrays and `pk_seq_row`/`pk_source`): the other rollouts are masked out, so the sum over
+    the rows used is the minibatch's objective (every built-in loss adds up over rollouts)."""
+    here = (mb["pk_seq_row"] == j)[:, None]
+    mask = mb["mask"] * here
+    lp, ent, values = _packed_outputs(spec, params, row, mb["pk_source"], mb["tokens"][:, 1:], mask > 0)
+    return _objective(spec, mb, mask, mb["weights"] * here, lp, ent, values, scale)
+
+
+def _merge_metrics(
+    cfg: LearnerConfig, metrics: dict[str, jax.Array], tokens: jax.Array, ran: jax.Array | None
+):
+    """Per-pass metrics [passes] -> one value each; `ran` [passes] bool marks passes that ran
+    (None: all); `tokens` [passes]: response tokens per pass (the weights of token means)."""
+    merged = {}
+    for k, v in metrics.items():
+        if k in _SUMMED:
+            # Weights were normalised over the whole batch: rescale to this minibatch's share.
+            merged[k] = v.sum() * cfg.minibatches
+        elif k in _ROW_MEANS:
+            # Packed passes see every row of the minibatch, the others masked: their
+            # fractions add up; micro-batches hold equal row counts: theirs average.
+            merged[k] = v.mean() if ran is None else v.sum()
+        elif k.endswith("_max"):
+            merged[k] = v.max() if ran is None else jnp.where(ran, v, -jnp.inf).max()
+        elif k.endswith("_min"):
+            merged[k] = v.min() if ran is None else jnp.where(ran, v, jnp.inf).min()
+        else:
+            merged[k] = (v * tokens).sum() / jnp.maximum(tokens.sum(), 1.0)
+    return merged
+
+
+def _packed_minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
+    """`_minibatch_step` over packed rows: one forward/backward pass per row used."""
+    params, opt_state = carry
+    cfg = spec.config
+    b = mb["tokens"].shape[0]
+    grad_fn = jax.grad(functools.partial(_packed_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
+
+    def row(j):
+        return {k: mb[f"pk_{k}"][j] for k in _ROW_FIELDS}
+
+    if mb["pk_tokens"].shape[0] == 1:  # one row holds the minibatch: one pass, no accumulator
+        grads, (metrics, logprobs) = grad_fn(params, row(0), jnp.int32(0), mb)
+        merged = _merge_metrics(cfg, jax.tree.map(lambda v: v[None], metrics), mb["mask"].sum()[None], None)
+        return _apply_gradients(cfg, params, opt_state, grads, merged, logprobs)
+
+    metric_shapes = jax.eval_shape(lambda: grad_fn(params, row(0), jnp.int32(0), mb)[1][0])
+    init = (
+        jnp.int32(0),
+        jax.tree.map(jnp.zeros_like, params),
+        {k: jnp.zeros((b,), v.dtype) for k, v in metric_shapes.items()},
+        jnp.zeros((b,), jnp.float32),
+        jnp.zeros(mb["mask"].shape, jnp.float32),
+    )
+
+    def body(state):
+        j, acc, metrics, tokens, logprobs = state
+        grads, (m, lp) = grad_fn(params, row(j), j, mb)
+        here = mb["pk_seq_row"] == j
+        metrics = {k: metrics[k].at[j].set(v) for k, v in m.items()}
+        tokens = tokens.at[j].set((mb["mask"] * here[:, None]).sum())
+        logprobs = jnp.where(here[:, None], lp, logprobs)
+        return j + 1, jax.tree.map(jnp.add, acc, grads), metrics, tokens, logprobs
+
+    _, grads, metrics, tokens, logprobs = jax.lax.while_loop(lambda s: s[0] < mb["pk_rows_used"], body, init)
+    merged = _merge_metrics(cfg, metrics, tokens, jnp.arange(b) < mb["pk_rows_used"])
+    return _apply_gradients(cfg, params, opt_state, grads, merged, logprobs)
+
+
+def _apply_gradients(cfg: LearnerConfig, params, opt_state, grads, merged, logprobs):
+    """One optax step; -> ((params, opt_state), metrics with `grad_norm` and the pass's `logprobs`)."""
+    merged["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
+    merged["logprobs"] = logprobs
+    return (optax.apply_updates(params, updates), opt_state), merged
+
+
+def _packed_old_outputs(spec: _Spec, params: Any, ref: Any, mb: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """pi_old (and values, reference and sampler-support log-probs) of one packed minibatch,
+    without gradient: the same passes as the update's, so on-policy ratios are exactly 1."""
+    cfg = spec.config
+    targets, scored = mb["tokens"][:, 1:], mb["mask"] > 0
+
+    def outputs(j):
+        row = {k: mb[f"pk_{k}"][j] for k in _ROW_FIELDS}
+        here = scored & (mb["pk_seq_row"] == j)[:, None]
+        lp, ent, values = _packed_outputs(spec, sg(params), row, mb["pk_source"], targets, here, remat=False)
+        out = {"old_logprobs": lp, "old_entropy": ent}
+        if values is not None:
+            out["old_values"] = values
+        if ref is not None:
+            hidden = _packed_hidden(spec, ref, row, remat=False)[mb["pk_source"]]
+            w = rlax_model.lm_head_weight(ref, spec.model).astype(hidden.dtype)
+            out["ref_logprobs"] = head_logprobs(
+                hidden, targets, w, temperature=cfg.temperature, chunk_size=_chunk_size(spec, targets),
+                scored=here,
+            )[0]  # fmt: skip
+        if cfg.mode == "rl" and cfg.truncated_sampling:
+            policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), sg(params)["policy"])
+            hidden = _packed_hidden(spec, policy, row, remat=False)[mb["pk_source"]]
+            out["sampler_old_logprobs"] = _sampler_logprobs_of_hidden(spec, policy, hidden, targets)
+        return out
+
+    shapes = jax.eval_shape(lambda: outputs(jnp.int32(0)))
+    init = (jnp.int32(0), {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()})
+
+    def body(state):
+        j, acc = state
+        here = (mb["pk_seq_row"] == j)[:, None]
+        return j + 1, {k: jnp.where(here, v, acc[k]) for k, v in outputs(j).items()}
+
+    return jax.lax.while_loop(lambda s: s[0] < mb["pk_rows_used"], body, init)[1]
 
 
 def minibatch_order(key: jax.Array, rows: int, cfg: LearnerConfig) -> jax.Array:
@@ -298,19 +482,7 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (metrics, tokens, lp) = jax.lax.scan(body, zeros, micro)
-    merged = {}
-    for k, v in metrics.items():
-        if k in _SUMMED:
-            # Weights were normalised over the whole batch: rescale to this minibatch's share.
-            merged[k] = v.sum() * cfg.minibatches
-        elif k in _ROW_MEANS:
-            merged[k] = v.mean()
-        elif k.endswith("_max"):
-            merged[k] = v.max()
-        elif k.endswith("_min"):
-            merged[k] = v.min()
-        else:
-            merged[k] = (v * tokens).sum() / jnp.maximum(tokens.sum(), 1.0)
+    merged = _merge_metrics(cfg, metrics, tokens, None)
     merged["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -343,8 +515,28 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
         return None, out
 
     reuse = _reuses_policy_pass(spec, has_values="value" in state.params, has_ref=ref is not None)
+    # Packed (`rlax_trainer.packing`): the host dealt the rows into minibatches (`order`,
+    # from the same key as below) and packed each; the `pk_` arrays are [minibatches, ...].
+    packed = "pk_rows_used" in batch
+    rng, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
+    row_order = batch["order"] if packed else minibatch_order(sub, b, cfg)
+
+    def deal(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Batch-order rows -> [minibatches, rows, ...] in `row_order`, with the packing."""
+        out = jax.tree.map(
+            lambda x: x[row_order].reshape(cfg.minibatches, b // cfg.minibatches, *x.shape[1:]), arrays
+        )
+        if packed:
+            out.update({k: v for k, v in batch.items() if k.startswith("pk_")})
+        return out
+
     old: dict[str, jax.Array] = {}
-    if not reuse:
+    if not reuse and packed:
+        dealt = deal({k: batch[k] for k in ("tokens", "mask")})
+        old = jax.lax.map(lambda mb: _packed_old_outputs(spec, state.params, ref, mb), dealt)
+        back = jnp.argsort(row_order)  # minibatch order -> batch order
+        old = jax.tree.map(lambda x: x.reshape(b, *x.shape[2:])[back], old)
+    elif not reuse:
         view = {k: _micro_view(batch[k], n_micro_all) for k in ("tokens", "valid", "mask")}
         _, old = jax.lax.scan(old_body, None, view)
         old = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(b, *x.shape[2:]), old)
@@ -379,13 +571,9 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
     metrics.update(_stats("response_length", lengths, jnp.ones_like(lengths)))
 
     # (2) minibatches: rows (or whole groups) shuffled with the state's key.
-    rng, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
-    row_order = minibatch_order(sub, b, cfg)
-    mbs = jax.tree.map(
-        lambda x: x[row_order].reshape(cfg.minibatches, b // cfg.minibatches, *x.shape[1:]), rows
-    )
+    step_fn = _packed_minibatch_step if packed else _minibatch_step
     (params, opt_state), mb_metrics = jax.lax.scan(
-        functools.partial(_minibatch_step, spec), (state.params, state.opt_state), mbs
+        functools.partial(step_fn, spec), (state.params, state.opt_state), deal(rows)
     )
     pass_logprobs = mb_metrics.pop("logprobs")  # [minibatches, rows, T-1]
     if reuse:  # one minibatch in batch order: the gradient pass's log-probs are pi_old's
@@ -510,20 +698,70 @@ class Learner:
         ):
             if arrays[name].shape != want:
                 raise ValueError(f"batch field {name} has shape {arrays[name].shape}, expected {want}")
-        if self.config.trim_padding:
-            arrays = trim_to_bucket(arrays)
+        arrays, work = self._lay_out(arrays)
         self.last_seq_len = int(arrays["tokens"].shape[1])
         if self.mesh is not None:
-            arrays = put_global(arrays, jax.tree.map(lambda _: batch_sharding(self.mesh), arrays))
+            arrays = put_global(arrays, self._input_shardings(arrays))
         executable = self._executable(arrays)
         with self.busy() as waited:
             self.last_compile_seconds += waited
             self.state, metrics = executable(self.state, self.reference_params, arrays)
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
+        out.update(work)
         out["trainer_compile_seconds"] = self.last_compile_seconds
         out.update(peak_memory_metrics())
         return out
+
+    def _lay_out(
+        self, arrays: dict[str, np.ndarray], pack_lengths: list[int] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The update's input arrays for a batch (packed, or trimmed to its length bucket) and
+        what its passes compute: `train_token_efficiency` (real tokens / positions computed)
+        and `train_compute_ratio` (positions computed / the rollouts' tokens: below 1 when
+        shared prefixes are computed once)."""
+        cfg = self.config
+        rollout_tokens = int(np.asarray(arrays["valid"]).sum())
+        if self._packs():
+            tokens = np.asarray(arrays["tokens"])
+            b, s = tokens.shape
+            order = self._row_order(b)
+            lengths = pack_lengths or self.pack_lengths(s)
+            layout = best_layout(
+                tokens, np.asarray(arrays["valid"]), order, cfg.minibatches, cfg.group_size, lengths
+            )
+            arrays = {**arrays, **layout.arrays(), "order": order.astype(np.int32)}
+            computed, real = layout.computed_tokens, int((layout.segment > 0).sum())
+        else:
+            if cfg.trim_padding:
+                arrays = trim_to_bucket(arrays)
+            computed, real = int(np.prod(arrays["tokens"].shape)), rollout_tokens
+        work = {
+            "train_token_efficiency": real / max(computed, 1),
+            "train_compute_ratio": computed / max(rollout_tokens, 1),
+            "train_computed_tokens": float(computed),
+        }
+        return arrays, work
+
+    def pack_lengths(self, seq_len: int) -> list[int]:
+        """The packed row lengths batches padded to `seq_len` may run at (one program each)."""
+        return [self.config.pack_length] if self.config.pack_length else candidate_lengths(seq_len)
+
+    def _packs(self) -> bool:
+        """Whether updates run packed: `packing` on one device (a mesh runs rows padded)."""
+        return self.config.packing and self.mesh is None
+
+    def _row_order(self, rows: int) -> np.ndarray:
+        """The row order the update deals minibatches in (`minibatch_order` with the key the
+        jitted update splits off the state's), computed here so that the host can pack."""
+        key = jax.random.wrap_key_data(jnp.asarray(np.asarray(jax.device_get(self.state.rng))))
+        return np.asarray(minibatch_order(jax.random.split(key)[1], rows, self.config))
+
+    def _input_shardings(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """Per-row arrays sharded over the batch axis; the packing's arrays replicated."""
+        assert self.mesh is not None
+        rep = replicated(self.mesh)
+        return {k: rep if k.startswith("pk_") or k == "order" else batch_sharding(self.mesh) for k in arrays}
 
     def _lower(self, arrays: dict[str, Any], state: Any = None, reference: Any = None) -> Any:
         state = self.state if state is None else state
@@ -575,15 +813,28 @@ class Learner:
         b = self.config.global_batch
         state = jax.tree.map(abstract, self.state)  # the live state is donated by each update
         reference = jax.tree.map(abstract, self.reference_params)
-        sharding = None if self.mesh is None else batch_sharding(self.mesh)
+        sharding = self.mesh
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
         started = []
-        for s in sorted(set(seq_lens)):
-            # The arrays `batch_arrays` makes of a batch padded to s (their dtypes from it).
+        # Packed batches keep the length they were padded to (the longest) and run at one of
+        # a few row lengths; padded ones at their length bucket.
+        s_max = max(seq_lens)
+        shapes = [(s_max, [n], r) for n in self.pack_lengths(s_max) for r in (1, 2)] if self._packs() else []
+        shapes = shapes or [(s, None, 0) for s in sorted(set(seq_lens))]
+        for s, pack_length, packed_rows in shapes:
+            # The arrays `batch_arrays` makes of a batch padded to s (their dtypes from it),
+            # laid out as the update will (packed into one row or several, or at full length).
             rows, cols = np.zeros((b, s)), np.zeros((b, s - 1))
-            padded = RolloutBatch(rows, rows, cols, cols, np.zeros(b), np.zeros(b))
-            arrays = {k: abstract(v, sharding) for k, v in batch_arrays(padded).items()}
+            valid = np.arange(s)[None, :] < min(s, (pack_length or [s])[0])
+            if packed_rows == 1:  # rollouts of 2 tokens sharing 1: the shortest layout
+                valid = np.arange(s)[None, :] < 2
+            padded = RolloutBatch(rows, np.repeat(valid, b, 0), cols, cols, np.zeros(b), np.zeros(b))
+            laid_out, _ = self._lay_out(batch_arrays(padded), pack_length)
+            arrays = {
+                k: abstract(v, None if sharding is None else self._input_shardings(laid_out)[k])
+                for k, v in laid_out.items()
+            }
             key = self._signature(arrays)
             with self._compile_lock:
                 if key in self._executables or key in self._pending:
@@ -631,7 +882,7 @@ class Learner:
         """
         arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
         arrays.setdefault("versions", np.full((arrays["tokens"].shape[0],), -1, np.int32))
-        m = self._lower(arrays).compile().memory_analysis()
+        m = self._lower(self._lay_out(arrays)[0]).compile().memory_analysis()
         return {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),

@@ -87,6 +87,8 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "minibatch_split": t.minibatch_split,
             "param_dtype": param_dtype,
             "remat": t.remat,
+            "packing": t.packing,
+            "pack_length": t.pack_length,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
             # The workers' logprobs are on the top-p/top-k truncated distribution: the
             # trainer recomputes pi_old on the same support (greedy ignores the filters).
