@@ -19,6 +19,13 @@ clipping, no KL term, one optimizer step per generation batch.
    prompts, each step's samples to the lengths the run's samples had (warm): the tokens/s
    a worker could reach.
 3. TRL trains the same job in a process of its own (benchmarks/real_model_trl.py).
+4. bench_alignment.py (packages/rlax-inference) measures the bfloat16 engine-vs-trainer
+   |delta logprob| (RLAX_BENCH_ALIGNMENT=0 skips it); float32's comes from the run itself.
+
+RLAX_BENCH_JSON=FILE writes the headline figures there as one JSON object:
+step_seconds_ratio and train_seconds_per_1k_tokens_ratio (RLAX / TRL), trainer_peak_rss_mb,
+all_processes_peak_rss_mb, trl_peak_rss_mb, logprob_delta_p95_float32,
+logprob_delta_p95_bfloat16, train_token_efficiency (and more).
 
 Seconds per step are medians over steps after the first two (both sides compile or warm
 up there); RLAX's steps that compiled a new shape are also shown left out (TRL runs
@@ -113,6 +120,12 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
             "trainer_compile_s": r.get("trainer_compile_seconds", 0.0),
             "reload_s": r.get("worker_reload_s", float("nan")),
             "response_tokens": r.get("response_tokens"),
+            "trainer_peak_rss_mb": r.get("trainer_peak_rss_mb", float("nan")),
+            "train_token_efficiency": r.get("train_token_efficiency", float("nan")),
+            "train_compute_ratio": r.get("train_compute_ratio", float("nan")),
+            # k = 0: every rollout is on-policy, so this is pure engine-vs-trainer mismatch.
+            "logprob_mismatch_p95": r.get("logprob_mismatch_p95", float("nan")),
+            "logprob_mismatch_max": r.get("logprob_mismatch_max", float("nan")),
         }
         for r in train
     ]
@@ -140,6 +153,17 @@ def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[
     return dict(json.loads((out / name).read_text()))
 
 
+def run_alignment(out: pathlib.Path) -> dict[str, float]:
+    """bfloat16 (forced, even on a CPU) same-version |delta logprob| of engine vs trainer
+    (`packages/rlax-inference/benchmarks/bench_alignment.py`), in a process of its own."""
+    script = ROOT / "packages" / "rlax-inference" / "benchmarks" / "bench_alignment.py"
+    target = out / "alignment.json"
+    subprocess.run(
+        [sys.executable, str(script)], env={**ENV, "RLAX_BENCH_JSON": str(target)}, check=True, timeout=3600
+    )
+    return dict(json.loads(target.read_text()))
+
+
 def export_hf(out: pathlib.Path) -> pathlib.Path:
     hf_dir = out / "hf"
     subprocess.run(
@@ -163,11 +187,30 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         last = statistics.mean(r["reward_mean"] for r in rows[half:])
         return f"{first:.3f} -> {last:.3f}"
 
+    def per_1k(rows: list[dict[str, Any]]) -> float:
+        return statistics.median(1000 * r["train_s"] / r["tokens"] for r in rows[WARM_STEPS:])
+
+    have_tokens = all(r.get("tokens") for r in rlax["steps"] + trl["steps"])
+    alignment = results.get("alignment", {})
     ratios = {
         "seconds_per_step_rlax_over_trl": median(rlax["steps"], "seconds") / median(trl["steps"], "seconds"),
         "trainer_peak_rss_rlax_over_trl": rlax["peak_rss_mb"].get("trainer", float("nan"))
         / trl["peak_rss_mb"],
         "run_gen_over_engine_alone": rlax["worker_tokens_per_s"] / engine["tokens_per_s"],
+        # The keys issue 28 names (RLAX_BENCH_JSON).
+        "step_seconds_ratio": median(rlax["steps"], "seconds") / median(trl["steps"], "seconds"),
+        "train_seconds_per_1k_tokens_ratio": per_1k(rlax["steps"]) / per_1k(trl["steps"])
+        if have_tokens
+        else float("nan"),
+        "trainer_peak_rss_mb": rlax["peak_rss_mb"].get("trainer", float("nan")),
+        "all_processes_peak_rss_mb": sum(rlax["peak_rss_mb"].values()),
+        "trl_peak_rss_mb": trl["peak_rss_mb"],
+        "logprob_delta_p95_float32": median(rlax["steps"], "logprob_mismatch_p95"),
+        "logprob_delta_max_float32": max(r["logprob_mismatch_max"] for r in rlax["steps"]),
+        "logprob_delta_p95_bfloat16": alignment.get("bfloat16_p95", float("nan")),
+        "train_token_efficiency": median(rlax["steps"], "train_token_efficiency"),
+        "train_compute_ratio": median(rlax["steps"], "train_compute_ratio"),
+        "trainer_peak_rss_mb_per_step": [r["trainer_peak_rss_mb"] for r in rlax["steps"]],
     }
     lines = [
         f"SmolLM2-135M-Instruct GRPO, float32, CPU: 1 prompt x 8 x <= 64 tokens per step, {len(rlax['steps'])} steps",
@@ -193,10 +236,7 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
 
     # Per 1,000 tokens of the batch (prompts + completions, no padding): the two sides sample
     # different completions, and a batch's cost grows with its longest one.
-    def per_1k(rows: list[dict[str, Any]]) -> float:
-        return statistics.median(1000 * r["train_s"] / r["tokens"] for r in rows[WARM_STEPS:])
-
-    if all(r.get("tokens") for r in rlax["steps"] + trl["steps"]):
+    if have_tokens:
         row("  training s per 1k batch tokens", per_1k(rlax["steps"]), per_1k(trl["steps"]))
     row(
         "trainer peak RSS (MiB)",
@@ -221,6 +261,16 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
     lines.append(
         f"trainer compile (new padded lengths, outside training s/step): {rlax['trainer_compile_s']:.1f} s"
     )
+    lines.append(
+        f"trainer token efficiency (real / computed positions, median) {ratios['train_token_efficiency']:.2f}; "
+        f"positions computed / rollout tokens {ratios['train_compute_ratio']:.2f}; trainer peak RSS by step (MiB): "
+        + " ".join(f"{v:.0f}" for v in ratios["trainer_peak_rss_mb_per_step"])
+    )
+    lines.append(
+        f"same-version |delta logprob| p95: float32 {ratios['logprob_delta_p95_float32']:.2e} (the run's own, "
+        f"median over steps; max {ratios['logprob_delta_max_float32']:.2e}), bfloat16 "
+        f"{ratios['logprob_delta_p95_bfloat16']:.2e} (bench_alignment, forced bf16)"
+    )
     return "\n".join(lines), ratios
 
 
@@ -232,6 +282,8 @@ def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
         "real_model_engine", out, steps, lengths=lengths if all(lengths) else None, skip_steps=WARM_STEPS
     )
     results["trl"] = run_child("real_model_trl", out, steps, hf_dir=str(export_hf(out)))
+    if os.environ.get("RLAX_BENCH_ALIGNMENT", "1") != "0":
+        results["alignment"] = run_alignment(out)
     # The same prompts in the same order on both sides: RLAX's batch tokens are the step's
     # prompt tokens (counted by the TRL side) plus RLAX's own completions.
     for mine, theirs in zip(results["rlax"]["steps"], results["trl"]["steps"], strict=False):
@@ -240,12 +292,22 @@ def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
     return results
 
 
+def write_bench_json(figures: dict[str, Any]) -> None:
+    """The headline figures as one JSON object, when RLAX_BENCH_JSON names a file."""
+    target = os.environ.get("RLAX_BENCH_JSON")
+    if target:
+        tmp = pathlib.Path(target + ".tmp")
+        tmp.write_text(json.dumps(figures, indent=1))
+        tmp.replace(target)
+
+
 def test_smollm2_grpo_rlax_vs_trl(benchmark: Any, tmp_path: pathlib.Path) -> None:
     results: dict[str, Any] = {}
     benchmark.pedantic(lambda: results.update(run_all(tmp_path, STEPS)), rounds=1, iterations=1)
     table, ratios = report(results)
     print("\n" + table)
     benchmark.extra_info.update({**ratios, "results": results})
+    write_bench_json(ratios)
     for side in ("rlax", "trl"):
         assert len(results[side]["steps"]) == STEPS, side
 
@@ -273,6 +335,7 @@ if __name__ == "__main__":
             everything = run_all(folder, args.steps)
             text, figures = report(everything)
             print(text)
+            write_bench_json(figures)
         if args.json:
             pathlib.Path(args.json).write_text(
                 json.dumps({"overrides": OVERRIDES, "results": everything}, indent=1)

@@ -221,3 +221,21 @@ def test_assembler_rejects_duplicates_gaps_and_out_of_range() -> None:
         assembler.add(len(frames), frames[:1])
     with pytest.raises(MalformedMessageError, match="never arrived"):
         assembler.result()
+
+
+def test_encoding_a_tree_keeps_no_reference_to_it_once_dropped() -> None:
+    """Without the cyclic garbage collector, a pushed tree's arrays are freed as soon as the
+    caller and the encoding drop them (a trainer's next update reuses that memory)."""
+    import gc
+    import weakref
+
+    leaf = np.zeros((256, 256), np.float32)
+    alive = weakref.ref(leaf)
+    gc.disable()
+    try:
+        encoded = encode_tree({"layers": {"w": leaf}, "b": np.ones(3, np.float32)})
+        assert len(encoded.frames) >= 1
+        del leaf, encoded
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -144,3 +144,18 @@ def test_precompiled_packed_programs_serve_the_steps(model_config, model_params)
     short["tokens"][:, 6:] = 0
     assert learner.update(short)["trainer_compile_seconds"] == 0.0
     learner.stop_precompile()
+
+
+def test_an_update_reports_weights_it_could_not_donate(model_config, model_params):
+    """`trainer_undonated_mb`: a live host view of the weights (a push still holding them)
+    keeps the update from reusing their buffers; once the view is gone it reuses them."""
+    learner = Learner(
+        model_config, LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=8), model_params
+    )
+    assert learner.update(grouped_batch(0))["trainer_undonated_mb"] == 0.0
+    views = learner.host_params()  # zero-copy on the CPU
+    held = learner.update(grouped_batch(1))["trainer_undonated_mb"]
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(views)) / 2**20
+    assert held == pytest.approx(total)
+    del views
+    assert learner.update(grouped_batch(2))["trainer_undonated_mb"] == 0.0

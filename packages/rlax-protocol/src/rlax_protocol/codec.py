@@ -64,8 +64,12 @@ def flatten_tree(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
     of a supported dtype. Empty sub-dicts carry no tensor and vanish.
     """
     flat: dict[str, np.ndarray] = {}
-
-    def visit(node: Mapping[str, Any], prefix: str) -> None:
+    # An explicit stack, not a recursive closure: a closure that calls itself is a reference
+    # cycle that kept the whole tree (a trainer's pushed weights) alive until Python's cyclic
+    # garbage collector ran, and with it XLA could not reuse those buffers.
+    stack: list[tuple[Mapping[str, Any], str]] = [(tree, "")]
+    while stack:
+        node, prefix = stack.pop()
         for key, value in node.items():
             if not isinstance(key, str) or not key or SEP in key:
                 raise ValueError(
@@ -73,7 +77,7 @@ def flatten_tree(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 )
             path = f"{prefix}{SEP}{key}" if prefix else key
             if isinstance(value, Mapping):
-                visit(value, path)
+                stack.append((value, path))
             elif isinstance(value, np.ndarray | np.generic):
                 array = np.asarray(value)
                 if array.dtype.byteorder == ">":
@@ -83,8 +87,6 @@ def flatten_tree(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
                 flat[path] = array
             else:
                 raise TypeError(f"tree leaf {path!r} is a {type(value).__name__}, expected a numpy array")
-
-    visit(tree, "")
     return dict(sorted(flat.items()))
 
 

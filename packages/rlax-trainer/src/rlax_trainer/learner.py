@@ -705,8 +705,13 @@ class Learner:
         executable = self._executable(arrays)
         with self.busy() as waited:
             self.last_compile_seconds += waited
+            before = jax.tree.leaves(self.state.params)
             self.state, metrics = executable(self.state, self.reference_params, arrays)
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # The update donates the state: a master buffer something else still referenced (a
+        # zero-copy host view, e.g. of a push in flight) cannot be donated, and XLA allocates
+        # a copy of it instead: that much more memory for the step.
+        out["trainer_undonated_mb"] = sum(x.nbytes for x in before if not x.is_deleted()) / 2**20
         out["trainer_seq_len"] = float(self.last_seq_len)  # padded length it ran at
         out.update(work)
         out["trainer_compile_seconds"] = self.last_compile_seconds
