@@ -296,9 +296,12 @@ def write_bench_json(figures: dict[str, Any]) -> None:
     """The headline figures as one JSON object, when RLAX_BENCH_JSON names a file."""
     target = os.environ.get("RLAX_BENCH_JSON")
     if target:
-        tmp = pathlib.Path(target + ".tmp")
-        tmp.write_text(json.dumps(figures, indent=1))
-        tmp.replace(target)
+        import json
+        import pathlib
+
+        from rlax_core.fsutil import atomic_write_bytes
+
+        atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())
 
 
 def test_smollm2_grpo_rlax_vs_trl(benchmark: Any, tmp_path: pathlib.Path) -> None:

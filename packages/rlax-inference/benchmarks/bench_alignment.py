@@ -224,9 +224,9 @@ def write_bench_json(info: dict[str, float]) -> None:
         import json
         import pathlib
 
-        tmp = pathlib.Path(target + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(target)
+        from rlax_core.fsutil import atomic_write_bytes
+
+        atomic_write_bytes(pathlib.Path(target), json.dumps(info, indent=1).encode())
 
 
 if __name__ == "__main__":
