@@ -375,6 +375,7 @@ class TrainerLoop:
         self, batch: TrainBatch, *, replay: bool, compile_wait_s: float, waited_s: float
     ) -> dict[str, float]:
         from rlax_trainer import collate
+        from rlax_trainer.memory import peak_memory_metrics
 
         if batch.step != self.step:
             raise RuntimeError(
@@ -414,6 +415,8 @@ class TrainerLoop:
             self._trim_memory()  # the weights' host copy for the push, before the next update
             parts["trainer_push_seconds"] = time.monotonic() - started
         metrics.update(parts)
+        # The peak as of the step's end: its checkpoint and push included, not only the update.
+        metrics.update(peak_memory_metrics())
         # The step's figures travel with the state: a trainer restarted before it could
         # report them to the controller reports them from here (or from the replay).
         self.last_metrics = metrics
