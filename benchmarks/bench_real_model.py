@@ -192,13 +192,14 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
 
     have_tokens = all(r.get("tokens") for r in rlax["steps"] + trl["steps"])
     alignment = results.get("alignment", {})
+    step_ratio = median(rlax["steps"], "seconds") / median(trl["steps"], "seconds")
     ratios = {
-        "seconds_per_step_rlax_over_trl": median(rlax["steps"], "seconds") / median(trl["steps"], "seconds"),
+        "seconds_per_step_rlax_over_trl": step_ratio,
         "trainer_peak_rss_rlax_over_trl": rlax["peak_rss_mb"].get("trainer", float("nan"))
         / trl["peak_rss_mb"],
         "run_gen_over_engine_alone": rlax["worker_tokens_per_s"] / engine["tokens_per_s"],
         # The keys issue 28 names (RLAX_BENCH_JSON).
-        "step_seconds_ratio": median(rlax["steps"], "seconds") / median(trl["steps"], "seconds"),
+        "step_seconds_ratio": step_ratio,
         "train_seconds_per_1k_tokens_ratio": per_1k(rlax["steps"]) / per_1k(trl["steps"])
         if have_tokens
         else float("nan"),
@@ -296,9 +297,6 @@ def write_bench_json(figures: dict[str, Any]) -> None:
     """The headline figures as one JSON object, when RLAX_BENCH_JSON names a file."""
     target = os.environ.get("RLAX_BENCH_JSON")
     if target:
-        import json
-        import pathlib
-
         from rlax_core.fsutil import atomic_write_bytes
 
         atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())

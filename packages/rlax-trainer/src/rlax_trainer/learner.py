@@ -316,7 +316,7 @@ def _packed_outputs(
     row: one packed row; source [b, T-1]: where each rollout's predicting hidden state sits
     in it; targets [b, T-1]: the next tokens; scored [b, T-1] bool: the positions wanted
     (this row's rollouts' loss mask). -> logprobs, entropy [b, T-1] f32 (0 off `scored`),
-    values [b, T-1] f32 or None."""
+    values [b, T-1] f32 or None, and the gathered hidden states [b, T-1, H]."""
     cfg, mc = spec.config, spec.model
     policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
     hidden = _packed_hidden(spec, policy, row, remat=remat)[source]  # [b, T-1, H]
@@ -325,8 +325,8 @@ def _packed_outputs(
         hidden, targets, w, temperature=cfg.temperature, chunk_size=_chunk_size(spec, targets), scored=scored
     )
     if "value" not in params:
-        return lp, ent, None
-    return lp, ent, hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"]
+        return lp, ent, None, hidden
+    return lp, ent, hidden.astype(jnp.float32) @ params["value"]["w"] + params["value"]["b"], hidden
 
 
 def _packed_loss(spec: _Spec, params: Any, row: dict[str, jax.Array], j: jax.Array, mb, scale: float):
@@ -335,7 +335,7 @@ def _packed_loss(spec: _Spec, params: Any, row: dict[str, jax.Array], j: jax.Arr
     the rows used is the minibatch's objective (every built-in loss adds up over rollouts)."""
     here = (mb["pk_seq_row"] == j)[:, None]
     mask = mb["mask"] * here
-    lp, ent, values = _packed_outputs(spec, params, row, mb["pk_source"], mb["tokens"][:, 1:], mask > 0)
+    lp, ent, values, _ = _packed_outputs(spec, params, row, mb["pk_source"], mb["tokens"][:, 1:], mask > 0)
     return _objective(spec, mb, mask, mb["weights"] * here, lp, ent, values, scale)
 
 
@@ -417,21 +417,22 @@ def _packed_old_outputs(spec: _Spec, params: Any, ref: Any, mb: dict[str, jax.Ar
     def outputs(j):
         row = {k: mb[f"pk_{k}"][j] for k in _ROW_FIELDS}
         here = scored & (mb["pk_seq_row"] == j)[:, None]
-        lp, ent, values = _packed_outputs(spec, sg(params), row, mb["pk_source"], targets, here, remat=False)
+        lp, ent, values, hidden = _packed_outputs(
+            spec, sg(params), row, mb["pk_source"], targets, here, remat=False
+        )
         out = {"old_logprobs": lp, "old_entropy": ent}
         if values is not None:
             out["old_values"] = values
+        if cfg.mode == "rl" and cfg.truncated_sampling:  # the same hidden states, another support
+            policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), sg(params)["policy"])
+            out["sampler_old_logprobs"] = _sampler_logprobs_of_hidden(spec, policy, hidden, targets)
         if ref is not None:
-            hidden = _packed_hidden(spec, ref, row, remat=False)[mb["pk_source"]]
-            w = rlax_model.lm_head_weight(ref, spec.model).astype(hidden.dtype)
+            ref_hidden = _packed_hidden(spec, ref, row, remat=False)[mb["pk_source"]]
+            w = rlax_model.lm_head_weight(ref, spec.model).astype(ref_hidden.dtype)
             out["ref_logprobs"] = head_logprobs(
-                hidden, targets, w, temperature=cfg.temperature, chunk_size=_chunk_size(spec, targets),
+                ref_hidden, targets, w, temperature=cfg.temperature, chunk_size=_chunk_size(spec, targets),
                 scored=here,
             )[0]  # fmt: skip
-        if cfg.mode == "rl" and cfg.truncated_sampling:
-            policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), sg(params)["policy"])
-            hidden = _packed_hidden(spec, policy, row, remat=False)[mb["pk_source"]]
-            out["sampler_old_logprobs"] = _sampler_logprobs_of_hidden(spec, policy, hidden, targets)
         return out
 
     shapes = jax.eval_shape(lambda: outputs(jnp.int32(0)))
@@ -483,12 +484,9 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (metrics, tokens, lp) = jax.lax.scan(body, zeros, micro)
     merged = _merge_metrics(cfg, metrics, tokens, None)
-    merged["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
     rows = mb["tokens"].shape[0]
-    merged["logprobs"] = lp.swapaxes(0, 1).reshape(rows, *lp.shape[2:])  # back from the micro view
-    return (params, opt_state), merged
+    logprobs = lp.swapaxes(0, 1).reshape(rows, *lp.shape[2:])  # back from the micro view
+    return _apply_gradients(cfg, params, opt_state, grads, merged, logprobs)
 
 
 def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array]):
@@ -818,7 +816,6 @@ class Learner:
         b = self.config.global_batch
         state = jax.tree.map(abstract, self.state)  # the live state is donated by each update
         reference = jax.tree.map(abstract, self.reference_params)
-        sharding = self.mesh
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
         started = []
@@ -831,14 +828,14 @@ class Learner:
             # The arrays `batch_arrays` makes of a batch padded to s (their dtypes from it),
             # laid out as the update will (packed into one row or several, or at full length).
             rows, cols = np.zeros((b, s)), np.zeros((b, s - 1))
-            valid = np.arange(s)[None, :] < min(s, (pack_length or [s])[0])
-            if packed_rows == 1:  # rollouts of 2 tokens sharing 1: the shortest layout
-                valid = np.arange(s)[None, :] < 2
-            padded = RolloutBatch(rows, np.repeat(valid, b, 0), cols, cols, np.zeros(b), np.zeros(b))
+            # Rollouts of 2 tokens sharing 1 pack into one row; full-row ones into several.
+            real = 2 if packed_rows == 1 else min(s, pack_length[0] if pack_length else s)
+            valid = np.repeat(np.arange(s)[None, :] < real, b, 0)
+            padded = RolloutBatch(rows, valid, cols, cols, np.zeros(b), np.zeros(b))
             laid_out, _ = self._lay_out(batch_arrays(padded), pack_length)
+            shardings = None if self.mesh is None else self._input_shardings(laid_out)
             arrays = {
-                k: abstract(v, None if sharding is None else self._input_shardings(laid_out)[k])
-                for k, v in laid_out.items()
+                k: abstract(v, None if shardings is None else shardings[k]) for k, v in laid_out.items()
             }
             key = self._signature(arrays)
             with self._compile_lock:

@@ -93,12 +93,9 @@ def best_layout(
 
 def _common_prefix(rows: list[np.ndarray]) -> int:
     """Length of the longest prefix all `rows` share, leaving each at least one own token."""
-    shortest = min(len(r) for r in rows)
-    n = 0
-    first = rows[0]
-    while n < shortest - 1 and all(r[n] == first[n] for r in rows[1:]):
-        n += 1
-    return n
+    head = np.stack([r[: min(len(r) for r in rows) - 1] for r in rows])  # [members, shortest-1]
+    differs = np.flatnonzero((head != head[0]).any(axis=0))
+    return int(differs[0]) if differs.size else head.shape[1]
 
 
 def _pack_one(
