@@ -9,8 +9,9 @@ x 8 completions x <= 64 new tokens per step, the same initial weights (the GGUF 
 the same order, the run's own verifier as the reward, AdamW at the same learning rate and
 clipping, no KL term, one optimizer step per generation batch.
 
-1. `rlax launch` runs every component as a local process; the benchmark polls each
-   process's peak resident memory (VmHWM) and reads per-step seconds from metrics.jsonl:
+1. `rlax launch` runs every component as a local process; the benchmark reads each
+   process's peak resident memory (VmHWM) and, every 0.2 s, the sum of all processes'
+   proportional set sizes (`MemorySampler`), and reads per-step seconds from metrics.jsonl:
    `step_time_s` (wall between steps), the trainer's `train_seconds` (compiling a new
    padded length is `trainer_compile_seconds`, apart), and the worker's busy seconds
    (`worker_active_s`; compilation and weight loads are `worker_compile_s` and
@@ -62,25 +63,65 @@ OVERRIDES = [
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
-def peak_rss_mb(pid: int) -> float | None:
-    """The process's peak resident set (VmHWM) in MiB, None once it is gone."""
+def _proc_field_mb(path: str, field: str) -> float | None:
+    """A "Field:  N kB" line of a /proc file in MiB, None once the process is gone."""
     try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in pathlib.Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
         return None
     return None
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM) in MiB."""
+    return _proc_field_mb(f"/proc/{pid}/status", "VmHWM")
+
+
+def pss_mb(pid: int) -> float | None:
+    """The process's proportional set size in MiB (a page shared by n processes counts 1/n in each)."""
+    return _proc_field_mb(f"/proc/{pid}/smaps_rollup", "Pss")
+
+
+class MemorySampler:
+    """Memory of a group of processes, read every `interval_s` while they run.
+
+    `peak_rss_mb`: each process's own peak resident set (VmHWM, exact). `peak_pss_mb`: the
+    largest sum over the processes of their proportional set sizes read at the same moment:
+    the job's memory on the machine, with pages that several processes map (the weights a
+    worker maps from the parameter server's file, shared libraries) counted once. The sum
+    of the per-process peaks counts a shared page in every process that maps it, and adds
+    peaks reached at different moments: `sum_of_peaks_mb`, an upper bound, is kept too.
+    """
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self.peak_rss_mb: dict[str, float] = {}
+        self.peak_pss_mb = 0.0
+
+    def sample(self, pids: set[tuple[str, int]]) -> None:
+        total = 0.0
+        for name, pid in pids:
+            peak = peak_rss_mb(pid)
+            if peak is not None:
+                self.peak_rss_mb[name] = max(self.peak_rss_mb.get(name, 0.0), peak)
+            total += pss_mb(pid) or 0.0
+        self.peak_pss_mb = max(self.peak_pss_mb, total)
+
+    @property
+    def sum_of_peaks_mb(self) -> float:
+        return sum(self.peak_rss_mb.values())
+
+
 def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
-    """Launch the run; poll every component's peak RSS until it ends; per-step figures."""
+    """Launch the run; sample every component's memory until it ends; per-step figures."""
     run_dir = out / "rlax"
     cmd = [
         sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES,
         f"run.steps={steps}", f"run.output_dir={run_dir}", "--overwrite",
     ]  # fmt: skip
-    peaks: dict[str, float] = {}
+    memory = MemorySampler()
     started = time.perf_counter()
     with open(out / "rlax.log", "wb") as log:
         launcher = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
@@ -93,11 +134,8 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
                     event = json.loads(line)
                     if event.get("event") == "start":
                         pids.add((event["name"], event["pid"]))
-                for name, pid in pids:
-                    peak = peak_rss_mb(pid)
-                    if peak is not None:
-                        peaks[name] = max(peaks.get(name, 0.0), peak)
-                time.sleep(0.5)
+                memory.sample(pids)
+                time.sleep(memory.interval_s)
         finally:
             if launcher.poll() is None:
                 launcher.terminate()
@@ -126,6 +164,7 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
             # k = 0: every rollout is on-policy, so this is pure engine-vs-trainer mismatch.
             "logprob_mismatch_p95": r.get("logprob_mismatch_p95", float("nan")),
             "logprob_mismatch_max": r.get("logprob_mismatch_max", float("nan")),
+            "worker_shared_weight_mb": r.get("worker_shared_weight_mb", 0.0),
         }
         for r in train
     ]
@@ -134,7 +173,8 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
     return {
         "steps": rows,
         "wall_s": wall,
-        "peak_rss_mb": peaks,
+        "peak_rss_mb": memory.peak_rss_mb,
+        "peak_pss_mb": memory.peak_pss_mb,
         "worker_tokens_per_s": tokens / busy if busy else float("nan"),
         "worker_compile_s": sum(r["compile_s"] for r in rows),
         "trainer_compile_s": sum(r["trainer_compile_s"] for r in rows),
@@ -142,15 +182,27 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
 
 
 def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[str, Any]:
+    """Run one side in a process of its own; its result, with its sampled peak PSS added."""
     spec = {"rlax_config": str(CONFIG), "overrides": OVERRIDES, "out": str(out), "steps": steps, **extra}
     spec_path = out / f"{script}.json"
     spec_path.write_text(json.dumps(spec))
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), str(spec_path)],
-        env=ENV, check=True, timeout=3600,
-    )  # fmt: skip
+    memory = MemorySampler()
+    child = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), str(spec_path)], env=ENV
+    )
+    try:
+        deadline = time.monotonic() + 3600
+        while child.poll() is None and time.monotonic() < deadline:
+            memory.sample({(script, child.pid)})
+            time.sleep(memory.interval_s)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(60)
+    if child.returncode != 0:
+        raise RuntimeError(f"{script} failed ({child.returncode})")
     name = {"real_model_trl": "trl.json", "real_model_engine": "engine.json"}[script]
-    return dict(json.loads((out / name).read_text()))
+    return {**json.loads((out / name).read_text()), "peak_pss_mb": memory.peak_pss_mb}
 
 
 def run_alignment(out: pathlib.Path) -> dict[str, float]:
@@ -204,8 +256,15 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         if have_tokens
         else float("nan"),
         "trainer_peak_rss_mb": rlax["peak_rss_mb"].get("trainer", float("nan")),
-        "all_processes_peak_rss_mb": sum(rlax["peak_rss_mb"].values()),
+        # The job on the machine at its fullest moment: every process's PSS at once (pages the
+        # worker maps from the parameter server's file counted once), against TRL's one process
+        # sampled the same way. The sum of per-process VmHWM peaks is the upper bound beside it.
+        "all_processes_peak_rss_mb": rlax["peak_pss_mb"],
+        "all_processes_sum_of_peaks_rss_mb": sum(rlax["peak_rss_mb"].values()),
         "trl_peak_rss_mb": trl["peak_rss_mb"],
+        "trl_peak_pss_mb": trl["peak_pss_mb"],
+        "all_processes_over_trl": rlax["peak_pss_mb"] / trl["peak_pss_mb"],
+        "worker_shared_weight_mb": median(rlax["steps"], "worker_shared_weight_mb"),
         "logprob_delta_p95_float32": median(rlax["steps"], "logprob_mismatch_p95"),
         "logprob_delta_max_float32": max(r["logprob_mismatch_max"] for r in rlax["steps"]),
         "logprob_delta_p95_bfloat16": alignment.get("bfloat16_p95", float("nan")),
@@ -245,7 +304,8 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         trl["peak_rss_mb"],
         "{:>12.0f}",
     )
-    row("all processes peak RSS (MiB)", sum(rlax["peak_rss_mb"].values()), trl["peak_rss_mb"], "{:>12.0f}")
+    row("all processes peak PSS (MiB)", rlax["peak_pss_mb"], trl["peak_pss_mb"], "{:>12.0f}")
+    row("  sum of per-process peak RSS", sum(rlax["peak_rss_mb"].values()), trl["peak_rss_mb"], "{:>12.0f}")
     row("wall seconds (whole job)", rlax["wall_s"], trl["wall_s"], "{:>12.1f}")
     lines.append(
         f"{'reward (first half -> second half)':34} {reward_means(rlax['steps']):>12} {reward_means(trl['steps']):>12}"
@@ -253,6 +313,7 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
     lines.append(
         "RLAX peak RSS per process (MiB): "
         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rlax["peak_rss_mb"].items()))
+        + f"; worker weights mapped from the parameter server's file: {ratios['worker_shared_weight_mb']:.0f} MiB"
     )
     lines.append(
         f"generation tokens/s: run's worker {rlax['worker_tokens_per_s']:.1f} (compile {rlax['worker_compile_s']:.1f} s "

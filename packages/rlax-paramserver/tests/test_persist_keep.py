@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import pathlib
 from typing import Any
 
@@ -166,7 +167,7 @@ def test_restart_with_a_smaller_keep_serves_fewer_and_trims_on_the_next_push(tmp
     assert state_files(tmp_path) == names(tmp_path, 5, 6)
 
 
-def test_loaded_versions_each_hold_one_buffer_of_their_own_bytes(tmp_path, stamp) -> None:
+def test_loaded_versions_are_each_one_mapping_of_their_own_file(tmp_path, stamp) -> None:
     make, _ = stamp
     with running_server(tmp_path, keep=3) as address, ParamClient(address, timeout_s=5) as client:
         for version in range(1, 5):
@@ -175,8 +176,9 @@ def test_loaded_versions_each_hold_one_buffer_of_their_own_bytes(tmp_path, stamp
     assert error is None and [s.version for s in states] == [2, 3, 4]
     for state in states:
         buffers = {id(frame.obj) for frame in state.frames}
-        assert len(buffers) == 1  # frames slice the one buffer the file was read into: no copies
-        assert len(state.frames[0].obj) == state.manifest.total_bytes
+        assert len(buffers) == 1  # frames slice the one mapping of the file: no copies
+        assert isinstance(state.frames[0].obj, mmap.mmap)
+        assert len(state.frames[0].obj) == state.path.stat().st_size
     with running_server(tmp_path, keep=3) as address, ParamClient(address, timeout_s=5) as client:
         assert client.stat().bytes_held == sum(s.manifest.total_bytes for s in states)
 

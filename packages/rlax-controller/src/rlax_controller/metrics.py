@@ -106,7 +106,8 @@ def generation_record(before: dict[str, Any], after: dict[str, Any]) -> dict[str
     before/after: worker name -> WorkerStats (or None). `worker_gen_tokens_per_s` is the
     tokens the workers delivered per second that they were busy (summed over workers, so it
     is a per-worker rate); compile and reload seconds are summed. A worker whose totals went
-    down restarted: its new totals count from zero.
+    down restarted: its new totals count from zero. `worker_shared_weight_mb`: the workers'
+    weights, as last reported, that are mapped from the parameter server's files, not copied.
     """
     fields = ("generated_tokens", "active_s", "engine_s", "compile_s", "reload_s")
     total = dict.fromkeys(fields, 0.0)
@@ -121,7 +122,9 @@ def generation_record(before: dict[str, Any], after: dict[str, Any]) -> dict[str
             total[field] += getattr(now, field) - (0.0 if restarted else getattr(then, field))
     if total["active_s"] <= 0.0:
         return {}
+    shared = sum(now.shared_weight_bytes for now in after.values() if now is not None)
     return {
+        "worker_shared_weight_mb": shared / 2**20,
         "worker_gen_tokens_per_s": total["generated_tokens"] / total["active_s"],
         "worker_engine_tokens_per_s": total["generated_tokens"] / max(total["engine_s"], 1e-9),
         "worker_active_s": total["active_s"],

@@ -276,6 +276,7 @@ class Worker:
         self.engine_s = 0.0  # inside engine steps that compiled nothing
         self.compile_s = 0.0  # start-up warm-up plus engine steps that compiled a new shape
         self.reload_s = 0.0
+        self.shared_weight_bytes = 0
         self._version_client: ParamClient | None = None
         self._pull_client: ParamClient | None = None
 
@@ -484,7 +485,10 @@ class Worker:
         if self.model_config is None:
             self.model_config = dtype_policy(_model_config_from(pulled.metadata))
         dtype = self.model_config.param_jnp_dtype
+        # On the CPU, a mapped tensor of the right dtype (64-byte aligned in the file) becomes
+        # a JAX array without a copy: the weights stay the page cache's, shared on this host.
         params: Params = jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), pulled.tree)
+        self.shared_weight_bytes = _aliased_bytes(pulled.tree, params) if pulled.mapped else 0
         if self.engine is None:
             try:
                 self.engine = LLMEngine(
@@ -670,7 +674,22 @@ class Worker:
             compile_s=self.compile_s,
             reload_s=self.reload_s,
             reloads=self.reloads,
+            shared_weight_bytes=self.shared_weight_bytes,
         )
+
+
+def _aliased_bytes(source: Any, params: Any) -> int:
+    """Bytes of `params` (JAX arrays) that use `source`'s (numpy arrays') memory as is."""
+    import jax
+
+    total = 0
+    for host, array in zip(jax.tree.leaves(source), jax.tree.leaves(params), strict=True):
+        try:
+            same = array.unsafe_buffer_pointer() == host.ctypes.data
+        except (AttributeError, RuntimeError, ValueError):  # sharded or on an accelerator
+            same = False
+        total += int(host.nbytes) if same else 0
+    return total
 
 
 def _engine_params(request: rp.GenerateRequest) -> SamplingParams:

@@ -10,6 +10,8 @@ flight and verifies every tensor's checksum before returning it.
 from __future__ import annotations
 
 import collections
+import logging
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +20,7 @@ from typing import Any, Literal
 
 import zmq
 
+from rlax_paramserver.persist import CorruptStateError, map_state
 from rlax_protocol import (
     DEFAULT_CHUNK_BYTES,
     Ack,
@@ -29,6 +32,7 @@ from rlax_protocol import (
     LatestVersion,
     MalformedMessageError,
     NotNewer,
+    ProtocolError,
     ProtocolTimeoutError,
     PullBegin,
     PullEnd,
@@ -50,6 +54,8 @@ from rlax_protocol import (
     unflatten_tree,
 )
 from rlax_protocol.messages import Chunks, ErrorReply, Message
+
+log = logging.getLogger(__name__)
 
 Part = memoryview | zmq.Frame | bytes
 
@@ -78,11 +84,15 @@ def _typed(err: RemoteError) -> RemoteError:
 
 @dataclass(frozen=True)
 class PulledWeights:
-    """One consistent version: `tree` is a nested dict of read-only numpy arrays."""
+    """One consistent version: `tree` is a nested dict of read-only numpy arrays.
+
+    `mapped`: the arrays are views of the server's state file, mapped on this host (no
+    bytes were sent); otherwise they hold the received frames."""
 
     tree: dict[str, Any]
     version: int
     metadata: dict[str, Any]
+    mapped: bool = False
 
 
 def _batches(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
@@ -107,6 +117,11 @@ class ParamClient:
     repeated. chunk_bytes: frame size a push splits tensors into. message_bytes: frames
     per message, by total size. window: messages in flight per push or pull.
     commit_timeout_s: deadline for a commit (verifies and persists the whole version).
+    local: when the server persists its versions and its files are readable here (the
+    same host), map a pulled version's file instead of receiving it: no copy of the
+    weights in this process, the pages shared with every process mapping the same file.
+    The file must hold exactly the granted manifest (checksums included) and, with
+    `verify`, its tensors must hash to it; otherwise the frames are fetched as usual.
     Calls from several threads are serialised.
     """
 
@@ -122,6 +137,7 @@ class ParamClient:
         window: int = 16,
         commit_timeout_s: float = 300.0,
         verify: bool = True,
+        local: bool = True,
         curve: CurveClientConfig | None = None,
         client_id: str = "",
         context: zmq.Context[Any] | None = None,
@@ -139,6 +155,7 @@ class ParamClient:
         self.window = window
         self.commit_timeout_s = commit_timeout_s
         self.verify = verify
+        self.local = local
         self._rpc = RpcClient(
             address,
             timeout_s=timeout_s,
@@ -285,13 +302,22 @@ class ParamClient:
         with self._lock:
             for attempt in range(self._rpc.retries + 1):
                 begin = PullBegin(
-                    version=wanted, if_newer_than=if_newer_than, prefetch_bytes=self.message_bytes
+                    version=wanted,
+                    if_newer_than=if_newer_than,
+                    prefetch_bytes=self.message_bytes,
+                    local=self.local,
                 )
                 granted = self._call(begin, expect=(PullGranted, NotNewer))
                 if isinstance(granted.message, NotNewer):
                     return None
                 lease = granted.message
                 assert isinstance(lease, PullGranted)
+                if lease.state_file and granted.frames:
+                    raise MalformedMessageError("PullGranted names a state file and carries frames")
+                mapped = self._map(lease) if lease.state_file else None
+                if mapped is not None:
+                    self._end_quietly(lease.lease_id)
+                    return PulledWeights(mapped, lease.version, dict(lease.metadata), mapped=True)
                 try:
                     # The lease ends on the server once every frame was sent: no PullEnd round trip.
                     tree = self._fetch(lease, granted.frames)
@@ -332,6 +358,23 @@ class ParamClient:
 
         self._pipeline(requests, "FetchChunks", received)
         return unflatten_tree(assembler.result())
+
+    def _map(self, lease: PullGranted) -> dict[str, Any] | None:
+        """The granted version as views of its state file, or None when this host cannot
+        use the file (another host, gone since, or not the promised bytes)."""
+        path = pathlib.Path(lease.state_file)
+        try:
+            # Private pages: a write through a view (a donated buffer) never reaches the file.
+            state = map_state(path, verify=False, expect=lease.manifest, copy_on_write=True)
+            if state.version != lease.version:
+                raise CorruptStateError(f"{path}: holds version {state.version}, not {lease.version}")
+            assembler = TreeAssembler(lease.manifest, verify=self.verify)
+            for index, data in enumerate(state.tensors):
+                assembler.add_tensor(index, data)
+            return unflatten_tree(assembler.result())
+        except (OSError, ProtocolError) as err:  # ChecksumError and CorruptStateError are ProtocolErrors
+            log.info("pulling version %d over the network: cannot map %s: %s", lease.version, path, err)
+            return None
 
     def _end_quietly(self, lease_id: int) -> None:
         try:

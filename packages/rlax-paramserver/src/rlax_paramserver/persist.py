@@ -2,11 +2,22 @@
 
 File layout (``weights-v<version>.rlaxw``)::
 
-    b"RLAXW\\x00\\x00\\x01"       8-byte magic
+    b"RLAXW\\x00\\x00\\x02"       8-byte magic
     header length              8 bytes, little-endian
     header                     msgpack `StateHeader` (manifest with checksums, metadata)
     zero padding               to a multiple of 4096
-    tensor bytes               every tensor, manifest order, contiguous
+    tensor bytes               every tensor, manifest order, each starting at a multiple
+                               of 64 bytes (zero padding between tensors)
+
+Version 1 files (magic ending ``\\x01``: tensors back to back) are still read.
+
+A loaded version is a read-only memory map of its file, not a copy: the server's memory
+holds no weight bytes of its own (the kernel's page cache does, shared with every process
+that maps the same file), and a worker on the same host maps the file too
+(`map_state`) instead of receiving the bytes. The 64-byte alignment is what lets JAX
+use a mapped tensor as a CPU array without copying it. A state file is never changed
+in place (it is written under another name and renamed), so a mapping stays valid
+after its file is replaced or removed.
 
 A file is written under a temporary name, fsynced, renamed into place and the
 directory fsynced, so a crash leaves either the old files or the new one too; only then
@@ -20,6 +31,7 @@ and loading fails with that error, rather than falling back to an older version.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pathlib
 import re
@@ -41,8 +53,10 @@ from rlax_protocol import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"RLAXW\x00\x00\x01"
+MAGIC = b"RLAXW\x00\x00\x02"
+MAGIC_V1 = b"RLAXW\x00\x00\x01"  # tensors back to back (no per-tensor alignment)
 ALIGN = 4096
+TENSOR_ALIGN = 64  # what XLA:CPU needs to alias a host buffer instead of copying it
 _NAME = re.compile(r"^weights-v(\d+)\.rlaxw$")
 
 
@@ -63,11 +77,26 @@ class StateHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 @dataclass
 class LoadedState:
+    """A mapped state file: `frames` (manifest frame order) and `tensors` (manifest
+    tensor order) are read-only views of one memory map, which lives as long as they do."""
+
     version: int
     manifest: TensorManifest
     metadata: dict[str, Any]
     frames: list[memoryview]
     path: pathlib.Path
+    tensors: list[memoryview]
+
+
+def tensor_starts(manifest: TensorManifest, align: int = TENSOR_ALIGN) -> tuple[list[int], int]:
+    """Each tensor's byte offset from the start of the data, and the data's total length."""
+    starts: list[int] = []
+    end = 0
+    for tensor in manifest.tensors:
+        end += (-end) % align
+        starts.append(end)
+        end += tensor.nbytes
+    return starts, end
 
 
 def state_path(state_dir: pathlib.Path, version: int) -> pathlib.Path:
@@ -109,11 +138,20 @@ def write_state(
     header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
     prefix = MAGIC + len(header).to_bytes(8, "little") + header
     padding = (-len(prefix)) % ALIGN
+    starts, _ = tensor_starts(manifest)
+    slots = frame_layout(manifest)
+    if len(frames) != len(slots):
+        raise ValueError(f"{len(frames)} frames for a manifest of {len(slots)}")
     try:
         with open(tmp, "wb") as f:
             f.write(prefix + b"\x00" * padding)
-            for frame in frames:
+            written = 0
+            for slot, frame in zip(slots, frames, strict=True):
+                gap = starts[slot.tensor] + slot.offset - written
+                if gap:
+                    f.write(b"\x00" * gap)
                 f.write(frame)
+                written += gap + slot.nbytes
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -133,8 +171,10 @@ def write_state(
     return final
 
 
-def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, int]:
-    if f.read(len(MAGIC)) != MAGIC:
+def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, int, int]:
+    """The header, the data's offset and the tensors' alignment (1 in a version-1 file)."""
+    magic = f.read(len(MAGIC))
+    if magic not in (MAGIC, MAGIC_V1):
         raise CorruptStateError(f"{path}: not an RLAX weights file (bad magic)")
     length = int.from_bytes(f.read(8), "little")
     if length <= 0 or length > size:
@@ -151,43 +191,58 @@ def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, in
             f"{path}: written with protocol version {header.protocol_version}, this server speaks {PROTOCOL_VERSION}"
         )
     offset = len(MAGIC) + 8 + length
-    return header, offset + (-offset) % ALIGN
+    return header, offset + (-offset) % ALIGN, (TENSOR_ALIGN if magic == MAGIC else 1)
 
 
 def read_state(path: pathlib.Path) -> LoadedState:
-    """Load and fully verify one state file; raises `CorruptStateError` naming file and defect."""
+    """Map and fully verify one state file; raises `CorruptStateError` naming file and defect."""
+    return map_state(path, verify=True)
+
+
+def map_state(
+    path: pathlib.Path,
+    *,
+    verify: bool = True,
+    expect: TensorManifest | None = None,
+    copy_on_write: bool = False,
+) -> LoadedState:
+    """Map one state file read-only; its tensors are views of the mapping, not copies.
+
+    `verify`: hash every tensor against the manifest (reading every page once).
+    `expect`: the manifest the caller was promised (e.g. by a pull's grant): a file whose
+    manifest differs, checksums included, is refused as `CorruptStateError`.
+    `copy_on_write`: map privately, so that a write through a view (e.g. a buffer some
+    library donates) changes a private copy of the page, never the file.
+    Raises `CorruptStateError` naming the file and the defect, `OSError` when it cannot be read.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
-        header, data_offset = _read_header(path, f, size)
-        expected = data_offset + header.manifest.total_bytes
+        header, data_offset, align = _read_header(path, f, size)
+        if expect is not None and header.manifest != expect:
+            raise CorruptStateError(f"{path}: holds another manifest than the one expected")
+        starts, data_bytes = tensor_starts(header.manifest, align)
+        expected = data_offset + data_bytes
         if size != expected:
             raise CorruptStateError(
                 f"{path}: {size} bytes on disk, manifest needs {expected} (truncated or padded)"
             )
-        f.seek(data_offset)
-        data = bytearray(header.manifest.total_bytes)
-        if f.readinto(data) != len(data):
-            raise CorruptStateError(f"{path}: short read of tensor data")
-    view = memoryview(data)
-    start = 0
-    for tensor in header.manifest.tensors:
-        digest = xxhash.xxh3_64_intdigest(view[start : start + tensor.nbytes])
-        if digest != tensor.checksum:
-            raise CorruptStateError(
-                f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})"
-            )
-        start += tensor.nbytes
-    # Frames are slices of the contiguous data, in frame order, so pulls need no copy.
-    tensor_starts: list[int] = []
-    start = 0
-    for tensor in header.manifest.tensors:
-        tensor_starts.append(start)
-        start += tensor.nbytes
-    frames = [
-        view[tensor_starts[s.tensor] + s.offset : tensor_starts[s.tensor] + s.offset + s.nbytes]
-        for s in frame_layout(header.manifest)
+        if data_bytes == 0:
+            view = memoryview(b"")
+        else:
+            access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+            view = memoryview(mmap.mmap(f.fileno(), 0, access=access))[data_offset:]
+    tensors = [
+        view[start : start + t.nbytes] for start, t in zip(starts, header.manifest.tensors, strict=True)
     ]
-    return LoadedState(header.version, header.manifest, dict(header.metadata), frames, path)
+    if verify:
+        for start, tensor, data in zip(starts, header.manifest.tensors, tensors, strict=True):
+            if xxhash.xxh3_64_intdigest(data) != tensor.checksum:
+                raise CorruptStateError(
+                    f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})"
+                )
+    # Frames are slices of the mapped tensors, in frame order, so pulls need no copy.
+    frames = [tensors[s.tensor][s.offset : s.offset + s.nbytes] for s in frame_layout(header.manifest)]
+    return LoadedState(header.version, header.manifest, dict(header.metadata), frames, path, tensors)
 
 
 def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None]:
@@ -208,8 +263,7 @@ def load_states(state_dir: pathlib.Path, keep: int) -> tuple[list[LoadedState], 
     in its place. A file that cannot be read raises `StateReadError` naming it and is
     left in place: skipping it could serve an older newest version than pullers saw, or
     silently lose a version pinned work still asks for. Files are read newest first, one
-    at a time, each into one buffer that its frames slice, so memory holds no more than
-    the returned versions' bytes plus the file being read.
+    at a time and mapped, not copied (see the module docstring).
     """
     if keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1")

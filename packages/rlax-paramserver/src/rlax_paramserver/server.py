@@ -38,7 +38,7 @@ from typing import Any
 import zmq
 
 from rlax_paramserver.config import ServerConfig
-from rlax_paramserver.persist import load_states, write_state
+from rlax_paramserver.persist import load_states, map_state, write_state
 from rlax_paramserver.store import PendingPush, StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 from rlax_protocol import (
     Ack,
@@ -153,7 +153,12 @@ class ParamServer:
         self.store.state_error = error
         for loaded in states:  # oldest first: each install is newer than the last
             stored = StoredVersion(
-                loaded.version, loaded.manifest, loaded.metadata, loaded.frames, loaded.manifest.total_bytes
+                loaded.version,
+                loaded.manifest,
+                loaded.metadata,
+                loaded.frames,
+                loaded.manifest.total_bytes,
+                path=loaded.path,
             )
             self.store.install(stored)
             self.store.persisted_version = loaded.version
@@ -318,7 +323,8 @@ class ParamServer:
                 return NotNewer(latest=granted), []
             lease, stored = granted
             frames: list[Any] = []
-            if message.prefetch_bytes > 0 or not stored.frames:
+            state_file = str(stored.path) if message.local and stored.path is not None else ""
+            if (message.prefetch_bytes > 0 and not state_file) or not stored.frames:
                 frames = store.prefetch(
                     lease, stored, min(message.prefetch_bytes, self.config.max_message_bytes)
                 )
@@ -329,6 +335,7 @@ class ParamServer:
                 stored.metadata,
                 self.config.lease_ttl_s,
                 first_frames=len(frames),
+                state_file=state_file,
             )
             return grant, frames
         if isinstance(message, FetchChunks):
@@ -425,12 +432,16 @@ class ParamServer:
                     log.exception("committing version %d failed", job.push.version)
                     self.store.release(job.push.version)
                     reply = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}")
+                # The received frames (the version's size in memory) are not needed any more,
+                # whatever the outcome: free them before the pusher hears back and pushes again.
+                job.push.frames.clear()
                 try:
                     socket.send_multipart(
                         [_SEND, job.identity, pack_request_id(job.request_id), encode(reply)]
                     )
                 except zmq.ZMQError as err:
                     log.error("could not answer the commit of version %d: %s", job.push.version, err)
+                del job
         finally:
             socket.close(0)
 
@@ -450,7 +461,7 @@ class ParamServer:
                 [f for f in push.frames if f is not None],
                 push.manifest.total_bytes,
             )
-            write_state(
+            path = write_state(
                 self.config.state_dir,
                 stored.version,
                 stored.manifest,
@@ -458,6 +469,19 @@ class ParamServer:
                 stored.frames,
                 keep=self.config.keep,
                 fsync=self.config.fsync,
+            )
+            # Serve the file's mapping, not the received frames: the pushed bytes are freed
+            # once this push is dropped, and the version's pages are the page cache's, shared
+            # with the workers on this host that map the same file (`PullBegin.local`). The
+            # frames were verified on arrival and the file was written from them: no re-hash.
+            mapped = map_state(path, verify=False, expect=push.manifest)
+            stored = StoredVersion(
+                push.version,
+                push.manifest,
+                push.metadata,
+                mapped.frames,
+                push.manifest.total_bytes,
+                path=path,
             )
         except Exception as err:
             self.store.release(push.version)

@@ -8,6 +8,7 @@ turn `StoreError`s into `ErrorReply`s. Frames are kept exactly as they arrived
 from __future__ import annotations
 
 import itertools
+import pathlib
 import threading
 import time
 from collections.abc import Sequence
@@ -30,11 +31,14 @@ class StoreError(Exception):
 
 @dataclass
 class StoredVersion:
+    """A committed version; with `path` its frames are views of that state file's mapping."""
+
     version: int
     manifest: TensorManifest
     metadata: dict[str, Any]
     frames: list[memoryview]
     nbytes: int
+    path: pathlib.Path | None = None
 
 
 @dataclass

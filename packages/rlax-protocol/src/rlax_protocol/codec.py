@@ -225,6 +225,27 @@ class TreeAssembler:
             if self._remaining[slot.tensor] == 0:
                 self._finish(slot.tensor, self._buffers.pop(slot.tensor))
 
+    def add_tensor(self, tensor: int, data: Buffer | memoryview) -> None:
+        """Place a whole tensor at once (all its frames), wrapped without a copy: e.g. a
+        view of a mapped file, whose frames were never sent."""
+        if not 0 <= tensor < len(self.manifest.tensors):
+            raise MalformedMessageError(
+                f"tensor {tensor} outside the manifest's {len(self.manifest.tensors)}"
+            )
+        header = self.manifest.tensors[tensor]
+        view = memoryview(data).cast("B")
+        if view.nbytes != header.nbytes:
+            raise MalformedMessageError(
+                f"tensor {header.name!r} holds {view.nbytes} bytes, expected {header.nbytes}"
+            )
+        indices = [i for i, slot in enumerate(self._slots) if slot.tensor == tensor]
+        if any(self._seen[i] for i in indices):
+            raise MalformedMessageError(f"tensor {header.name!r} received twice")
+        for index in indices:
+            self._seen[index] = 1
+        self._remaining[tensor] = 0
+        self._finish(tensor, view)
+
     def _finish(self, tensor: int, data: memoryview | np.ndarray) -> None:
         header = self.manifest.tensors[tensor]
         if self.verify:

@@ -189,11 +189,15 @@ class PullBegin(Message, frozen=True):
     """Lease a version for pulling: `version` None means the latest. With `if_newer_than`
     the server answers `NotNewer` instead when its version is not newer. With
     `prefetch_bytes` > 0 the grant already carries the first frames (at least one, about
-    that many bytes), saving a round trip."""
+    that many bytes), saving a round trip. With `local` the client can read the server's
+    files (the same host): the grant names the version's state file, if it has one,
+    instead of carrying frames; the client maps the file and ends the lease, or fetches
+    the frames as usual if it cannot use the file."""
 
     version: int | None = None
     if_newer_than: int | None = None
     prefetch_bytes: int = 0
+    local: bool = False
 
 
 class PullGranted(Message, frozen=True):
@@ -206,6 +210,7 @@ class PullGranted(Message, frozen=True):
     metadata: Metadata
     lease_ttl_s: float
     first_frames: int = 0
+    state_file: str = ""
 
 
 class NotNewer(Message, frozen=True):
@@ -401,7 +406,10 @@ class WorkerStats(Message, frozen=True):
     it: engine steps plus the worker's own loop, socket and version checks; weight loads
     and compilation are counted apart, in `reload_s` and `compile_s`); `engine_s`: seconds
     inside engine steps; `compile_s`: start-up compilation of the shapes the run will use,
-    and engine steps that compiled a new one; `reload_s`: pulling and installing weights."""
+    and engine steps that compiled a new one; `reload_s`: pulling and installing weights.
+    `shared_weight_bytes` (a reading, not a total): bytes of the loaded weights that are
+    the parameter server's state file mapped on this host, shared with every process that
+    maps it, rather than a copy of the worker's own."""
 
     generated_tokens: int = 0
     active_s: float = 0.0
@@ -409,9 +417,10 @@ class WorkerStats(Message, frozen=True):
     compile_s: float = 0.0
     reload_s: float = 0.0
     reloads: int = 0
+    shared_weight_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("generated_tokens", "reloads"):
+        for name in ("generated_tokens", "reloads", "shared_weight_bytes"):
             if getattr(self, name) < 0:
                 _fail("WorkerStats", name, getattr(self, name), "must be >= 0")
         for name in ("active_s", "engine_s", "compile_s", "reload_s"):
