@@ -127,6 +127,26 @@ def test_worker_serves_requests_and_reloads_when_j_behind(paramserver):
             wait_until(lambda: w.worker.reloads == 1)
             (r,) = roundtrip(client, [greedy_request("d", p1)])
             assert r.weight_version == 3 and list(r.samples[0].token_ids) == naive_greedy(PARAMS_V3, p1, 6)
+            # The server persists: every weight is its state file, mapped, not a copy.
+            assert w.worker.shared_weight_bytes == param_bytes(PARAMS_V3)
+            assert r.stats is not None and r.stats.shared_weight_bytes == param_bytes(PARAMS_V3)
+    finally:
+        w.close()
+
+
+def param_bytes(params) -> int:
+    return sum(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(params))
+
+
+def test_a_worker_told_not_to_map_weights_copies_them_and_generates_the_same(paramserver):
+    push(paramserver, PARAMS_V2, 1)
+    prompt = [5, 6, 7, 8]
+    w = RunningWorker(paramserver, map_weights=False)
+    try:
+        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+            (r,) = roundtrip(client, [greedy_request("a", prompt)])
+        assert list(r.samples[0].token_ids) == naive_greedy(PARAMS_V2, prompt, 6)
+        assert w.worker.shared_weight_bytes == 0
     finally:
         w.close()
 

@@ -102,6 +102,8 @@ class WorkerConfig:
       request waits for them; False (pinned versions): follow the newest only while a
       request that names no version is queued or generating, so a worker serving pinned
       requests loads only the versions they name (and the newest once, to start).
+    map_weights: map a pulled version's state file when the parameter server is on this host
+      (`ParamClient(local=...)`): the weights are the page cache's, shared, not a copy.
     max_delay_s: `chaos.max_delay_s`: sleep a random time up to this before each engine
       step (a test hook: timing must not change a pinned run).
     """
@@ -119,6 +121,7 @@ class WorkerConfig:
     worker_id: str = "worker"
     follow_latest: bool = True
     max_delay_s: float = 0.0
+    map_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("reload_staleness", "max_inflight_requests"):
@@ -145,6 +148,7 @@ class WorkerConfig:
             "worker_id": f"worker{index}",
             "follow_latest": config.controller.versions == "freshest",
             "max_delay_s": config.chaos.max_delay_s,
+            "map_weights": config.workers.map_weights,
         }
         return cls(**{**fields, **overrides})
 
@@ -328,7 +332,11 @@ class Worker:
             pc.paramserver, timeout_s=min(1.0, pc.rpc_timeout_s), retries=0, client_id=pc.worker_id
         )
         self._pull_client = ParamClient(
-            pc.paramserver, timeout_s=pc.rpc_timeout_s, retries=pc.pull_retries, client_id=pc.worker_id
+            pc.paramserver,
+            timeout_s=pc.rpc_timeout_s,
+            retries=pc.pull_retries,
+            client_id=pc.worker_id,
+            local=pc.map_weights,
         )
         try:
             while not self._stop.is_set():
