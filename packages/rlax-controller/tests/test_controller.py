@@ -532,3 +532,31 @@ def test_a_batch_request_is_held_until_its_batch_is_ready_then_answered_within_t
         pump.stop()
         controller.close()
     assert pump.error is None, repr(pump.error)
+
+
+def test_a_worker_that_cannot_take_its_first_group_loses_every_group_of_that_dispatch(
+    tmp_path: pathlib.Path, toy: Any
+) -> None:
+    """Issue 29: `assign()` gave one worker several groups; the first send failed, so the
+    worker was declared dead, which released every group dispatched to it, the rest of that
+    same assignment included: the next one then had no request id and the controller died
+    of an AssertionError (the supervisor restarted it; the chaos test saw nothing)."""
+    config = make_config(tmp_path, toy.port(), **{"eval.num_prompts": 0})
+    nobody = f"tcp://127.0.0.1:{toy.port()}"  # nothing listens: every send is refused
+    controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[nobody])
+    try:
+        assert isinstance(controller._answer(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
+        worker = controller.workers["worker0"]
+        worker.alive = True  # it answered a Hello once, then went away
+        controller._dispatch(time.monotonic())
+        assert not worker.alive and not worker.requests
+        groups = list(controller.scheduler.groups.values())
+        assert groups and all(g.status.value == "pending" and g.request_id is None for g in groups)
+        # Once it is back, the same groups are dispatched to it.
+        worker.alive = True
+        sent: list[str] = []
+        worker.link.send = lambda message, frames=(): sent.append(message.request_id) or len(sent)  # type: ignore[method-assign]
+        controller._dispatch(time.monotonic())
+        assert len(sent) == config.workers.max_inflight_groups == len(worker.requests)
+    finally:
+        controller.close()

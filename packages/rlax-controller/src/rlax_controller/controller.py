@@ -661,17 +661,18 @@ class Controller:
         names = [w.name for w in alive if len(w.requests) < self.config.workers.max_inflight_groups]
         unreachable: set[str] = set()
         for name, group in self.scheduler.assign(names):
+            if name in unreachable:
+                continue  # released with its worker: see below
             worker = self.workers[name]
             sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
             assert group.request_id is not None
-            if name in unreachable or not self._send_generate(
+            if not self._send_generate(
                 worker, group.request_id, group.item, self.config.data.group_size, sampling, group.pinned
             ):
-                # Every group assigned to it goes back to the queue, not only this one.
+                # Declared dead, the worker loses every group dispatched to it: this one, those
+                # it held, and the rest of this same assignment (not sent, already released).
                 unreachable.add(name)
-                self.scheduler.release(group)
-                if worker.alive:
-                    self._declare_dead(worker, "it is not connected", reopen=False)
+                self._declare_dead(worker, "it is not connected", reopen=False)
 
     def _release_orphans(self) -> None:
         """A group marked dispatched whose request no worker link holds can never complete."""

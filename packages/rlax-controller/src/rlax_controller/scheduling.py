@@ -296,7 +296,9 @@ class RolloutScheduler:
         return out
 
     def worker_lost(self, worker: str) -> list[Group]:
-        """A worker died: its dispatched groups go back to pending (another worker takes them)."""
+        """A worker died: its dispatched groups go back to pending (another worker takes them),
+        those of an `assign()` whose requests were not sent yet included: a caller that is
+        still walking that assignment must skip them (their `request_id` is None now)."""
         lost = [g for g in self.groups.values() if g.status is GroupStatus.DISPATCHED and g.worker == worker]
         for group in lost:
             self.release(group)
