@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
 from rlax_core.control import BatchRequest, decode_control, encode_control
 from rlax_core.links import ControlClient
 from rlax_protocol.errors import ProtocolTimeoutError
+
+DEMO = pathlib.Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 
 
 def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.Path) -> None:
@@ -59,6 +62,63 @@ def test_config_a_component_rejects_stops_the_launch_before_any_process_starts(
     for needle in needles:
         assert needle in str(info.value)
     assert not out.exists()  # nothing was started, nothing written
+
+
+# Issue 29: `trainer.platform=tpu` on a CPU machine trained on the CPU and exited 0 (JAX was
+# imported before JAX_PLATFORMS was set); `trainer.mesh={fsdp: 3}` on two devices started
+# every component before the trainer rejected it. Two CPU devices, whatever the caller set.
+ABSENT = [
+    ("trainer.platform=tpu", ["trainer.platform = 'tpu'", "JAX cannot start that platform"]),
+    ("trainer.mesh={fsdp: 3}", ["trainer.mesh = {'fsdp': 3}", "3 devices", "2 device(s) of platform 'cpu'"]),
+]
+TWO_CPUS = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+@pytest.mark.parametrize(("override", "needles"), ABSENT)
+def test_a_platform_or_mesh_this_machine_lacks_stops_rlax_launch_before_any_process_starts(
+    tmp_path: pathlib.Path, override: str, needles: list[str]
+) -> None:
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlax_core.cli", "launch", str(DEMO), f"run.output_dir={out}", override],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **TWO_CPUS},
+    )
+    assert result.returncode == EXIT_CONFIG_ERROR, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in result.stderr, result.stderr[-3000:]
+    assert not out.exists()  # no logs/ folder: no component was started
+
+
+@pytest.mark.parametrize(("override", "needles"), ABSENT)
+def test_the_trainer_process_itself_refuses_a_platform_or_mesh_this_machine_lacks(
+    tmp_path: pathlib.Path, override: str, needles: list[str]
+) -> None:
+    """Started by hand (or by a launcher that skipped the preflight), the trainer exits with
+    the config error code before it trains anything."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlax_core.cli",
+            "trainer",
+            "--config",
+            str(DEMO),
+            f"run.output_dir={tmp_path}",
+            override,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **TWO_CPUS},
+    )
+    assert result.returncode == EXIT_CONFIG_ERROR, result.stderr[-3000:]
+    assert "rlax trainer: invalid config" in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_launch_of_a_valid_config_passes_every_component_check(tmp_path: pathlib.Path) -> None:

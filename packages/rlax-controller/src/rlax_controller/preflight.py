@@ -5,8 +5,11 @@ prompts that fit the model) run here. The trainer's and the workers' typed confi
 (`rlax_trainer.LearnerConfig`, `rlax_inference.EngineConfig`, the model's shapes) are
 built by their own packages, which import JAX: the launcher asks each of them with
 `rlax <role> --check-config` in a process of its own (run with the role's interpreter),
-so the controller's process never imports JAX. A component started by hand runs the same
-checks at start-up and exits with `EXIT_CONFIG_ERROR`, which the supervisor never restarts.
+so the controller's process never imports JAX. The trainer's check starts JAX's backend of
+`trainer.platform` there: a platform this machine lacks, or a `trainer.mesh` that its device
+count (`xla_force_host_platform_device_count` on a CPU) cannot fill, stops the launch before
+anything starts. A component started by hand runs the same checks at start-up and exits with
+`EXIT_CONFIG_ERROR`, which the supervisor never restarts.
 """
 
 from __future__ import annotations

@@ -90,9 +90,16 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def select_platform(platform: str) -> None:
-    """Choose JAX's backend; must run before anything imports JAX (empty: JAX's default)."""
-    if platform:
-        os.environ["JAX_PLATFORMS"] = platform
+    """Choose JAX's backend (empty: JAX's default). JAX reads `JAX_PLATFORMS` when it is
+    imported; a component whose package imports JAX already (the trainer's and the worker's
+    do) gets the same setting through `jax.config`, which holds until a backend starts.
+    Whether the backend then is the one asked for is `rlax_model.require_platform`'s check."""
+    if not platform:
+        return
+    os.environ["JAX_PLATFORMS"] = platform
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.config.update("jax_platforms", platform)
 
 
 def exit_on_sigterm() -> None:

@@ -741,7 +741,7 @@ def check(config: RunConfig, index: int) -> None:
 
     if not 0 <= index < len(config.workers.addresses):
         raise ConfigError(f"--index {index}: the config has {len(config.workers.addresses)} worker addresses")
-    select_platform(config.workers.platform)  # before anything imports JAX
+    select_platform(config.workers.platform)  # before JAX starts a backend
     rejected_by(
         "the inference engine (workers.*)", lambda: EngineConfig(**engine_config_fields(config, index))
     )
@@ -757,8 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--index", type=int, required=True, help="which of workers.addresses to serve")
 
     def start(config: RunConfig, args: argparse.Namespace) -> int:
-        from rlax_model.run_model import use_compile_cache
+        from rlax_model.run_model import require_platform, use_compile_cache
 
+        # Here, not in `check`: `rlax launch` runs the trainer's and a worker's checks at
+        # once, and two processes must not both open one host's accelerator.
+        require_platform(config.workers.platform, "workers.platform")
         use_compile_cache(config)
         exit_on_sigterm()
         worker = Worker.from_run(config, args.index)

@@ -10,7 +10,16 @@ from typing import Any
 
 from rlax_core.config import RunConfig
 
-__all__ = ["build_model_config", "checked_model_config", "initial_params", "use_compile_cache"]
+__all__ = [
+    "build_model_config",
+    "checked_model_config",
+    "initial_params",
+    "require_platform",
+    "use_compile_cache",
+]
+
+# `JAX_PLATFORMS` names that JAX's backend reports under another name.
+_BACKEND_OF = {"cuda": "gpu", "rocm": "gpu"}
 
 
 def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
@@ -71,6 +80,28 @@ def checked_model_config(config: RunConfig, tokenizer: Any) -> Any:
             raise ValueError(f"model.path: {error}") from None
 
     return rejected_by("the model (model.*)", model)
+
+
+def require_platform(platform: str, field: str) -> str:
+    """JAX's backend, which must be the first of `platform` (a `JAX_PLATFORMS` value set by
+    `rlax_core.cli.select_platform`; empty: any). A platform that is absent here is a
+    `ConfigError` naming `field`, never a run on another device: JAX either fails to start
+    it or, when a backend had started before the choice was made, runs on that one."""
+    import jax
+
+    from rlax_core.config import ConfigError
+
+    try:
+        backend = str(jax.default_backend())
+    except Exception as error:  # RuntimeError, or an AssertionError for a missing plugin
+        raise ConfigError(
+            f"{field} = {platform!r}: JAX cannot start that platform on this machine "
+            f"({type(error).__name__}: {str(error)[:300]})"
+        ) from None
+    wanted = platform.split(",")[0].strip().lower()
+    if wanted and _BACKEND_OF.get(wanted, wanted) != backend:
+        raise ConfigError(f"{field} = {platform!r}, but JAX runs on {backend!r} in this process")
+    return backend
 
 
 def use_compile_cache(config: RunConfig) -> None:

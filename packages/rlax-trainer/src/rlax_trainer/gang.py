@@ -24,7 +24,7 @@ import numpy as np
 
 from rlax_core.config import ConfigError, RunConfig
 
-__all__ = ["Gang", "gang_mesh", "join_gang"]
+__all__ = ["Gang", "gang_mesh", "join_gang", "mesh_axes"]
 
 log = logging.getLogger("rlax.trainer")
 
@@ -138,18 +138,32 @@ def gang_mesh(config: RunConfig) -> Any:
 
     from rlax_trainer.sharding import MeshConfig, make_mesh
 
-    axes = dict(config.trainer.mesh)
-    if config.trainer.hosts == 1 and not axes:
+    if config.trainer.hosts == 1 and not config.trainer.mesh:
         return None
-    devices = jax.device_count()
-    if "fsdp" not in axes:
-        rest = axes.get("data", 1) * axes.get("tensor", 1)
-        if devices % rest:
-            raise ConfigError(
-                f"trainer.mesh = {axes}: data x tensor = {rest} does not divide {devices} devices"
-            )
-        axes["fsdp"] = devices // rest
+    axes = mesh_axes(config, jax.device_count())
     try:
         return make_mesh(MeshConfig(**axes))
     except ValueError as error:
         raise ConfigError(f"trainer.mesh = {dict(config.trainer.mesh)}: {error}") from None
+
+
+def mesh_axes(config: RunConfig, devices: int) -> dict[str, int]:
+    """The (data, fsdp, tensor) sizes of `trainer.mesh` over `devices` devices (`fsdp`, when
+    not named, takes the devices left); a `ConfigError` when they cannot use exactly those
+    devices. `rlax launch` asks this of a count taken before anything starts."""
+    asked = dict(config.trainer.mesh)
+    axes = {"data": 1, "tensor": 1, **asked}
+    where = f"{devices} device(s) of platform {config.trainer.platform or 'default'!r}"
+    if config.trainer.hosts > 1:
+        where += f" over trainer.hosts = {config.trainer.hosts}"
+    if "fsdp" not in axes:
+        rest = axes["data"] * axes["tensor"]
+        if devices % rest:
+            raise ConfigError(f"trainer.mesh = {asked}: data x tensor = {rest} does not divide the {where}")
+        axes["fsdp"] = devices // rest
+    need = axes["data"] * axes["fsdp"] * axes["tensor"]
+    if need != devices:
+        raise ConfigError(
+            f"trainer.mesh = {asked}: data x fsdp x tensor = {need} devices, but the trainer has {where}"
+        )
+    return axes

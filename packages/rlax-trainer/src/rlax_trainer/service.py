@@ -47,7 +47,7 @@ from rlax_core.control import (
 )
 from rlax_core.fsutil import append_line
 from rlax_core.links import ControlClient
-from rlax_trainer.gang import Gang, gang_mesh, join_gang
+from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
 
 __all__ = ["TrainerLoop", "check", "learner_config", "main", "run"]
@@ -536,14 +536,22 @@ def check(config: RunConfig, process_id: int = 0, *, backend: bool = True) -> No
     before JAX starts its backend; `run` checks the rest once it has joined)."""
     from rlax_core.config import ConfigError
     from rlax_data.run_task import build_task
-    from rlax_model.run_model import checked_model_config
+    from rlax_model.run_model import checked_model_config, require_platform
 
-    select_platform(config.trainer.platform)  # before anything imports JAX
+    select_platform(config.trainer.platform)  # before JAX starts a backend
     hosts = config.trainer.hosts
     if not 0 <= process_id < hosts:
         raise ConfigError(f"--process-id {process_id}: trainer.hosts = {hosts} (ids 0..{hosts - 1})")
     if not backend:
         return
+    import jax
+
+    # The platform asked for, or an error: never a run on another device. Then the mesh
+    # over the gang's devices (a gang not joined yet, as in `rlax launch`'s preflight,
+    # counts this host's devices once per host).
+    require_platform(config.trainer.platform, "trainer.platform")
+    joined = jax.process_count() > 1
+    mesh_axes(config, jax.device_count() if joined else jax.local_device_count() * hosts)
     for mode in ["rl", "sft"] if config.trainer.sft_steps else ["rl"]:
         rejected_by("the trainer", functools.partial(learner_config, config, mode=mode))
     task = rejected_by("the task (data.*)", lambda: build_task(config))
