@@ -9,6 +9,9 @@ metrics.
   default) they are the same run: the same rollout ids and rewards at every step, the same
   trainer metrics and the same final weights. The killed run checkpoints only every third
   step (`trainer.checkpoint_every`): its restarted trainer replays its batch journal.
+- No run here may hide a crash: `launch` fails on any exit of a component that neither a
+  chaos kill nor the test's own kills explain, with that component's traceback
+  (`rlax_controller.testing.check_no_unplanned_restarts`).
 - Staleness: with k = 1 no trained rollout is more than one version old; with
   (j, k) = (4, 8) a worker reloads weights only every 4 or more versions; with k = 0 every
   trained rollout comes from the current weights.
@@ -30,6 +33,7 @@ import pytest
 from tiny_run import DEMO_CONFIG, TINY_RUN
 
 from rlax_controller.metrics import latest_per_step, read_metrics
+from rlax_controller.testing import check_no_unplanned_restarts
 
 STEPS = 10
 BASE = [
@@ -52,7 +56,8 @@ def launch(
 ) -> dict[str, Any]:
     """Run `rlax launch config` (with the `base` overrides, `BASE` by default, then `extra`)
     to completion; `kills`: (step, process name) SIGKILLed once the run's metrics reach that
-    step. Returns what the run left behind."""
+    step. Fails on any other exit of a component (a crash the supervisor restarted), with its
+    traceback. Returns what the run left behind."""
     cmd = [
         sys.executable,
         "-m",
@@ -91,6 +96,7 @@ def launch(
                 proc.wait()
     assert proc.returncode == 0, output[-4000:]
     assert not pending, f"the run finished before these kills: {pending}"
+    check_no_unplanned_restarts(out, caused=killed)
     events = [json.loads(line) for line in (out / "logs" / "events.jsonl").read_text().splitlines()]
     return {
         "dir": out,

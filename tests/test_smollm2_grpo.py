@@ -27,6 +27,7 @@ import sys
 import pytest
 
 from rlax_controller.metrics import latest_per_step, read_metrics
+from rlax_controller.testing import check_no_unplanned_restarts
 
 STEPS = 20
 CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "smollm2-cpu.yaml"
@@ -51,6 +52,7 @@ def launch(out: pathlib.Path, *overrides: str, timeout_s: float = 3600.0) -> lis
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 0, output[-4000:]
+    check_no_unplanned_restarts(out)  # a crash the supervisor restarted fails the test
     return latest_per_step(read_metrics(out / "metrics.jsonl", kind="train"))
 
 

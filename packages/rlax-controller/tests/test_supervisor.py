@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 from child_processes import alive, events, py
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
+from rlax_controller.testing import check_no_unplanned_restarts, unplanned_restarts
 from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
 FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
@@ -170,6 +173,8 @@ def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) 
     log = events(tmp_path / "logs")
     for name, _ in report.chaos_kills:
         assert any(e["event"] == "exit" and e["name"] == name and e["chaos"] for e in log)
+    check_no_unplanned_restarts(report)  # every exit was chaos's
+    check_no_unplanned_restarts(tmp_path)
     # Every chaos victim was started again.
     n_starts = len(list(starts.iterdir()))
     assert n_starts >= 4 + len({n for n, _ in report.chaos_kills}) - 1
@@ -214,3 +219,77 @@ def test_components_start_with_two_malloc_arenas_unless_the_user_chose(
     )
     assert sup.run(install_signal_handlers=False).success
     assert out.read_text() == expected
+
+
+def test_an_unplanned_crash_is_restarted_but_the_check_fails_with_its_traceback(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Issue 29: the controller died of an AssertionError, was restarted, and the chaos test
+    passed. The run still finishes here; the check every such test makes does not."""
+    marker = tmp_path / "crashed"
+    crashing = py(
+        f"""
+        import pathlib, time
+        print("worker starting", flush=True)
+        marker = pathlib.Path({str(marker)!r})
+        if not marker.exists():
+            marker.touch()
+            def dispatch(groups):
+                assert groups, "a group released under the loop"
+            dispatch([])
+        time.sleep(120)
+        """
+    )
+    specs = [
+        ProcessSpec("worker0", "worker", crashing),
+        ProcessSpec("trainer", "trainer", py("import time; time.sleep(120)")),
+        ProcessSpec("main", "controller", py("import time; time.sleep(2.0)"), completes_run=True),
+    ]
+    chaos = ChaosConfig(interval=0.3, seed=0, targets=["trainer"], max_kills=1)
+    report = Supervisor(specs, tmp_path / "logs", FAST, chaos).run(install_signal_handlers=False)
+    assert report.success and report.restarts["worker0"] == 1  # the run itself saw nothing wrong
+    assert [n for n, _ in report.chaos_kills] == ["trainer"]
+    [crash] = report.unplanned_restarts  # the chaos kill is planned, the crash is not
+    assert (crash.name, crash.role, crash.code) == ("worker0", "worker", 1)
+    assert "unplanned exits: 1 (worker0 (code 1))" in report.render()
+    for source in (report, tmp_path, tmp_path / "logs"):  # in process, or from events.jsonl
+        assert unplanned_restarts(source) == [crash]
+        with pytest.raises(AssertionError) as info:
+            check_no_unplanned_restarts(source)
+        message = str(info.value)
+        assert "worker0 (worker) exited with code 1" in message
+        assert "Traceback (most recent call last)" in message
+        assert "AssertionError: a group released under the loop" in message
+        assert message.count("worker starting") == 1  # that life's log, not the next one's
+
+
+def test_kills_the_test_made_itself_are_excused_once_each(tmp_path: pathlib.Path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    child = py(
+        f"""
+        import os, pathlib, time
+        pathlib.Path({str(pids)!r}, str(os.getpid())).touch()
+        time.sleep(120)
+        """
+    )
+    specs = [
+        ProcessSpec("worker0", "worker", child),
+        ProcessSpec("main", "controller", py("import time; time.sleep(3.0)"), completes_run=True),
+    ]
+
+    def kill_twice() -> None:  # the test's own kills, from outside the supervisor
+        for count in (1, 2):
+            while len(list(pids.iterdir())) < count:
+                time.sleep(0.02)
+            newest = max(pids.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+            os.killpg(int(newest.name), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_twice, daemon=True)
+    killer.start()
+    report = Supervisor(specs, tmp_path / "logs", FAST).run(install_signal_handlers=False)
+    killer.join(timeout=10)
+    assert report.success and [u.code for u in report.unplanned_restarts] == [-signal.SIGKILL] * 2
+    check_no_unplanned_restarts(report, caused=["worker0", "worker0"])
+    with pytest.raises(AssertionError, match=r"worker0 \(worker\) killed by signal 9"):
+        check_no_unplanned_restarts(report, caused=["worker0"])  # one kill more than the test made

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 from child_processes import alive, events, py
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
+from rlax_controller.testing import check_no_unplanned_restarts
 from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 
 POLICY = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0)
@@ -92,6 +94,10 @@ def test_a_member_exit_stops_and_restarts_the_whole_gang(tmp_path: pathlib.Path)
     restarted_at = min(i for i, e in enumerate(log) if e["event"] == "start" and e["restarts"] == 1)
     assert all(log.index(exits[n]) < restarted_at for n in exits)
     assert log.index(restart) < restarted_at
+    # One unplanned exit: the crash; the members stopped with it are its consequence.
+    assert [(u.name, u.code) for u in report.unplanned_restarts] == [("trainer1", 3)]
+    with pytest.raises(AssertionError, match=r"trainer1 \(trainer\) exited with code 3"):
+        check_no_unplanned_restarts(report)
 
 
 def test_the_restart_limit_counts_gang_restarts_not_member_exits(tmp_path: pathlib.Path) -> None:
@@ -158,4 +164,5 @@ def test_a_chaos_kill_of_one_member_restarts_the_gang_without_counting_a_failure
     [restart] = [e for e in events(tmp_path / "logs") if e["event"] == "gang_restart"]
     assert restart["cause"] == victim and restart["chaos"] and restart["failures"] == 0
     assert report.restarts == {"trainer0": 1, "trainer1": 1, "main": 0}
+    check_no_unplanned_restarts(report)  # the kill and the member stopped with it are planned
     assert all(not alive(pid) for _, pid in started(starts))

@@ -19,7 +19,7 @@ from rlax_controller.scheduling import (
     ScoredSample,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotError, SnapshotStore
-from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
+from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport, UnplannedRestart
 from rlax_core.config import (
     ConfigError,
     RunConfig,
@@ -56,6 +56,7 @@ __all__ = [
     "Supervisor",
     "SupervisorReport",
     "TrainBatch",
+    "UnplannedRestart",
     "apply_overrides",
     "build_specs",
     "dump_config",

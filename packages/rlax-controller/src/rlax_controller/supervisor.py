@@ -13,6 +13,14 @@ restart together once every member is down (`gang_restart` event); `max_restarts
 the gang's restarts after failures, not the N exits one failure causes. Chaos mode SIGKILLs a random component at seeded random moments; each round
 of kills visits every targeted role once, in a shuffled order, so a short run still
 hits all of them. Every start, exit, restart and kill is appended to `events.jsonl`.
+
+Planned and unplanned exits. A chaos kill is planned, and so is the completing process's
+clean exit; every other exit (a crash, a component that exited on its own, one killed from
+outside) is unplanned: its `exit` event says `unplanned: true` and carries the end of what
+that life wrote to its log (its traceback), and `SupervisorReport.unplanned_restarts` lists
+them. Members of a gang stopped because another member exited are that exit's consequence,
+not unplanned exits of their own. A run that is restarted after a crash still finishes; what
+a chaos or end-to-end test makes of the crash is `rlax_controller.testing`'s check.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from typing import Any
 from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
 from rlax_core.fsutil import append_line_durable
 
-__all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport"]
+__all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport", "UnplannedRestart"]
+
+# Lines of a life's log that an unplanned exit carries (a traceback and what led to it).
+UNPLANNED_TAIL_LINES = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +72,35 @@ class ManagedProcess:
     restart_at: float | None = None
     killed_by_chaos: bool = False
     exit_codes: list[int] = dataclasses.field(default_factory=list)
+    log_offset: int = 0  # where this life's output starts in its log file
 
     @property
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
 
+@dataclasses.dataclass(frozen=True)
+class UnplannedRestart:
+    """An exit that neither chaos nor the run's end explains: which process, its exit code
+    (negative: the signal that killed it), and the end of that life's log (its traceback)."""
+
+    name: str
+    role: str
+    code: int
+    log_tail: str
+
+    def describe(self) -> str:
+        how = f"killed by signal {-self.code}" if self.code < 0 else f"exited with code {self.code}"
+        tail = self.log_tail.strip() or "(its log of that life is empty)"
+        indented = "\n".join(f"    {line}" for line in tail.splitlines())
+        return f"{self.name} ({self.role}) {how}; the end of its log:\n{indented}"
+
+
 @dataclasses.dataclass
 class SupervisorReport:
     """How a run ended. `config_error`: a component rejected its config (exit code
-    `EXIT_CONFIG_ERROR`); `reason` then carries that component's message."""
+    `EXIT_CONFIG_ERROR`); `reason` then carries that component's message.
+    `unplanned_restarts`: every exit that was not a chaos kill nor the run's end, in order."""
 
     success: bool
     reason: str
@@ -79,6 +109,7 @@ class SupervisorReport:
     exit_codes: dict[str, list[int]]
     log_dir: pathlib.Path
     config_error: bool = False
+    unplanned_restarts: list[UnplannedRestart] = dataclasses.field(default_factory=list)
 
     def render(self) -> str:
         lines = [f"run {'finished' if self.success else 'stopped'}: {self.reason}"]
@@ -89,6 +120,9 @@ class SupervisorReport:
             lines.append(
                 f"  chaos kills: {len(self.chaos_kills)} ({', '.join(n for n, _ in self.chaos_kills)})"
             )
+        if self.unplanned_restarts:
+            names = ", ".join(f"{u.name} (code {u.code})" for u in self.unplanned_restarts)
+            lines.append(f"  unplanned exits: {len(self.unplanned_restarts)} ({names})")
         lines.append(f"  logs: {self.log_dir}")
         return "\n".join(lines)
 
@@ -112,9 +146,12 @@ class _Gang:
     started_at: float = 0.0
 
 
-def _tail(path: pathlib.Path, lines: int = 15) -> str:
+def _tail(path: pathlib.Path, lines: int = 15, *, offset: int = 0) -> str:
+    """The last `lines` lines of `path` from byte `offset` on (one life's output)."""
     try:
-        text = path.read_text(errors="replace")
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            text = handle.read().decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
@@ -152,6 +189,7 @@ class Supervisor:
         self._chaos_round: list[str] = []
         self._next_kill = 0.0
         self.chaos_kills: list[tuple[str, str]] = []
+        self.unplanned: list[UnplannedRestart] = []
 
     # -- events -------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> None:
@@ -161,6 +199,7 @@ class Supervisor:
     # -- process control ----------------------------------------------------------------
     def _start(self, proc: ManagedProcess) -> None:
         log = open(self.log_dir / f"{proc.spec.name}.log", "ab")
+        proc.log_offset = log.seek(0, os.SEEK_END)
         # glibc gives every thread that allocates its own malloc arena and keeps what they
         # free: orbax's writer threads grew the trainer's RSS by ~0.7 GB per checkpoint
         # (SmolLM2: 3.8 -> 6.6 GB in four steps; stable at 4.2 GB with two arenas).
@@ -255,12 +294,22 @@ class Supervisor:
         proc.exit_codes.append(code)
         by_chaos = proc.killed_by_chaos
         gang = self._gangs.get(proc.spec.gang)
+        log_path = self.log_dir / f"{proc.spec.name}.log"
         fields: dict[str, Any] = {} if gang is None else {"gang": gang.name, "gang_stop": gang.stopping}
+        completes = proc.spec.completes_run and code == 0
+        if not (by_chaos or completes or (gang is not None and gang.stopping)):
+            unplanned = UnplannedRestart(
+                proc.spec.name,
+                proc.spec.role,
+                code,
+                _tail(log_path, UNPLANNED_TAIL_LINES, offset=proc.log_offset),
+            )
+            self.unplanned.append(unplanned)
+            fields.update(unplanned=True, log_tail=unplanned.log_tail)
         self._event("exit", name=proc.spec.name, role=proc.spec.role, code=code, chaos=by_chaos, **fields)
-        if proc.spec.completes_run and code == 0:
+        if completes:
             self._stop_reason = f"{proc.spec.name} completed the run"
             return self._finish(True, self._stop_reason)
-        log_path = self.log_dir / f"{proc.spec.name}.log"
         if code == EXIT_CONFIG_ERROR and not by_chaos:
             reason = (
                 f"{proc.spec.name} rejected its configuration (exit code {code}); not restarted, "
@@ -377,6 +426,7 @@ class Supervisor:
             exit_codes={p.spec.name: list(p.exit_codes) for p in self.procs},
             log_dir=self.log_dir,
             config_error=config_error,
+            unplanned_restarts=list(self.unplanned),
         )
 
     def run(
