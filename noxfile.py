@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import subprocess
 
 import nox
 
@@ -86,10 +87,39 @@ def run_pytest(session: nox.Session, *args: str, allow_empty: bool = False) -> N
             session.error("pytest collected no test: the suite is empty or mis-selected.")
 
 
+BWRAP_NEEDED = (
+    "the code verifier's sandbox needs bubblewrap 0.8.0 or later (`bwrap`{found}): install it "
+    "(Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install bubblewrap) and run again"
+)
+
+
+def require_bubblewrap(session: nox.Session) -> None:
+    """Stop in one line, before any install, when the sandbox's bubblewrap is missing or
+    too old (every code-verifier test would fail); install it where we can (root, apt-get)."""
+    if shutil.which("bwrap") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        session.log("bubblewrap (`bwrap`) is missing: installing it with apt-get")
+        apt_env = {"DEBIAN_FRONTEND": "noninteractive"}
+        try:
+            session.run("apt-get", "update", "-qq", external=True, env=apt_env, silent=True)
+            session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "bubblewrap",
+                        external=True, env=apt_env, silent=True)  # fmt: skip
+        except nox.command.CommandFailed:
+            pass  # said below, in one line
+    exe = shutil.which("bwrap")
+    if exe is None:
+        session.error(BWRAP_NEEDED.format(found=", not found on PATH"))
+    # --disable-userns (0.8.0) keeps a job from making user namespaces; the sandbox refuses
+    # an older bubblewrap, so would every test that runs code.
+    options = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
+    if "--disable-userns" not in options.stdout + options.stderr:
+        session.error(BWRAP_NEEDED.format(found=f"; {exe} is older, without --disable-userns"))
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """Every package's unit tests and the root integration tests, on the CPU; then the
     lint, type and JAX-free-install checks, so that CI (`.ci/run`) gates on all of them."""
+    require_bubblewrap(session)
     for gate in ("lint", "typecheck", "protocol_alone", "node_installs"):
         session.notify(gate)
     install_checkout(session, reference=True)

@@ -1,7 +1,11 @@
 """Child-side runner, executed inside the sandbox (never imported by the verifier).
 
 `sandbox.py` runs `python -I -S -c <plain_values.py + this file> REQUEST_FD REPLY_FD
-STATUS_FD`.
+STATUS_FD [SCRATCH]`. With SCRATCH (bubblewrap jobs: JSON {"paths", "bytes", "files"}),
+the runner first mounts one tmpfs bounded in bytes and in files and binds a folder of it
+on each of those paths (so they share the bounds), in a mount namespace of its own, then
+drops every capability (bubblewrap leaves it CAP_SYS_ADMIN of the job's user namespace for
+this alone) and checks that none is left, before it reads the program.
 Nothing here is trusted by the judging side: the program runs in this same process and
 may rewrite any of it. The design does not need it to be trusted, because
 - the expected values never enter the sandbox (only call arguments do), and
@@ -173,8 +177,60 @@ def _exit_code(exc):
     return 1
 
 
+def _mount_scratch(scratch):
+    """Mount the job's writable folders (folders of one bounded tmpfs), then drop every
+    capability. Any failure ends the job: a job with unbounded folders, or that keeps a
+    capability, does not run."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc, what):
+        if rc != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"{what}: {os.strerror(code)}")
+
+    clone_newns, ms_nosuid, ms_nodev, ms_bind = 0x00020000, 0x2, 0x4, 0x1000
+    # A mount namespace of our own: bubblewrap's belongs to the user namespace above ours
+    # (--disable-userns nests one), where our capability does not reach.
+    check(libc.unshare(clone_newns), "unshare(CLONE_NEWNS)")
+    options = f"size={int(scratch['bytes'])},nr_inodes={int(scratch['files'])},mode=0755".encode()
+    # The tmpfs goes on the last path first; each path then gets a folder of it, the last
+    # path's over the tmpfs itself (which stays mounted underneath, out of sight).
+    paths = scratch["paths"]
+    base = paths[-1]
+    check(
+        libc.mount(b"tmpfs", base.encode(), b"tmpfs", ms_nosuid | ms_nodev, options), f"mount tmpfs on {base}"
+    )
+    for i in range(len(paths)):
+        os.mkdir(f"{base}/{i}", 0o755)
+    for i, path in enumerate(paths):
+        check(libc.mount(f"{base}/{i}".encode(), path.encode(), None, ms_bind, None), f"bind {path}")
+    os.chdir("/work")
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; two words each
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    pr_set_no_new_privs, pr_cap_ambient, pr_cap_ambient_clear_all = 38, 47, 4
+    check(libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    check(libc.prctl(pr_cap_ambient, pr_cap_ambient_clear_all, 0, 0, 0), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+    check(libc.capset(ctypes.byref(header), sets), "capset")
+    left = (ctypes.c_uint32 * 6)(*([1] * 6))
+    check(libc.capget(ctypes.byref(Header(0x20080522, 0)), left), "capget")
+    if any(left):
+        raise OSError(0, f"capabilities left after dropping them: {list(left)}")
+
+
 def _main():
     request_fd, reply_fd, status_fd = (int(a) for a in sys.argv[1:4])
+    if len(sys.argv) > 4:
+        try:
+            _mount_scratch(json.loads(sys.argv[4]))
+        except BaseException as exc:
+            sys.stderr.write(f"the sandbox could not set up the job's folders: {exc}\n")
+            os._exit(125)
     requests = _Lines(request_fd)
     spec = requests.next()
     # The program runs in a child; this process only reports how it ended and the CPU

@@ -4,9 +4,16 @@ see, and a uid of its own (unique on the host) when we run as root.
 With bubblewrap every job gets fresh user, pid, network, ipc, uts, cgroup and mount
 namespaces: its root is an empty tmpfs holding only read-only binds of the interpreter,
 its standard library and the system's shared libraries (every `site-packages` /
-`dist-packages` hidden under an empty tmpfs), plus a private tmpfs `/work` (cwd, HOME) and
-`/tmp`. No project file, dataset or host `/tmp` is visible; no other process on the host
-can be seen or signalled; there is no network interface but a downed loopback.
+`dist-packages` hidden under an empty tmpfs), and a minimal read-only `/dev` (null, zero,
+full, random, urandom). No project file, dataset or host `/tmp` is visible; no other
+process on the host can be seen or signalled; there is no network interface but a downed
+loopback; the job cannot make user namespaces of its own (`--disable-userns`).
+
+The job's writable folders, `/work` (cwd, HOME), `/tmp` and `/dev/shm`, are folders of
+one tmpfs bounded in bytes *and* in files (`nr_inodes`, which bubblewrap's `--tmpfs` cannot
+set): the runner mounts it itself, in a mount namespace of its own, with the one
+capability bubblewrap leaves it (CAP_SYS_ADMIN within the job's user namespace), and
+drops that capability before any program code runs (`_harness.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BWRAP_MISSING", "Interpreter", "UidPool", "bwrap_command", "find_interpreter"]
+__all__ = [
+    "BWRAP_MISSING",
+    "Interpreter",
+    "UidPool",
+    "bwrap_command",
+    "check_bwrap",
+    "find_interpreter",
+    "scratch_spec",
+]
 
 BWRAP_MISSING = (
     "sandbox.isolation='bwrap' needs bubblewrap (`bwrap`), which is not installed here: install it "
@@ -125,12 +140,52 @@ def find_interpreter(python: str, private_uid: bool) -> Interpreter:
     )
 
 
-def bwrap_command(interp: Interpreter, tmpfs_bytes: int, harness: list[str]) -> list[str]:
-    """The bubblewrap argv running `interp.executable *harness` in fresh namespaces."""
+def _bwrap() -> str:
     exe = shutil.which("bwrap")
     if exe is None:
         raise RuntimeError(BWRAP_MISSING)
-    cmd = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+    return exe
+
+
+@functools.lru_cache(maxsize=4)
+def _bwrap_options(exe: str) -> str:
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    return out.stdout + out.stderr
+
+
+def check_bwrap() -> None:
+    """Raise unless the installed bubblewrap can run jobs as this module starts them:
+    installed, and able to forbid user namespaces inside the job (`--disable-userns`,
+    bubblewrap 0.8.0 or later)."""
+    exe = _bwrap()
+    if "--disable-userns" not in _bwrap_options(exe):
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+        raise RuntimeError(
+            f"{exe} ({version.strip() or 'unknown version'}) cannot forbid user namespaces inside the "
+            "sandbox (`--disable-userns`, bubblewrap 0.8.0 or later): without it a program could "
+            "unshare one and mount unbounded file systems. Install bubblewrap 0.8.0 or later"
+        )
+
+
+# The job's writable folders: folders of one tmpfs the runner mounts (see the module docstring).
+SCRATCH = ("/work", "/tmp", "/dev/shm")
+# Device nodes a program may need; nothing else of the host's /dev.
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def scratch_spec(tmpfs_bytes: int, tmpfs_files: int) -> str:
+    """The runner's argument naming the folders to mount and their bounds."""
+    return json.dumps({"paths": list(SCRATCH), "bytes": tmpfs_bytes, "files": tmpfs_files})
+
+
+def bwrap_command(interp: Interpreter, harness: list[str]) -> list[str]:
+    """The bubblewrap argv running `interp.executable *harness` in fresh namespaces.
+    `harness` must make the runner mount `SCRATCH` (`scratch_spec`): here they are only
+    empty folders of the read-only root."""
+    cmd = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns"]
+    # The runner's own mounts need CAP_SYS_ADMIN in the job's user namespace (never the
+    # host's); it drops it before the program runs.
+    cmd += ["--cap-add", "CAP_SYS_ADMIN", "--die-with-parent", "--new-session", "--clearenv"]
     for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/work"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
         cmd += ["--setenv", key, value]
     for path in interp.binds:
@@ -140,9 +195,12 @@ def bwrap_command(interp: Interpreter, tmpfs_bytes: int, harness: list[str]) -> 
             cmd += ["--symlink", os.readlink(link), link]
     for path in interp.masks:
         cmd += ["--tmpfs", path, "--remount-ro", path]
-    cmd += ["--dev", "/dev"]
-    for path in ("/work", "/tmp"):
-        cmd += ["--size", str(tmpfs_bytes), "--tmpfs", path]
+    # A /dev of a few device nodes on the read-only root: nothing in it can be written
+    # (bubblewrap's `--dev` is an unbounded tmpfs the job owns, shared memory included).
+    for device in _DEVICES:
+        cmd += ["--dev-bind", device, device]
+    for path in SCRATCH:
+        cmd += ["--dir", path]
     cmd += ["--chdir", "/work", "--remount-ro", "/", interp.executable, "-I", "-S", *harness]
     return cmd
 

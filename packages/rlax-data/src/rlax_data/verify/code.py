@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 
 import msgspec
@@ -62,11 +63,23 @@ def jobs_for(program: str, tests: CodeTests) -> list[ExecJob]:
 
 
 class CodeVerifier:
-    """Runs all jobs of a batch through one bounded pool, then folds them per item."""
+    """Runs all jobs of a batch through one bounded pool, then folds them per item.
+
+    The sandbox is built when first used, not here: a service or a routing verifier that
+    holds a code route starts, and serves its other routes, on a host without bubblewrap;
+    the code route's items are refused, each with the error that names what to install."""
 
     def __init__(self, config: CodeConfig | None = None, sandbox: Sandbox | None = None) -> None:
         self.config = config or CodeConfig()
-        self.sandbox = sandbox or Sandbox(self.config.sandbox)
+        self._sandbox = sandbox
+        self._sandbox_lock = threading.Lock()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        with self._sandbox_lock:
+            if self._sandbox is None:
+                self._sandbox = Sandbox(self.config.sandbox)
+            return self._sandbox
 
     def program_for(self, completion: str, record: Record) -> str:
         tests = self._tests(record)

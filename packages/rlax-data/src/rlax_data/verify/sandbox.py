@@ -1,11 +1,13 @@
 """Sandboxed execution of untrusted Python programs, in parallel, judged from outside.
 
 Each job is one process, `python -I -S -c <runner>` (`_harness.py`), started through
-bubblewrap (`_isolation.py`): fresh user, pid, network, ipc, uts and mount namespaces; the
-only files it sees are the interpreter, its standard library and the system's shared
-libraries (read-only), and private tmpfs `/work` and `/tmp`. When we run as root the job
-also runs under a uid of its own, unique on the host (`UidPool`), and its processes count
-against the per-job process limit. The runner sets resource limits (CPU seconds,
+bubblewrap (`_isolation.py`): fresh user, pid, network, ipc, uts and mount namespaces, and
+no user namespace of its own; the only files it sees are the interpreter, its standard
+library and the system's shared libraries (read-only), a few device nodes, and private
+`/work`, `/tmp` and `/dev/shm`, which share one tmpfs bounded in bytes and in files. `run`
+returns only once every process of each job is gone (and reaped). When we run as root the
+job also runs under a uid of its own, unique on the host (`UidPool`), and its processes
+count against the per-job process limit. The runner sets resource limits (CPU seconds,
 address space, file size, open files, processes) before any program code runs.
 
 The verdict is decided here, never in the job: the job receives only the program and
@@ -42,7 +44,7 @@ from typing import Any, Literal
 import msgspec
 
 from rlax_data.verify import _channel, _isolation
-from rlax_data.verify._process import JobProcess
+from rlax_data.verify._process import JobProcess, await_uid_gone, processes_of
 from rlax_data.verify.plain_values import from_plain, to_plain
 
 __all__ = ["CaseOutcome", "ExecJob", "JobResult", "Sandbox", "SandboxConfig", "bwrap_available"]
@@ -59,7 +61,10 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     timeout_s: wall-clock limit per job. cpu_s: RLIMIT_CPU (whole seconds).
     memory_mb: RLIMIT_AS. file_size_mb: RLIMIT_FSIZE. max_procs: processes and threads
-    the program may have, itself included. tmpfs_mb: size of each of `/work` and `/tmp`.
+    the program may have, itself included. tmpfs_mb: what the job's files may take in all,
+    in `/work`, `/tmp` and `/dev/shm` together (shared memory is host memory: it counts
+    here like any file). tmpfs_files: files and folders they may hold in all (each costs
+    kernel memory).
     isolation: "bwrap" (required unless "process" is chosen explicitly: limits only).
     uid_base/uid_count: the host-wide pool of private uids (used when running as root).
     python: interpreter for the jobs ("" = this one, or a system one of the same version
@@ -73,6 +78,7 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_open_files: int = 64
     max_procs: int = 4
     tmpfs_mb: int = 64
+    tmpfs_files: int = 4096
     isolation: Literal["bwrap", "process"] = "bwrap"
     uid_base: int = 61000
     uid_count: int = 4096
@@ -89,6 +95,7 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             "max_open_files",
             "max_procs",
             "tmpfs_mb",
+            "tmpfs_files",
         ):
             value = getattr(self, name)
             if not value > 0:
@@ -180,12 +187,13 @@ class Sandbox:
         if c.isolation == "bwrap":
             if not bwrap_available():
                 raise RuntimeError(_isolation.BWRAP_MISSING)
+            _isolation.check_bwrap()
             self._interp = _isolation.find_interpreter(c.python, self._private_uid)
             python = self._interp.executable
             self.isolation: dict[str, Any] = {
                 "mode": "bwrap",
                 "network": "bwrap netns",
-                "filesystem": "interpreter and stdlib read-only, private tmpfs /work and /tmp",
+                "filesystem": "interpreter and stdlib read-only, /work, /tmp, /dev/shm on one bounded tmpfs",
                 "user": "private uid per job"
                 if self._private_uid
                 else "caller's uid in a per-job user namespace",
@@ -240,7 +248,7 @@ class Sandbox:
             nproc = c.max_procs + 2
         else:
             # RLIMIT_NPROC counts every process of the caller's uid: a rough cap at best.
-            nproc = _processes_of_uid(os.getuid()) + c.max_procs
+            nproc = len(processes_of(os.getuid())) + c.max_procs
         return {
             "cpu_s": c.cpu_s,
             "as_bytes": c.memory_mb << 20,
@@ -254,6 +262,10 @@ class Sandbox:
             # The program and the tests (if a script) run in two sandboxes, as two uids.
             n_uids = 2 if job.mode == "tests" and job.script else 1
             uids = [stack.enter_context(self._uids.lease()) if self._uids else None for _ in range(n_uids)]
+            for uid in uids:
+                if uid is not None:
+                    # Runs after the jobs are closed, before their uids go back to the pool.
+                    stack.callback(_release_check, uid)
             t0 = time.monotonic()
             timeout = job.timeout_s or self.config.timeout_s
             program = self._start(uids[0], job.stdin.encode(), t0 + timeout)
@@ -272,10 +284,11 @@ class Sandbox:
             return ["-c", _RUNNER, str(request_fd), str(reply_fd), str(status_fd)]
 
         if c.isolation == "bwrap":
+            scratch = _isolation.scratch_spec(c.tmpfs_mb << 20, c.tmpfs_files)
             return JobProcess(
-                lambda *fds: _isolation.bwrap_command(self._interp, c.tmpfs_mb << 20, harness(*fds)),
+                lambda *fds: _isolation.bwrap_command(self._interp, [*harness(*fds), scratch]),
                 uid=uid, stdin=stdin, deadline=deadline, max_bytes=c.max_output_bytes,
-                env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                env={"PATH": "/usr/bin:/bin"}, cwd="/", pid_namespace=True,
             )  # fmt: skip
         workdir = tempfile.mkdtemp(prefix="rlax-sandbox-")
         return JobProcess(
@@ -446,6 +459,11 @@ class Sandbox:
             return f" (process limit {c.max_procs})"
         if code == errno.EMFILE:
             return f" (open files limit {c.max_open_files})"
+        if code == errno.ENOSPC and c.isolation == "bwrap":
+            return (
+                f" (the job's files limit: {c.tmpfs_mb} MB and {c.tmpfs_files} files in all of "
+                "/work, /tmp and /dev/shm)"
+            )
         return ""
 
     def _exit_reason(self, rc: int, cpu_used: float, stderr: str) -> tuple[str, str]:
@@ -457,10 +475,8 @@ class Sandbox:
                 return "ok", ""
             last = stderr.strip().splitlines()[-1:] or [""]
             kind = last[0].split(":", 1)[0]
-            code = (
-                errno.EFBIG
-                if "[Errno 27]" in last[0]
-                else (errno.EAGAIN if "[Errno 11]" in last[0] else None)
+            code = next(
+                (n for n in (errno.EFBIG, errno.EAGAIN, errno.ENOSPC) if f"[Errno {n}]" in last[0]), None
             )
             label = self._limit_label({"type": kind, "errno": code})
             return "crashed", f"exit status {rc}: {last[0][-300:]}{label}"
@@ -477,15 +493,13 @@ class Sandbox:
         return "crashed", f"killed by {name}"
 
 
-def _processes_of_uid(uid: int) -> int:
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                count += entry.stat().st_uid == uid
-            except OSError:
-                continue
-    return count
+def _release_check(uid: int) -> None:
+    """A private uid goes back to the pool only with no process left: stopping a job
+    already waited for its pid namespace to empty; this kills and waits for anything of
+    the uid that is still there (a job whose stopping went wrong)."""
+    left = await_uid_gone(uid, timeout_s=2.0)
+    if left:
+        log.error("sandbox uid %d still has processes %s after its job was stopped", uid, left)
 
 
 def _case_ids(job: ExecJob) -> list[str | int]:
