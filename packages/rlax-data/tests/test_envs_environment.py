@@ -97,11 +97,13 @@ def test_a_hermes_trajectory_shows_errors_to_the_model():
     assert env.step("The answer is 1913937.") == EnvStep("", done=True, reward=None)
 
 
-def test_long_results_are_cut_and_counted_but_not_failures():
+def test_long_results_are_cut_and_counted_as_tool_errors():
+    # The model still reads the cut result, but the call counts as failed (issue 29: a
+    # too_large result used to leave tool_errors at 0, contrary to the README).
     env = ToolEnvironment([Echo(times=1000)], HermesToolFormat(), max_result_chars=50)
     env.reset(RECORD)
     step = env.step(hermes("echo", text="ab"))
-    assert (step.tool_calls, step.tool_errors, step.error) == (1, 0, "too_large")
+    assert (step.tool_calls, step.tool_errors, step.error) == (1, 1, "too_large")
     assert (
         step.observation
         == "<tool_response>\n" + "ab" * 25 + "\n[truncated: 1950 more characters]\n</tool_response>"

@@ -183,3 +183,33 @@ def test_a_hanging_environment_times_out_and_the_service_answers_the_next_reques
         counting_envs.HANG.set()
         client.close()
         service.stop()
+
+
+def test_twenty_hung_steps_do_not_take_the_service_threads(stateful):
+    """Issue 29: the service's 8 fixed threads stayed blocked in hung steps, and every
+    later step (a calculator's too) timed out."""
+    import importlib
+
+    from rlax_data.envs.remote import EnvStepServer
+
+    hang = importlib.import_module("counting_envs").HANG
+    hang.clear()  # an earlier test may have released it (the module is imported once)
+    server = EnvStepServer(threads=8, allowed_paths=[stateful])
+    options = msgspec.json.encode(EnvOptions(format="bracket")).decode()
+    record = msgspec.json.encode(RECORD).decode()
+
+    def ask(environment: str, turn: str, wait_s: float):
+        request = rp.EnvStepRequest(request_id=turn, environment=environment, record=record,
+                                    turns=(turn,), options=options, timeout_s=wait_s)  # fmt: skip
+        return server.answer(request, server.submit(request), wait_s)
+
+    try:
+        for _ in range(20):
+            reply = ask(stateful, "hang", 0.02)
+            assert isinstance(reply, rp.RemoteError) and reply.code == "timeout"
+        reply = ask("calculator", "[6*7]", 10.0)
+        assert isinstance(reply, rp.EnvStepResult) and reply.observation == "(42)"
+        assert server.abandoned == 20 and server.stats["env_errors"] == 20
+    finally:
+        hang.set()
+        server.close()

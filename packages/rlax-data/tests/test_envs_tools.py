@@ -290,25 +290,84 @@ def test_a_hung_tool_times_out_and_its_thread_is_abandoned():
     assert stuck and all(t.daemon for t in stuck)
 
 
-def test_a_flood_of_hung_tools_cannot_start_more_threads_than_the_limit():
+def test_hung_tools_give_back_their_slots_and_abandoned_threads_are_bounded():
+    # Issue 29: a hung call used to keep its slot until the tool returned, so after
+    # max_threads hung calls (64 by default) even the calculator timed out.
     release = threading.Event()
-    threads = ToolThreads(max_threads=2)
+    threads = ToolThreads(max_threads=2, max_abandoned=21)
     try:
         before = threading.active_count()
-        for _ in range(2):
-            assert (
-                run_fake(lambda a: release.wait(30) and "late", timeout_s=0.1, threads=threads).error
-                == "timeout"
-            )
-        # Both slots are held: the next calls cannot start, and no thread is made for them.
-        for _ in range(5):
-            got = run_fake(lambda a: "never runs", timeout_s=0.1, threads=threads)
-            assert got.error == "timeout" and "could not start within 0.1 s" in got.text
-        assert threading.active_count() <= before + 2
+        for _ in range(20):
+            got = run_fake(lambda a: release.wait(60) and "late", timeout_s=0.05, threads=threads)
+            assert got.error == "timeout" and "did not finish within 0.05 s" in got.text
+        assert threads.abandoned == 20
+        # Capacity never shrank: a quick call still runs at once.
+        assert run_tool(CalculatorTool(), ToolCall("calculator", {"expression": "6*7"}), timeout_s=5.0,
+                        max_result_chars=100, threads=threads) == ToolResult(text="42", ok=True)  # fmt: skip
+        # But the hung threads are bounded: past max_abandoned, calls are refused at once
+        # (a counted timeout) and no thread is made for them.
+        assert (
+            run_fake(lambda a: release.wait(60) and "late", timeout_s=0.05, threads=threads).error
+            == "timeout"
+        )
+        assert threads.abandoned == 21
+        got = run_fake(lambda a: "never runs", timeout_s=5.0, threads=threads)
+        assert got.error == "timeout" and "too many earlier tool calls hung" in got.text
+        assert threading.active_count() <= before + 21
     finally:
         release.set()
-    # Once the hung calls return, their slots are free again.
+    # Once the hung calls return, their threads end and calls run again.
+    _wait_for(lambda: threads.abandoned == 0)
     assert run_fake(lambda a: "ok", timeout_s=5.0, threads=threads) == ToolResult(text="ok", ok=True)
+
+
+def test_seventy_hung_calls_do_not_stop_the_calculator_of_a_tool_environment():
+    """The process-wide launcher (64 threads) after more hung calls than it has threads."""
+    from rlax_data.envs import HermesToolFormat, ToolEnvironment
+    from rlax_data.envs.tools import _THREADS
+
+    release = threading.Event()
+    hang = FakeTool(lambda a: release.wait(60) and "late", name="hang")
+    fmt = HermesToolFormat()
+    env = ToolEnvironment([hang, CalculatorTool()], fmt, tool_timeout_s=0.05)
+    try:
+        for _ in range(_THREADS.max_threads + 6):
+            step = env.step(fmt.render_call(ToolCall("hang", {"x": "1"})))
+            assert (step.error, step.tool_errors) == ("timeout", 1)
+        step = env.step(fmt.render_call(ToolCall("calculator", {"expression": "6*7"})))
+        assert (step.observation, step.error, step.tool_errors) == (
+            "<tool_response>\n42\n</tool_response>",
+            "",
+            0,
+        )
+    finally:
+        release.set()
+
+
+def test_a_busy_looping_tool_is_interrupted_after_its_deadline():
+    threads = ToolThreads(max_threads=1)
+    stopped = threading.Event()
+
+    def spin(arguments):
+        try:
+            while True:
+                pass
+        finally:
+            stopped.set()
+
+    assert run_fake(spin, timeout_s=0.05, threads=threads).error == "timeout"
+    # The abandoned thread got WorkAbandoned and ended: it no longer competes for the GIL.
+    assert stopped.wait(30)
+    assert run_fake(lambda a: "ok", timeout_s=5.0, threads=threads) == ToolResult(text="ok", ok=True)
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true"
+        time.sleep(0.01)
 
 
 def test_a_hung_tool_does_not_hold_up_the_process_exit():

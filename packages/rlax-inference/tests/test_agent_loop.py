@@ -222,7 +222,7 @@ def test_a_hanging_environment_ends_its_trajectory_and_the_engine_keeps_going():
         loop.close()
 
 
-def test_an_environment_that_raises_ends_its_trajectory():
+def test_an_environment_that_raises_ends_its_trajectory_and_counts():
     engine = make_engine()
     loop = AgentLoop(lambda: engine, IdCodec(lambda: ScriptedEnv(fail=True)), max_model_len=128)
     req, params = request(prompt_of(12), n=2)
@@ -230,6 +230,7 @@ def test_an_environment_that_raises_ends_its_trajectory():
     [(_, _, samples, _)] = drive(engine, loop)
     assert [s.end for s in samples] == ["error", "error"]
     assert all(sum(s.model_mask) == len(s.token_ids) == TURN_TOKENS for s in samples)
+    assert [s.tool_errors for s in samples] == [1, 1] and loop.tool_error_counts == {"step_crash": 2}
 
 
 def test_cancel_mid_trajectory_aborts_its_turns_and_frees_blocks():
@@ -259,3 +260,159 @@ def test_an_unknown_environment_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="nope"):
         loop.start(0, bad, params)
     assert not loop.active and not engine.has_unfinished
+
+
+# -- hostile environments (issue 29) ------------------------------------------------------
+
+
+def test_twenty_hung_steps_do_not_take_the_threads_of_later_trajectories():
+    # Eight fixed threads used to stay blocked in hung steps: after 8 of them every later
+    # trajectory, even with an instant environment, ended `error`.
+    release = threading.Event()
+    engine = make_engine(max_num_seqs=32, num_blocks=256)
+    hanging = IdCodec(lambda: ScriptedEnv(hang=release))
+    loop = AgentLoop(lambda: engine, hanging, max_model_len=128, env_threads=8)
+    try:
+        req, params = request(prompt_of(12), n=20, timeout=0.02, request_id="hung")
+        loop.start(0, req, params)
+        [(_, _, samples, _)] = drive(engine, loop)
+        assert [s.end for s in samples] == ["error"] * 20
+        # An instant environment on the same loop: its trajectories run to their answer.
+        hanging.make_env = ScriptedEnv
+        req, params = request(prompt_of(12, seed=5), n=4, timeout=0.02, request_id="instant")
+        loop.start(1, req, params)
+        [(_, _, instant, _)] = drive(engine, loop)
+        assert [s.end for s in instant] == ["answer"] * 4
+        assert all(s.turns == 3 and s.tool_errors == 0 for s in instant)
+        # The hung steps are counted, and their threads (blocked in a C wait, which the
+        # interrupt cannot reach) are abandoned, not waited for.
+        assert all(s.tool_errors == 1 for s in samples)
+        assert loop.tool_error_counts == {"step_timeout": 20}
+        assert loop.abandoned_steps == 20
+    finally:
+        release.set()
+        loop.close()
+
+
+class SpyCodec(IdCodec):
+    """IdCodec that records the length of every observation it is asked to encode."""
+
+    max_token_chars = 10  # a bound, as a BPE tokenizer's longest token is (this codec needs 3)
+
+    def __init__(self, make_env):
+        super().__init__(make_env)
+        self.encoded: list[int] = []
+
+    def env_turn_ids(self, observation, *, after_end_of_turn):
+        self.encoded.append(len(observation))
+        return [int(t) for t in observation.split(",") if t]
+
+
+def test_a_ten_megabyte_observation_is_refused_from_its_length_and_counted():
+    flood = "1," * 5_000_000  # 10 MB, 5M tokens
+    engine = make_engine()
+    codec = SpyCodec(lambda: ScriptedEnv(observations=([0],)))
+    codec.make_env = lambda: FloodEnv(flood)
+    loop = AgentLoop(lambda: engine, codec, max_model_len=128)
+    req, params = request(prompt_of(10), n=1, max_total_tokens=100)
+    loop.start(0, req, params)
+    [(_, _, [sample], _)] = drive(engine, loop)
+    # Never tokenized: nothing longer than the room (94 tokens x 10 characters) is encoded.
+    assert codec.encoded == []
+    assert (sample.end, sample.turns, sample.tool_calls, sample.tool_errors) == ("max_tokens", 1, 1, 1)
+    assert len(sample.token_ids) == TURN_TOKENS
+    assert loop.tool_error_counts == {"too_large": 1}
+
+
+class FloodEnv:
+    name = "scripted"
+
+    def __init__(self, observation, *, error=""):
+        self.observation = observation
+        self.error = error
+
+    def reset(self, record):
+        return ""
+
+    def step(self, model_turn):
+        return Step(self.observation, done=False, tool_calls=1)
+
+
+@pytest.mark.parametrize(
+    ("observation", "encoded"),
+    [
+        # Within the length bound (94 tokens x 10 characters) but far over on a prefix:
+        # only the prefix (4 characters per token left + 256) is tokenized.
+        ("1," * 400, [4 * 94 + 256]),
+        # The first prefix fits (63 long ids), the next is past the end: then the whole.
+        ("999999999," * 63 + "1," * 150, [632, 930]),
+        # Short enough to tokenize whole, and 120 tokens for the 94 left.
+        ("1," * 120, [240]),
+    ],
+)
+def test_an_observation_over_the_tokens_left_is_too_large(observation, encoded):
+    engine = make_engine()
+    codec = SpyCodec(lambda: FloodEnv(observation))
+    loop = AgentLoop(lambda: engine, codec, max_model_len=128)
+    req, params = request(prompt_of(10), n=1, max_total_tokens=100)
+    loop.start(0, req, params)
+    [(_, _, [sample], _)] = drive(engine, loop)
+    assert codec.encoded == encoded
+    assert (sample.end, sample.tool_errors) == ("max_tokens", 1)
+    assert loop.tool_error_counts == {"too_large": 1}
+
+
+@dataclass
+class KindStep:
+    observation: str
+    done: bool
+    reward: float | None = None
+    tool_calls: int = 1
+    tool_errors: int = 0
+    error: str = ""
+
+
+class KindEnv:
+    """Step 1: an error kind with tool_errors 0 (a user's environment may leave it so);
+    step 2: the answer."""
+
+    name = "scripted"
+
+    def __init__(self):
+        self.steps = [KindStep("11", done=False, error="too_large"), KindStep("", done=True, tool_calls=0)]
+
+    def reset(self, record):
+        return ""
+
+    def step(self, model_turn):
+        return self.steps.pop(0)
+
+
+def test_every_error_kind_counts_as_a_tool_error():
+    engine = make_engine()
+    loop = AgentLoop(lambda: engine, IdCodec(KindEnv), max_model_len=128)
+    req, params = request(prompt_of(10), n=2)
+    loop.start(0, req, params)
+    [(_, _, samples, _)] = drive(engine, loop)
+    assert [(s.end, s.tool_calls, s.tool_errors) for s in samples] == [("answer", 1, 1)] * 2
+    assert loop.tool_error_counts == {"too_large": 2}
+
+
+class BadRewardEnv:
+    name = "scripted"
+
+    def reset(self, record):
+        return ""
+
+    def step(self, model_turn):
+        return Step("", done=True, reward=float("nan"))
+
+
+def test_a_non_finite_reward_fails_its_step_not_the_worker():
+    engine = make_engine()
+    loop = AgentLoop(lambda: engine, IdCodec(BadRewardEnv), max_model_len=128)
+    req, params = request(prompt_of(10), n=1)
+    loop.start(0, req, params)
+    [(_, _, [sample], _)] = drive(engine, loop)
+    assert (sample.end, sample.env_reward, sample.tool_errors) == ("error", None, 1)
+    assert loop.tool_error_counts == {"step_crash": 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -34,7 +35,7 @@ class TokenizerLike(Protocol):
     @property
     def pad_id(self) -> int: ...
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+    def encode(self, text: str, *, add_bos: bool = False, special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
@@ -92,7 +93,7 @@ class _ChatRendering:
 
     if TYPE_CHECKING:
 
-        def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+        def encode(self, text: str, *, add_bos: bool = False, special_tokens: bool = True) -> list[int]: ...
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
@@ -126,6 +127,9 @@ class Tokenizer(_ChatRendering):
         chat_template: str | None = None,
     ) -> None:
         self.backend = backend
+        self._plain: tokenizers.Tokenizer | None = None  # the backend reading specials as text
+        self._plain_lock = threading.Lock()
+        self._max_token_chars: int | None = None
         self._ids: dict[str, int | None] = {}
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token)):
             tid = None if token is None else backend.token_to_id(token)
@@ -257,9 +261,13 @@ class Tokenizer(_ChatRendering):
             raise TokenizerError("tokenizer has neither pad_token nor eos_token to pad with")
         return pad
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in it map to their ids."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_bos: bool = False, special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. special_tokens: special-token strings in it map to their ids;
+        False: they are plain text, spelled by ordinary tokens, and so are the other added
+        tokens (Qwen's `<tool_call>`, `</tool_response>`): text no one in the run wrote, such
+        as a tool's output, cannot forge a turn boundary or an end of sequence."""
+        backend = self.backend if special_tokens else self._plain_backend()
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos=True but the tokenizer has no bos_token")
@@ -268,6 +276,35 @@ class Tokenizer(_ChatRendering):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (the added tokens marked special: turn markers, BOS/EOS)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def max_token_chars(self) -> int:
+        """At most how many characters of text one token stands for (the longest vocabulary
+        entry, which spells at least as many bytes as characters; doubled when a normalizer
+        may shorten the text first): text longer than `n * max_token_chars` has more than
+        `n` tokens, known without tokenizing it."""
+        if self._max_token_chars is None:
+            longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = longest * (2 if self.backend.normalizer is not None else 1)
+        return self._max_token_chars
+
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        # A copy, not a toggle of the shared backend: encodes run in several threads. Every
+        # added token is marked special in it, so that `encode_special_tokens` spells them all.
+        with self._plain_lock:
+            if self._plain is None:
+                config = json.loads(self.backend.to_str())
+                for token in config.get("added_tokens") or ():
+                    token["special"] = True
+                plain = tokenizers.Tokenizer.from_str(json.dumps(config))
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
 
 DEFAULT_ALPHABET = "0123456789+-*/%=()<>.,:;?! abcdefghijklmnopqrstuvwxyz"
@@ -342,11 +379,22 @@ class CharTokenizer(_ChatRendering):
     def eos_id(self) -> int:
         return 2
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(range(len(self.specials)))
+
+    @property
+    def max_token_chars(self) -> int:
+        """One character per token of plain text (`encode(..., special_tokens=False)`)."""
+        return 1
+
+    def encode(self, text: str, *, add_bos: bool = False, special_tokens: bool = True) -> list[int]:
+        """special_tokens=False: "<eos>" and the like are spelled character by character
+        (an error if the alphabet lacks one of their characters)."""
         ids = [self.bos_id] if add_bos else []
         i = 0
         while i < len(text):
-            for sid, s in enumerate(self.specials):
+            for sid, s in enumerate(self.specials if special_tokens else ()):
                 if text.startswith(s, i):
                     ids.append(sid)
                     i += len(s)

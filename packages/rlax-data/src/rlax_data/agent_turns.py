@@ -8,7 +8,11 @@ for scoring):
 - an environment turn is the observation wrapped as the chat template wraps a `tool`
   message, closing the model's turn first (a turn that stopped on a tool call's stop
   string has not written its end-of-turn token yet). For a model without a chat template
-  (the character-level tiny model) it is the observation's characters alone;
+  (the character-level tiny model) it is the observation's characters alone. The
+  template's framing is encoded with its special tokens; the observation is plain text
+  (`special_tokens=False`): a tool that prints `<|im_end|>` or `<eos>` gets the ordinary
+  tokens that spell it, so it cannot end its message, forge an assistant turn or end the
+  sequence;
 - the verifier scores a trajectory's last model turn (its final answer).
 """
 
@@ -71,6 +75,14 @@ class AgentTurns:
         self.max_result_chars = max_result_chars
         self.tool_timeout_s = tool_timeout_s
         self._wrap = self._chat_wrapping() if chat else ("", "", "")
+        self._framing: dict[bool, tuple[list[int], list[int]]] = {}
+        # Made here, once, rather than by the first environment turn in a worker's
+        # environment thread: the plain-text tokenizer (a copy of the vocabulary), the
+        # longest token, the framing ids.
+        self.tokenizer.encode("", special_tokens=False)
+        self.max_token_chars  # noqa: B018
+        for after_end_of_turn in (False, True):
+            self._framing_ids(after_end_of_turn)
         self.remote = None
         if service_address:
             from rlax_data.envs.remote import EnvOptions, RemoteEnvironments
@@ -118,20 +130,40 @@ class AgentTurns:
     def turn_text(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of an observation one token stands for (the agent loop
+        refuses a longer observation than the tokens left allow without tokenizing it)."""
+        return int(self.tokenizer.max_token_chars)
+
     def env_turn_ids(self, observation: str, *, after_end_of_turn: bool) -> list[int]:
-        """The environment turn's token ids. An observation the tokenizer cannot spell (a
+        """The environment turn's token ids: the template's framing (special tokens) around
+        the observation encoded as plain text. An observation the tokenizer cannot spell (a
         character outside the tiny model's alphabet) is shown as the format's failed result."""
-        close, before, after = self._wrap
-        eos = getattr(self.tokenizer, "eos_token", None) or ""
-        if after_end_of_turn and eos and close.startswith(eos):
-            close = close[len(eos) :]
+        opening, closing = self._framing_ids(after_end_of_turn)
         try:
-            return list(self.tokenizer.encode(close + before + observation + after))
+            text = self.tokenizer.encode(observation, special_tokens=False)
+        except TypeError:  # a tokenizer without `special_tokens=`: a bug to surface, not to hide
+            raise
         except Exception:  # the tokenizer's own error type differs between tokenizers
             from rlax_data.envs import ToolResult
 
             failed = self.format.render_result(ToolResult(text="", ok=False, error="malformed"))
-            return list(self.tokenizer.encode(close + before + failed + after))
+            text = self.tokenizer.encode(failed, special_tokens=False)
+        return [*opening, *text, *closing]
+
+    def _framing_ids(self, after_end_of_turn: bool) -> tuple[list[int], list[int]]:
+        """(ids before the observation, ids after it), the template's own special tokens
+        included; computed once."""
+        if after_end_of_turn not in self._framing:
+            close, before, after = self._wrap
+            eos = getattr(self.tokenizer, "eos_token", None) or ""
+            if after_end_of_turn and eos and close.startswith(eos):
+                close = close[len(eos) :]
+            opening = list(self.tokenizer.encode(close + before)) if close + before else []
+            closing = list(self.tokenizer.encode(after)) if after else []
+            self._framing[after_end_of_turn] = (opening, closing)
+        return self._framing[after_end_of_turn]
 
     def prompt_ids(self, text: str, tools: list[dict[str, Any]]) -> list[int]:
         """A chat model's first prompt: the user's `text`, and the `tools` it may call. A

@@ -7,9 +7,11 @@ A `GenerateRequest` with an `agent` spec makes each of its `n` samples a traject
 The first model turn of all `n` samples is one engine request (they share the prompt's
 prefill, as single-turn samples do). When a sample's turn ends (a stop string such as the
 tool format's `]` or `</tool_call>`, end of sequence, or its token budget), the
-environment's `step` runs on the turn's text in a thread pool, so a slow tool never holds
-up the engine, which goes on stepping every other sequence. Its observation is appended
-as environment tokens (mask 0, logprob 0) and the next model turn is a new engine request
+environment's `step` runs on the turn's text in a thread of its own, so a slow tool never
+holds up the engine, which goes on stepping every other sequence. The same thread turns the
+observation into token ids, after checking its length against the tokens left for it (a
+10 MB observation is refused from its length alone, never tokenized). The observation is
+appended as environment tokens (mask 0, logprob 0) and the next model turn is a new engine request
 continuing the whole trajectory: the blocks of everything before it are found in the
 prefix cache (the engine keys a finished sequence's blocks), so only the environment's
 tokens are prefilled.
@@ -21,22 +23,41 @@ function of the request, the weights and the environment: regenerated after a ki
 comes out the same.
 
 Limits end a trajectory with a reason (`Sample.end`): `answer` (the environment is done),
-`max_turns`, `max_tokens` (`max_total_tokens` after the prompt, or the model's context),
-`error` (the environment raised, or its step overran `2 * tool_timeout_s`: tools are bounded
-by their own limits first) and `abort` (the engine aborted a turn).
+`max_turns`, `max_tokens` (`max_total_tokens` after the prompt, or the model's context, an
+observation larger than the tokens left included), `error` (the environment raised, or its
+step overran `2 * tool_timeout_s`: tools are bounded by their own limits first) and `abort`
+(the engine aborted a turn).
+
+Every failure of an environment step counts in the trajectory's `tool_errors` and, by
+kind, in `AgentLoop.tool_error_counts`: the environment's own `EnvStep.error` kinds
+(`malformed`, `timeout`, `too_large`, ...) and the loop's: `step_timeout` (the step
+overran and was abandoned), `step_crash` (the environment raised), `step_refused` (too many
+abandoned steps still run), `too_large` (the observation did not fit in the tokens left)
+and `bad_observation` (the engine refused its tokens).
+
+A step that overruns is abandoned and its thread slot goes to the next step at once
+(`rlax_core.deadline_threads`): Python cannot kill a thread, so the hung thread is
+interrupted (which ends a step that runs Python code) and counted, and the worker keeps its
+full `env_threads` for other trajectories. Environments are not run in a subprocess that
+could be killed: they are user objects holding a trajectory's state, made by factories in
+this process, and a JAX process cannot fork; `agent.where: service` moves them out of the
+worker, and the Python tool's programs already run in a sandbox that its deadline kills.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import rlax_protocol as rp
+from rlax_core.deadline_threads import DeadlineThreads, Overloaded
 from rlax_inference.engine import CompletionOutput, LLMEngine, RequestOutput
 from rlax_inference.sequence import FinishReason, SamplingParams
 
@@ -47,6 +68,19 @@ log = logging.getLogger("rlax.worker.agent")
 
 AgentResult = tuple[int, rp.GenerateRequest, list[rp.Sample], int | None]
 """A finished request: its worker key, the request, its samples, the weight version."""
+
+# Characters one token may stand for, for a codec that does not say (`TurnCodec.max_token_chars`).
+_DEFAULT_MAX_TOKEN_CHARS = 64
+# An observation longer than this many characters per token left is first measured on
+# prefixes (this long, then twice as long, ...): typical text has 3-5 characters per
+# token, so a flood is refused after tokenizing a few times the room's worth of it, not
+# all of it (the tokenizer holds the interpreter lock while it works).
+_PROBE_CHARS_PER_TOKEN = 4
+_PROBE_MIN_CHARS = 256
+_PROBE_SLACK_TOKENS = 16  # the prefix's last word may be cut into more tokens than whole
+# Distinct error kinds counted (then "other"), and the longest kind name kept.
+_MAX_ERROR_KINDS = 64
+_MAX_ERROR_KIND_CHARS = 40
 
 
 class TurnCodec(Protocol):
@@ -63,7 +97,12 @@ class TurnCodec(Protocol):
 
     def env_turn_ids(self, observation: str, *, after_end_of_turn: bool) -> list[int]:
         """Token ids of an environment turn that follows a model turn (which ended with the
-        end-of-turn token when `after_end_of_turn`), ready for the next model turn."""
+        end-of-turn token when `after_end_of_turn`), ready for the next model turn. The
+        observation is text, never special tokens. Called in environment threads.
+
+        A codec may also say `max_token_chars: int`, the most characters one token of an
+        observation stands for (64 when it does not): an observation longer than the tokens
+        left times that is refused without tokenizing it."""
         ...
 
     @property
@@ -92,8 +131,24 @@ class _Trajectory:
     end: str = ""
     finish_reason: str = "stop"
     ended_with_stop_token: bool = False
-    step_future: Future[Any] | None = None
-    step_started: float = 0.0
+    step_future: Future[_StepOutcome] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepOutcome:
+    """An environment step, read in its thread (the environment's values are plain here),
+    and, when another model turn may follow, its observation's ids: None when none may
+    follow (`room` < 1) or when the observation does not fit in `room` (`too_large`)."""
+
+    done: bool
+    reward: float | None
+    tool_calls: int
+    tool_errors: int
+    error: str
+    room: int
+    chars: int = 0
+    observation_ids: list[int] | None = None
+    too_large: bool = False
 
 
 @dataclasses.dataclass
@@ -121,11 +176,14 @@ class AgentLoop:
         *,
         max_model_len: int,
         env_threads: int = 8,
+        max_abandoned_steps: int = 256,
     ) -> None:
         self._engine = engine
         self.codec = codec
         self.max_model_len = max_model_len
-        self._pool = ThreadPoolExecutor(max_workers=env_threads, thread_name_prefix="rlax-env")
+        self._threads = DeadlineThreads(env_threads, max_abandoned=max_abandoned_steps, name="rlax-env")
+        self.tool_error_counts: collections.Counter[str] = collections.Counter()
+        """Failed environment steps by kind, since the loop started (see the module docstring)."""
         self._requests: dict[int, _AgentRequest] = {}
         self._turns: dict[str, tuple[int, int]] = {}  # engine request id -> (key, sample index)
 
@@ -144,11 +202,16 @@ class AgentLoop:
         """A request in flight names no weight version (it follows the newest)."""
         return any(r.request.weight_version is None for r in self._requests.values())
 
+    @property
+    def abandoned_steps(self) -> int:
+        """Environment steps that overran and whose threads still run."""
+        return self._threads.abandoned
+
     def owns(self, engine_request_id: str) -> bool:
         return engine_request_id in self._turns
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     # -- requests ------------------------------------------------------------------------
     def start(self, key: int, request: rp.GenerateRequest, params: SamplingParams) -> None:
@@ -206,28 +269,50 @@ class AgentLoop:
         """Take finished environment steps and start the next turns."""
         now = time.monotonic()
         for agent in list(self._requests.values()):
+            limit = 2 * agent.request.agent.tool_timeout_s  # type: ignore[union-attr]
             for trajectory in agent.trajectories:
                 future = trajectory.step_future
                 if future is None:
                     continue
-                overrun = now - trajectory.step_started > 2 * agent.request.agent.tool_timeout_s  # type: ignore[union-attr]
-                if not future.done() and not overrun:
+                if not future.done():
+                    # The limit runs from the step's start: one waiting for a thread waits for
+                    # at most `limit` (every running step ends or is abandoned by then).
+                    started = self._threads.started_at(future)
+                    if started is None or now - started <= limit:
+                        continue
+                    self._threads.abandon(future)
+                    trajectory.step_future = None
+                    log.error(
+                        "request %s: an environment step overran its time limit (%g s); %d abandoned",
+                        agent.request.request_id, limit, self._threads.abandoned,
+                    )  # fmt: skip
+                    self._fail(trajectory, "step_timeout", end="error")
                     continue
                 trajectory.step_future = None
-                if not future.done():
-                    log.error(
-                        "request %s: an environment step overran its time limit", agent.request.request_id
-                    )
-                    trajectory.end = "error"
-                    continue
                 try:
-                    step = future.result()
+                    outcome = future.result()
+                except Overloaded as error:
+                    log.error("request %s: %s", agent.request.request_id, error)
+                    self._fail(trajectory, "step_refused", end="error")
+                    continue
                 except Exception:
                     log.exception("request %s: the environment raised", agent.request.request_id)
-                    trajectory.end = "error"
+                    self._fail(trajectory, "step_crash", end="error")
                     continue
-                self._after_env_step(agent, trajectory, step)
+                self._after_env_step(agent, trajectory, outcome)
         return self._collect()
+
+    def _fail(self, trajectory: _Trajectory, kind: str, *, end: str = "") -> None:
+        trajectory.tool_errors += 1
+        self._count(kind)
+        if end:
+            trajectory.end = end
+
+    def _count(self, kind: str) -> None:
+        # An environment names its own kinds: a hostile one must not grow the counter forever.
+        if kind not in self.tool_error_counts and len(self.tool_error_counts) >= _MAX_ERROR_KINDS:
+            kind = "other"
+        self.tool_error_counts[kind] += 1
 
     # -- one trajectory ------------------------------------------------------------------
     def _after_turn(
@@ -245,29 +330,77 @@ class AgentLoop:
             trajectory.end = "abort"
             return
         text = self.codec.turn_text(completion.tokens)
-        trajectory.step_started = time.monotonic()
-        trajectory.step_future = self._pool.submit(trajectory.env.step, text)
+        # Tokens left for the observation and the next model turn (none after the last turn).
+        used = len(trajectory.tokens)
+        prompt_len = len(agent.request.prompt_token_ids)
+        room = min(spec.max_total_tokens - used, self.max_model_len - prompt_len - used)
+        if trajectory.turns >= spec.max_turns:
+            room = 0
+        after_end = trajectory.ended_with_stop_token
+        trajectory.step_future = self._threads.submit(
+            lambda: self._step(trajectory.env, text, room=room, after_end_of_turn=after_end)
+        )
 
-    def _after_env_step(self, agent: _AgentRequest, trajectory: _Trajectory, step: Any) -> None:
+    def _step(self, env: Any, text: str, *, room: int, after_end_of_turn: bool) -> _StepOutcome:
+        """In an environment thread: the step, then its observation's token ids when another
+        model turn may follow, measured before they are made (see `TurnCodec`)."""
+        step = env.step(text)
+        done = bool(step.done)
+        reward = None if step.reward is None else float(step.reward)
+        kind = str(getattr(step, "error", "") or "")[:_MAX_ERROR_KIND_CHARS]
+        counts = (int(step.tool_calls), int(step.tool_errors), kind)
+        # Checked here, not where the sample is built: a bad value fails this step, not the worker.
+        if reward is not None and not math.isfinite(reward):
+            raise ValueError(f"the environment's reward is {reward}, not a finite number")
+        if min(counts[:2]) < 0:
+            raise ValueError(f"the environment's tool_calls / tool_errors are {counts[:2]}, not >= 0")
+        if done or room < 1:
+            return _StepOutcome(done, reward, *counts, room)
+        observation = str(step.observation)
+        chars = len(observation)
+        per_token = int(getattr(self.codec, "max_token_chars", _DEFAULT_MAX_TOKEN_CHARS))
+        if chars > room * per_token:
+            return _StepOutcome(done, reward, *counts, room, chars, too_large=True)
+        # Prefixes of doubling length: a flood is refused after tokenizing a few times
+        # what would have fitted, not all of it.
+        probe = _PROBE_CHARS_PER_TOKEN * room + _PROBE_MIN_CHARS
+        while chars > probe:
+            head = self.codec.env_turn_ids(observation[:probe], after_end_of_turn=after_end_of_turn)
+            if len(head) > room + _PROBE_SLACK_TOKENS:
+                return _StepOutcome(done, reward, *counts, room, chars, too_large=True)
+            probe *= 2
+        ids = [int(t) for t in self.codec.env_turn_ids(observation, after_end_of_turn=after_end_of_turn)]
+        return _StepOutcome(done, reward, *counts, room, chars, ids, too_large=len(ids) > room)
+
+    def _after_env_step(self, agent: _AgentRequest, trajectory: _Trajectory, outcome: _StepOutcome) -> None:
         spec = agent.request.agent
         assert spec is not None
-        trajectory.tool_calls += int(step.tool_calls)
-        trajectory.tool_errors += int(step.tool_errors)
-        if step.reward is not None:
-            trajectory.env_reward = float(step.reward)
-        if step.done:
+        trajectory.tool_calls += outcome.tool_calls
+        # An error kind counts as a failed call even where the environment left tool_errors 0.
+        trajectory.tool_errors += max(outcome.tool_errors, int(bool(outcome.error)))
+        if outcome.error:
+            self._count(outcome.error)
+        if outcome.reward is not None:
+            trajectory.env_reward = outcome.reward
+        if outcome.done:
             trajectory.end = "answer"
             return
         if trajectory.turns >= spec.max_turns:
             trajectory.end = "max_turns"
             return
-        observation = self.codec.env_turn_ids(
-            str(step.observation), after_end_of_turn=trajectory.ended_with_stop_token
-        )
-        prompt_len = len(agent.request.prompt_token_ids)
-        used = len(trajectory.tokens) + len(observation)
-        room = min(spec.max_total_tokens - used, self.max_model_len - prompt_len - used)
-        if room < 1:
+        if outcome.too_large:
+            log.warning(
+                "request %s: an observation of %d characters does not fit in the %d tokens left",
+                agent.request.request_id, outcome.chars, outcome.room,
+            )  # fmt: skip
+            if outcome.error:  # the step's failure is counted already (say, a cut tool result)
+                trajectory.end = "max_tokens"
+            else:
+                self._fail(trajectory, "too_large", end="max_tokens")
+            return
+        observation = outcome.observation_ids
+        room = outcome.room - len(observation or ())
+        if observation is None or room < 1:
             trajectory.end = "max_tokens"
             return
         trajectory.tokens += observation
@@ -283,7 +416,7 @@ class AgentLoop:
             )
         except ValueError as error:  # e.g. an observation token outside the vocabulary
             log.error("request %s: cannot continue a trajectory: %s", agent.request.request_id, error)
-            trajectory.end = "error"
+            self._fail(trajectory, "bad_observation", end="error")
             return
         self._turns[engine_id] = (agent.key, trajectory.index)
 

@@ -28,8 +28,9 @@ class EnvStep:
 
     observation: the next environment turn ("" when done). reward: None lets the run's
     verifier score the final answer. tool_calls / tool_errors: calls made / failed in this
-    step (0 or 1 each for tool environments). error: the `ToolResult.error` kind of this
-    step ("" for a plain result), "too_large" included, so truncations can be counted.
+    step (0 or 1 each for tool environments; every result with an error kind is a failed
+    call, a truncated one included). error: the `ToolResult.error` kind of this step (""
+    for a plain result), so the metrics count each kind.
     """
 
     observation: str
@@ -128,7 +129,7 @@ class ToolEnvironment:
             self.format.render_result(result),
             done=False,
             tool_calls=1,
-            tool_errors=int(not result.ok),
+            tool_errors=int(bool(result.error)),  # a result cut at max_result_chars too
             error=result.error,
         )
 

@@ -15,8 +15,9 @@ What a stranger's request can choose is bounded: only registered environments, o
 `package.module:factory` paths the service was started with, are made; the options are
 the three every factory takes, typed and checked; the record is decoded with msgspec
 (depth and size errors are refusals); and the whole request is bounded by its
-`timeout_s` (the thread of an environment that overruns it is abandoned, its answer
-dropped).
+`timeout_s`: a step that overruns it is abandoned, its answer dropped, and its thread slot
+goes to the next request at once (`rlax_core.deadline_threads`), so hung environments
+never shrink how many steps the service runs.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 
 import rlax_protocol as rp
+from rlax_core.deadline_threads import DeadlineThreads, Overloaded
 from rlax_data.datasets import Record
 from rlax_data.envs.environment import EnvStep
 
@@ -51,30 +53,41 @@ class EnvOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 
 class EnvStepServer:
-    """The service side: answers `EnvStepRequest`s in a thread pool of `threads`.
+    """The service side: answers `EnvStepRequest`s, at most `threads` at once.
 
     allowed_paths: `package.module:factory` environments this service may import (the
-    run's `agent.environment`); registered names are always served.
+    run's `agent.environment`); registered names are always served. max_abandoned: how
+    many overrun steps may still run before new ones are refused (`busy`).
     """
 
-    def __init__(self, *, threads: int = 8, allowed_paths: Collection[str] = ()) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlax-env-service")
+    def __init__(
+        self, *, threads: int = 8, allowed_paths: Collection[str] = (), max_abandoned: int = 256
+    ) -> None:
+        self._threads = DeadlineThreads(threads, max_abandoned=max_abandoned, name="rlax-env-service")
         self.allowed_paths = frozenset(allowed_paths)
         self.stats = {"env_steps": 0, "env_replayed_turns": 0, "env_errors": 0}
 
+    @property
+    def abandoned(self) -> int:
+        """Steps that overran and whose threads still run."""
+        return self._threads.abandoned
+
     def submit(self, request: rp.EnvStepRequest) -> Future[rp.EnvStepResult]:
-        return self._pool.submit(self._step, request)
+        return self._threads.submit(lambda: self._step(request))
 
     def answer(self, request: rp.EnvStepRequest, future: Future[rp.EnvStepResult], wait_s: float) -> Any:
         """The reply to `request`: its result, or a `RemoteError` naming what went wrong."""
         try:
             return future.result(timeout=max(wait_s, 0.0))
         except TimeoutError:
-            future.cancel()
+            self._threads.abandon(future)
             self.stats["env_errors"] += 1
             return rp.RemoteError(
                 "timeout", f"environment {request.environment!r}: over {request.timeout_s}s"
             )
+        except Overloaded as error:
+            self.stats["env_errors"] += 1
+            return rp.RemoteError("busy", f"environment {request.environment!r}: {error}")
         except rp.RemoteError as error:
             self.stats["env_errors"] += 1
             return error
@@ -85,7 +98,7 @@ class EnvStepServer:
             )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     def _step(self, request: rp.EnvStepRequest) -> rp.EnvStepResult:
         from rlax_data.envs import environment_names, make_environment

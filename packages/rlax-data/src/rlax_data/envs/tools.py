@@ -9,12 +9,15 @@ a machine-readable `error` kind for the metrics.
 
 In-process tools run in a daemon thread each, at most `ToolThreads.max_threads` at once
 across the process. A call that overruns its time limit is answered with a timeout and
-its thread is abandoned: Python cannot stop a thread, so it keeps its slot until the
-tool returns. In-process tools must therefore be bounded by construction
-(`CalculatorTool` limits sizes before it computes anything); work that may not end runs
-in a subprocess that its own deadline kills (`PythonTool`, in the code verifier's
-sandbox). A tool that calls `os._exit` or crashes the interpreter cannot be contained
-in-process; the built-in tools do neither.
+abandoned (`rlax_core.deadline_threads`): its slot goes to the next call at once, so hung
+tools never shrink how many calls can run, and its thread is interrupted (which ends a
+tool that runs Python code; one blocked in a C call ends when that call returns). At most
+`ToolThreads.max_abandoned` abandoned threads may live; past that, calls fail at once
+with a timeout result until some end. In-process tools should still be bounded by
+construction (`CalculatorTool` limits sizes before it computes anything); work that may
+not end runs in a subprocess that its own deadline kills (`PythonTool`, in the code
+verifier's sandbox). A tool that calls `os._exit` or crashes the interpreter cannot be
+contained in-process; the built-in tools do neither.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ import math
 import operator
 import re
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
+from rlax_core.deadline_threads import DeadlineThreads, NoThread, Overloaded
 from rlax_data.verify.sandbox import ExecJob, Sandbox, SandboxConfig
 
 __all__ = [
@@ -68,9 +71,9 @@ class ToolResult:
     ok=False: the call failed; `error` is one of `TOOL_ERROR_KINDS` and `text` says why,
     starting "Error: ". ok=True with error="too_large": the tool answered, but its text was
     cut at the caller's `max_result_chars` and ends with a marker; the model still gets a
-    usable (partial) result, so it is not counted as a failed call, and the metrics count
-    truncations by `error == "too_large"`. (A program stopped for writing too much is
-    ok=False with error "too_large": it did not finish.)
+    usable (partial) result, and the call still counts as a tool error (every result with
+    an `error` kind does: `ToolEnvironment`'s `tool_errors`). (A program stopped for
+    writing too much is ok=False with error "too_large": it did not finish.)
     """
 
     text: str
@@ -123,46 +126,49 @@ class Tool(Protocol):
 
 
 class ToolThreads:
-    """Runs tool calls in daemon threads, at most `max_threads` at once.
+    """Runs tool calls in daemon threads, at most `max_threads` at once, abandoning a call
+    at its deadline (`rlax_core.deadline_threads.DeadlineThreads`).
 
     Not a `ThreadPoolExecutor`: its worker threads are joined when the interpreter exits,
-    so one hung tool would hang the worker's shutdown. Here every call gets a fresh
-    daemon thread that holds one of `max_threads` slots until the tool returns, so a
-    flood of hung tools ties up at most `max_threads` threads; later calls wait for a
-    slot until their deadline and then time out.
+    so one hung tool would hang the worker's shutdown, and each hung call would keep one
+    of its threads for good. Here a call that overruns gives its slot to the next call at
+    once; its thread counts as abandoned until it ends, and at most `max_abandoned` of
+    those may live (then calls are refused until some end).
     """
 
-    def __init__(self, max_threads: int = 64) -> None:
+    def __init__(self, max_threads: int = 64, *, max_abandoned: int = 256) -> None:
         if max_threads < 1:
             raise ValueError(f"ToolThreads: max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
-        self._slots = threading.BoundedSemaphore(max_threads)
+        self.max_abandoned = max_abandoned
+        self._threads = DeadlineThreads(max_threads, max_abandoned=max_abandoned, name="rlax-tool")
+
+    @property
+    def abandoned(self) -> int:
+        """Calls that overran and whose threads still run."""
+        return self._threads.abandoned
 
     def run(self, work: Callable[[], ToolResult], timeout_s: float) -> ToolResult | str:
         """`work()`'s result, or "timeout" / "no_slot" when it did not finish / start in
-        time, "no_thread" when the host would not start a thread, or "lost" when `work`
-        raised (`run_tool`'s work catches everything: only if building its result failed)."""
-        deadline = time.monotonic() + timeout_s
-        if not self._slots.acquire(timeout=max(0.0, timeout_s)):
-            return "no_slot"
-        done = threading.Event()
-        box: list[ToolResult] = []
-
-        def target() -> None:
-            try:
-                box.append(work())
-            finally:
-                self._slots.release()
-                done.set()
-
+        time, "overloaded" when too many abandoned calls still run, "no_thread" when the
+        host would not start a thread, or "lost" when `work` raised (`run_tool`'s work
+        catches everything: only if building its result failed)."""
+        future = self._threads.submit(work)
         try:
-            threading.Thread(target=target, name="rlax-tool", daemon=True).start()
-        except RuntimeError:  # "can't start new thread": the host's thread limit
-            self._slots.release()
+            return future.result(timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            started = self._threads.started_at(future)
+            self._threads.abandon(future)
+            return "no_slot" if started is None else "timeout"
+        except Overloaded:
+            return "overloaded"
+        except NoThread:
             return "no_thread"
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            return "timeout"
-        return box[0] if box else "lost"
+        except Exception:
+            return "lost"
+        except BaseException:  # this thread is interrupted (an environment step abandoned)
+            self._threads.abandon(future)
+            raise
 
 
 _THREADS = ToolThreads()
@@ -202,6 +208,12 @@ def run_tool(
     if outcome == "timeout":
         return _failure(
             "timeout", f"the tool {tool.name!r} did not finish within {timeout_s:g} s", max_result_chars
+        )
+    if outcome == "overloaded":
+        return _failure(
+            "timeout",
+            f"the tool {tool.name!r} could not start: too many earlier tool calls hung and still run",
+            max_result_chars,
         )
     if outcome == "no_thread":
         return _failure(
