@@ -19,8 +19,9 @@ sends either
 One message per item cost a round of encode, bounds check, decode and a socket hop
 per completion, about 40x the in-process cost of an exact match; a batch costs one.
 Each time the server wakes it drains the messages already waiting (up to
-`max_batch`) and scores all their items as one batch per verifier route, so the
-code sandbox runs the batch's programs in parallel. An item whose record is
+`max_batch`); a client's waiting items are scored together, one batch per verifier
+route, as many at a time as its turn allows, and a message's sandboxed items run as
+one batch, so the code sandbox runs its programs in parallel. An item whose record is
 malformed, names no served route, or is refused by its verifier fails alone (see
 `VerifierService`); a message that cannot be read at all gets an `ErrorReply`. No
 message, however hostile, stops the server, and every receive has a timeout.
@@ -30,17 +31,24 @@ becomes the record's `task`); `extra["record"]`, when present, is a JSON-encoded
 `Record` (tests for code, numbers and target for Countdown); otherwise the record is
 built from `reference` (the answer) and `extra["metadata"]` (a JSON object), if given.
 A request's (or a batch's) `timeout_s` caps each sandboxed job of its records.
+
+What a client asks for is bounded by the service, not the client: see `VerifierService`
+for each limit, and for how one client's slow work (sandboxed programs, environment
+steps, a long batch) is kept from delaying another's.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import logging
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +63,13 @@ from rlax_data.verify.answers import ExactMatchConfig, MathConfig
 from rlax_data.verify.base import Verifier, VerifyItem, VerifyResult
 from rlax_data.verify.code import CodeConfig
 from rlax_data.verify.countdown import CountdownConfig
-from rlax_data.verify.registry import RoutingConfig, RoutingVerifier, build_verifier, load_verifier_config
+from rlax_data.verify.registry import (
+    RoutingConfig,
+    RoutingVerifier,
+    build_verifier,
+    load_verifier_config,
+    sandbox_of,
+)
 from rlax_protocol.rpc_server import BatchResult
 
 __all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
@@ -69,6 +83,11 @@ MAX_BATCH_ITEMS = 65_536
 MAX_BATCH_BYTES = 32 * 1024 * 1024
 """Most bytes one request (header and frames) may hold."""
 _COUNT_FIRST_BYTES = 1 << 20
+RETRY_AFTER_S = 1.0
+"""The wait a ``busy`` answer suggests before the request is sent again."""
+_FIRST_ITEM_COST_S = 0.002
+"""What an item of a route not timed yet is assumed to cost the main thread."""
+_MAX_TURN_ITEMS = 4096
 
 
 def default_routes() -> RoutingConfig:
@@ -236,6 +255,34 @@ class _Plan:
         self.refused: dict[int, _BadRequest] = {}
 
 
+class _Job:
+    """One verification message's work: its items that were not refused on arrival, their
+    results as they come, and the future its reply is sent from. `cheap` items are scored
+    on the serving thread (`next` of them so far), then the `slow` ones (a sandboxed
+    route's) in the code pool."""
+
+    __slots__ = ("cheap", "client", "future", "items", "next", "plan", "results", "slow")
+
+    def __init__(
+        self, plan: _Plan, items: list[VerifyItem], client: bytes, slow_routes: Collection[str]
+    ) -> None:
+        self.plan = plan
+        self.items = items
+        self.client = client
+        self.results: list[VerifyResult | Exception | None] = [None] * len(items)
+        if slow_routes:
+            self.slow = [i for i, (_, record) in enumerate(items) if record.task in slow_routes]
+        else:
+            self.slow = []
+        if self.slow:
+            slow = set(self.slow)
+            self.cheap = [i for i in range(len(items)) if i not in slow]
+        else:
+            self.cheap = list(range(len(items)))
+        self.next = 0
+        self.future: Future[BatchResult] = Future()
+
+
 class VerifierService:
     """`rlax_protocol.RpcServer` with a batch handler that scores `VerifyRequest`s.
 
@@ -243,13 +290,40 @@ class VerifierService:
     in the calling thread until `stop()` (or SIGTERM/SIGINT via `main`); `close()`
     releases the socket.
 
-    The items of every message drained together are scored one verifier route at a
-    time, so a record one route refuses cannot make another route's programs run
-    again. Within a route, a batch that raises is split in halves until each refused
-    record stands alone: the refused record gets an error, and the rest are scored in
-    the largest batches that succeed. Verifiers check every record of a batch before
-    they run anything (the code verifier builds all its jobs before it starts the
-    sandbox), so a refused batch has run no program and no program runs twice.
+    Within a message, items are scored one verifier route at a time, so a record one
+    route refuses cannot make another route's programs run again. Within a route, a batch
+    that raises is split in halves until each refused record stands alone: the refused
+    record gets an error, and the rest are scored in the largest batches that succeed.
+    Verifiers check every record of a batch before they run anything (the code verifier
+    builds all its jobs before it starts the sandbox), so a refused batch has run no
+    program and no program runs twice.
+
+    Where the work runs, so that one client's slow work delays no one else's:
+
+    * Items of routes that run no program (exact match, math, Countdown) are scored on the
+      serving thread (math's timeout uses signals), in slices of about `slice_s` between
+      receives, the clients taking turns (`rlax_protocol.FairQueue`); each turn takes as
+      many of a client's waiting items, across its messages, as the time each route's
+      items took so far says fit in half a slice. The longest one item may hold the
+      thread is the verifier's own limit (math-verify's `timeout_s`).
+    * Items of sandboxed routes (`registry.sandbox_of`) run in `code_threads` threads
+      that wait on the sandbox's subprocesses, and environment steps in `env_threads`;
+      each pool takes its clients in turn and runs at most half its threads for any one
+      client (`rlax_protocol.FairPool`).
+    * Every reply is sent by the serving thread when its work is done (a deferred reply).
+
+    Limits a client cannot raise. Sizes and counts are refused when exceeded, with an error
+    that names the limit and the value: a message's bytes (`max_request_bytes`,
+    ``too_large``), a batch's items (`max_items`, ``too_large``), an environment step's
+    turns (`max_env_turns`, ``too_large``), and the messages one client
+    (`max_pending_per_client`) or all clients together (`max_pending`) may have waiting
+    or running (``busy``, naming the wait to retry after). Timeouts are clamped instead:
+    a run's own clients ask for theirs from settings the service does not see
+    (`RemoteVerifier`'s `sandbox_timeout_s`, `agent.tool_timeout_s`), and refusing would
+    fail every request of a run set above the service. A sandboxed job runs at most its
+    route's `sandbox.timeout_s`, whatever its request or its record ask (its result says
+    "timed out after" that), and an environment step at most `max_timeout_s` (its
+    ``timeout`` error names both that and what was asked).
     """
 
     def __init__(
@@ -265,15 +339,49 @@ class VerifierService:
         max_request_bytes: int = MAX_BATCH_BYTES,
         env_threads: int = 8,
         env_paths: Sequence[str] = (),
+        code_threads: int = 2,
+        max_timeout_s: float = 60.0,
+        max_env_turns: int = rp.MAX_ENV_TURNS,
+        max_pending_per_client: int = 64,
+        max_pending: int = 4096,
+        slice_s: float = 0.1,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        for name, value in (
+            ("code_threads", code_threads),
+            ("env_threads", env_threads),
+            ("max_timeout_s", max_timeout_s),
+            ("max_env_turns", max_env_turns),
+            ("max_pending_per_client", max_pending_per_client),
+            ("max_pending", max_pending),
+            ("slice_s", slice_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
         self.verifier = verifier
         # Multi-turn environments run here for the workers (`agent.where: service`).
         self.envs = EnvStepServer(threads=env_threads, allowed_paths=env_paths)
         self.max_items = max_items
+        self.max_timeout_s = max_timeout_s
+        self.max_env_turns = max_env_turns
+        self.max_pending_per_client = max_pending_per_client
+        self.max_pending = max_pending
+        self.slice_s = slice_s
         self.poll_s = poll_s
-        self.stats = {"requests": 0, "items": 0, "batches": 0, "errors": 0, "internal_errors": 0}
+        self.stats = {"requests": 0, "items": 0, "batches": 0, "errors": 0, "internal_errors": 0, "busy": 0}
+        # The most a sandboxed route's job may run, by route; those routes run in the pool.
+        self._ceilings = {
+            name: config.timeout_s
+            for name, route in verifier.routes.items()
+            if (config := sandbox_of(route)) is not None
+        }
+        self._main: rp.FairQueue[_Job] = rp.FairQueue()
+        self._code = rp.FairPool(code_threads, name="rlax-verifier-code")
+        self._env = rp.FairPool(env_threads, name="rlax-verifier-env")
+        self._cost: dict[str, float] = {}  # seconds per item, by route (serving thread)
+        self._lock = threading.Lock()
+        self._pending: collections.Counter[bytes] = collections.Counter()
         self.server = rp.RpcServer(
             address,
             batch_handler=self._handle,
@@ -282,6 +390,8 @@ class VerifierService:
             max_request_bytes=max_request_bytes,
             poll_s=poll_s,
             server_id=server_id,
+            with_peer=True,
+            main_work=self._work,
         )
         self.bound_address: str = self.server.listen()
 
@@ -291,6 +401,10 @@ class VerifierService:
 
     def close(self) -> None:
         self.server.stop()
+        for job in self._main.clear():
+            job.future.cancel()
+        self._code.close()
+        self._env.close()
         self.envs.close()
 
     def serve(self) -> None:
@@ -300,70 +414,173 @@ class VerifierService:
 
     # -- the batch handler
 
-    def _handle(self, batch: list[tuple[rp.Message, list[zmq.Frame]]]) -> list[BatchResult]:
-        """One reply (or error) per message, in order: environment steps run in the
-        environment pool while the verification items are scored here."""
-        started = time.monotonic()
-        steps: dict[int, Any] = {}
-        for i, (message, frames) in enumerate(batch):
-            if isinstance(message, rp.EnvStepRequest):
-                steps[i] = (
-                    rp.RemoteError("malformed", f"an EnvStepRequest takes no raw frames, got {len(frames)}")
-                    if frames
-                    else (message, self.envs.submit(message))
-                )
-        if not steps:
-            return self._handle_verify(batch)
-        rest = [pair for i, pair in enumerate(batch) if i not in steps]
-        verified = iter(self._handle_verify(rest) if rest else [])
+    def _handle(self, batch: list[tuple[rp.Message, list[zmq.Frame], bytes]]) -> list[BatchResult]:
+        """One reply, error or future of a reply per message, in order; nothing slow runs here."""
         out: list[BatchResult] = []
-        for i in range(len(batch)):
-            if i not in steps:
-                out.append(next(verified))
-            elif isinstance(steps[i], Exception):
-                out.append(steps[i])
-            else:
-                request, future = steps[i]
-                wait_s = request.timeout_s - (time.monotonic() - started)
-                out.append(self.envs.answer(request, future, wait_s))
-        return out
-
-    def _handle_verify(self, batch: list[tuple[rp.Message, list[zmq.Frame]]]) -> list[BatchResult]:
-        """One reply (or error) per message; all their items scored together."""
-        self.stats["requests"] += len(batch)
-        self.stats["batches"] += 1
-        items: list[VerifyItem] = []
-        plans: list[_Plan | Exception] = []
-        for message, frames in batch:
+        verifying = 0
+        for message, frames, client in batch:
+            if not isinstance(message, rp.EnvStepRequest):
+                verifying += 1
             try:
-                plans.append(self._plan(message, frames, items))
+                out.append(self._admit(message, frames, client))
             except _BadRequest as e:
-                plans.append(rp.RemoteError(e.code, str(e)))
+                self.stats["errors"] += 1
+                self.stats["busy"] += e.code == "busy"
+                out.append(rp.RemoteError(e.code, str(e)))
             except Exception as e:  # one message must never cost the others their answers
                 self.stats["internal_errors"] += 1
                 log.error("reading a request failed: %s", _describe(e), exc_info=e)
-                plans.append(rp.RemoteError("internal", _describe(e)))
-        self.stats["items"] += len(items)
-        results: list[VerifyResult | Exception]
+                out.append(rp.RemoteError("internal", _describe(e)))
+        if verifying:
+            self.stats["requests"] += verifying
+            self.stats["batches"] += 1
+        return out
+
+    def _admit(self, message: rp.Message, frames: list[zmq.Frame], client: bytes) -> Future[BatchResult]:
+        """Queue a message's work (within the client's share); the future of its reply."""
+        with self._lock:
+            mine, everyone = self._pending[client], sum(self._pending.values())
+        if mine >= self.max_pending_per_client:
+            raise _BadRequest(
+                "busy",
+                f"this client has {mine} requests waiting or running (the service's "
+                f"max_pending_per_client={self.max_pending_per_client}); retry after {RETRY_AFTER_S:g}s",
+            )
+        if everyone >= self.max_pending:
+            raise _BadRequest(
+                "busy",
+                f"the service has {everyone} requests waiting or running (max_pending="
+                f"{self.max_pending}); retry after {RETRY_AFTER_S:g}s",
+            )
+        if isinstance(message, rp.EnvStepRequest):
+            future = self._step(message, frames, client)
+        else:
+            items: list[VerifyItem] = []
+            plan = self._plan(message, frames, items)
+            self.stats["items"] += len(items)
+            self._bound(items)
+            job = _Job(plan, items, client, self._ceilings)
+            if job.cheap:
+                self._main.put(client, job)
+            else:
+                self._run_slow(job)
+            future = job.future
+        with self._lock:
+            self._pending[client] += 1
+        future.add_done_callback(lambda _: self._release(client))
+        return future
+
+    def _release(self, client: bytes) -> None:
+        with self._lock:
+            self._pending[client] -= 1
+            if self._pending[client] <= 0:
+                del self._pending[client]
+
+    def _bound(self, items: list[VerifyItem]) -> None:
+        """Cap every sandboxed job at its route's timeout, whatever its request asked."""
+        if not self._ceilings:
+            return
+        for n, (completion, record) in enumerate(items):
+            if record.tests is not None and (ceiling := self._ceilings.get(record.task or "")) is not None:
+                items[n] = (completion, _capped(record, ceiling))
+
+    def _step(
+        self, request: rp.EnvStepRequest, frames: list[zmq.Frame], client: bytes
+    ) -> Future[BatchResult]:
+        if frames:
+            raise _BadRequest("malformed", f"an EnvStepRequest takes no raw frames, got {len(frames)}")
+        if len(request.turns) > self.max_env_turns:
+            raise _BadRequest(
+                "too_large",
+                f"EnvStepRequest.turns: {len(request.turns)} turns, the service's max_env_turns is "
+                f"{self.max_env_turns}",
+            )
+        asked = request.timeout_s
+        if asked > self.max_timeout_s:
+            request = msgspec.structs.replace(request, timeout_s=self.max_timeout_s)
+        arrived = time.monotonic()
+
+        def step() -> BatchResult:
+            # The request's time runs from its arrival: waiting for a thread counts.
+            reply = self.envs.answer(
+                request, self.envs.submit(request), request.timeout_s - (time.monotonic() - arrived)
+            )
+            if asked > request.timeout_s and isinstance(reply, rp.RemoteError) and reply.code == "timeout":
+                reply = rp.RemoteError(
+                    "timeout",
+                    f"{reply.remote_message} (the service's max_timeout_s={self.max_timeout_s:g}; "
+                    f"the request asked {asked:g}s)",
+                )
+            return reply
+
+        return self._env.submit(client, step)
+
+    # -- scoring
+
+    def _work(self) -> bool:
+        """Score on the serving thread for about `slice_s`, the clients taking turns;
+        whether more waits. Called by the server's loop between receives."""
+        deadline = time.monotonic() + self.slice_s
+        while time.monotonic() < deadline:
+            client = self._main.turn()
+            if client is None:
+                return False
+            self._score_turn(self._main.waiting(client))
+        return bool(self._main)
+
+    def _score_turn(self, queue: collections.deque[_Job]) -> None:
+        """Score the next of one client's waiting items, as many as fit in half a slice."""
+        budget = self.slice_s / 2
+        taken: list[tuple[_Job, int]] = []
+        cost = 0.0
+        for job in queue:
+            while job.next < len(job.cheap) and (cost < budget or not taken) and len(taken) < _MAX_TURN_ITEMS:
+                i = job.cheap[job.next]
+                job.next += 1
+                taken.append((job, i))
+                cost += self._cost.get(job.items[i][1].task or "", _FIRST_ITEM_COST_S)
+            if job.next < len(job.cheap):
+                break
         try:
-            results = self._verify(items)
+            results = self._verify([job.items[i] for job, i in taken])
         except Exception as e:  # not one item's fault (`_verify` catches those): answer all
             self.stats["internal_errors"] += 1
             log.error("scoring a batch failed: %s", _describe(e), exc_info=e)
-            results = [e] * len(items)
-        out: list[BatchResult] = []
-        for plan in plans:
-            if isinstance(plan, Exception):
-                self.stats["errors"] += 1
-                out.append(plan)
-                continue
-            try:
-                out.append(self._reply(plan, results))
-            except Exception as e:
-                self.stats["internal_errors"] += 1
-                log.error("building a reply failed: %s", _describe(e), exc_info=e)
-                out.append(rp.RemoteError("internal", _describe(e)))
-        return out
+            results = [e] * len(taken)
+        for (job, i), result in zip(taken, results, strict=True):
+            job.results[i] = result
+        while queue and queue[0].next == len(queue[0].cheap):
+            job = queue.popleft()
+            if job.slow:
+                self._run_slow(job)
+            else:
+                self._answer(job)
+
+    def _run_slow(self, job: _Job) -> None:
+        """Score the job's sandboxed items in the code pool, then answer it from there."""
+
+        def run() -> None:
+            slow = self._verify([job.items[i] for i in job.slow])
+            for i, result in zip(job.slow, slow, strict=True):
+                job.results[i] = result
+            self._answer(job)
+
+        def check(ran: Future[None]) -> None:
+            if ran.cancelled():
+                job.future.cancel()
+            elif (error := ran.exception()) is not None:
+                _settle(job.future, rp.RemoteError("internal", _describe(error)))
+
+        self._code.submit(job.client, run).add_done_callback(check)
+
+    def _answer(self, job: _Job) -> None:
+        try:
+            reply = self._reply(job.plan, job.results)  # type: ignore[arg-type]  # all scored
+        except Exception as e:
+            self.stats["internal_errors"] += 1
+            log.error("building a reply failed: %s", _describe(e), exc_info=e)
+            reply = rp.RemoteError("internal", _describe(e))
+        _settle(job.future, reply)
 
     def _plan(self, message: rp.Message, frames: list[zmq.Frame], items: list[VerifyItem]) -> _Plan:
         if isinstance(message, rp.VerifyRequest):
@@ -434,18 +651,22 @@ class VerifierService:
         return reply, [frame]
 
     def _verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
-        """One result or the exception that refused it, per item, route by route."""
+        """One result or the exception that refused it, per item, route by route (each
+        route's cost per item noted, for the next turn's size)."""
         out: list[VerifyResult | Exception | None] = [None] * len(items)
         tasks = {record.task or "" for _, record in items}  # served routes, checked on arrival
         if len(tasks) == 1:  # the common case: no grouping to do
             (route,) = tasks
-            self._verify_route(self.verifier.routes[route], items, range(len(items)), out)
-            return out  # type: ignore[return-value]
-        by_route: dict[str, list[int]] = {}
-        for i, (_, record) in enumerate(items):
-            by_route.setdefault(record.task or "", []).append(i)
+            by_route: dict[str, Sequence[int]] = {route: range(len(items))}
+        else:
+            by_route = {}
+            for i, (_, record) in enumerate(items):
+                by_route.setdefault(record.task or "", []).append(i)  # type: ignore[attr-defined]
         for route, indices in by_route.items():
+            started = time.perf_counter()
             self._verify_route(self.verifier.routes[route], items, indices, out)
+            per_item = (time.perf_counter() - started) / max(1, len(indices))
+            self._cost[route] = 0.5 * (self._cost.get(route, per_item) + per_item)
         return out  # type: ignore[return-value]
 
     def _verify_route(
@@ -475,6 +696,13 @@ class VerifierService:
             out[i] = res
 
 
+def _settle(future: Future[BatchResult], reply: BatchResult) -> None:
+    try:
+        future.set_result(reply)
+    except InvalidStateError:  # cancelled: the service is closing
+        pass
+
+
 def _unencodable(result: VerifyResult) -> str:
     """Why `result` cannot be encoded, or "" when it can."""
     try:
@@ -488,8 +716,10 @@ class RemoteVerifier:
     """A `Verifier` whose work is done by an `rlax-verifier` service.
 
     The items go in batch messages of at most `chunk_items` items (and about
-    `chunk_bytes` bytes), pipelined; `timeout_s` bounds the wait for the whole call.
-    Raises `RemoteError` if the service refuses an item (naming the first refused).
+    `chunk_bytes` bytes), pipelined; `timeout_s` bounds the wait for the whole call. A
+    message the service answers ``busy`` (too many of ours waiting) is sent again after
+    the wait it suggests, within that bound. Raises `RemoteError` if the service refuses
+    an item (naming the first refused).
     """
 
     def __init__(
@@ -530,23 +760,32 @@ class RemoteVerifier:
         raise AssertionError("unreachable")
 
     def _verify_once(self, items: Sequence[VerifyItem], deadline: rp.Deadline) -> list[VerifyResult]:
-        sent: dict[int, tuple[int, int]] = {}
+        sent: dict[int, tuple[int, int, bytes]] = {}
+
+        def send(start: int, count: int, frame: bytes) -> None:
+            header = rp.VerifyBatch(
+                request_id=f"batch-{start}", items=count, timeout_s=self.sandbox_timeout_s
+            )
+            rid = self.client.send_request(header, [frame], timeout_s=max(deadline.remaining(), 1e-3))
+            sent[rid] = (start, count, frame)
+            pending.add(rid)
+
+        pending: set[int] = set()
         for s in range(0, len(items), self.chunk_items):
             for start, count, frame in self._chunks(items[s : s + self.chunk_items], s):
-                header = rp.VerifyBatch(
-                    request_id=f"batch-{start}", items=count, timeout_s=self.sandbox_timeout_s
-                )
-                rid = self.client.send_request(header, [frame], timeout_s=max(deadline.remaining(), 1e-3))
-                sent[rid] = (start, count)
+                send(start, count, frame)
         out: list[VerifyResult | None] = [None] * len(items)
-        pending = set(sent)
         while pending:
             rid, reply = self.client.recv_reply(
                 pending, timeout_s=deadline.remaining(), operation="VerifyRequest batch"
             )
             pending.discard(rid)
-            start, count = sent[rid]
+            start, count, frame = sent.pop(rid)
             msg = reply.message
+            if isinstance(msg, rp.ErrorReply) and msg.code == "busy" and deadline.remaining() > RETRY_AFTER_S:
+                time.sleep(RETRY_AFTER_S)  # replies meanwhile wait in the socket
+                send(start, count, frame)
+                continue
             if isinstance(msg, rp.ErrorReply):
                 raise rp.RemoteError(msg.code, msg.message, peer=self.client.peer)
             if not isinstance(msg, rp.VerifyBatchResult) or len(reply.frames) != 1:
@@ -598,6 +837,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="after a request arrives, wait this long for more to score with it (default: none)",
     )
     parser.add_argument(
+        "--code-threads",
+        type=int,
+        default=2,
+        help="sandboxed batches run at once (each runs its route's sandbox.workers programs at once)",
+    )
+    parser.add_argument(
+        "--max-timeout-s",
+        type=float,
+        default=60.0,
+        help="the longest an environment step may run, whatever its request asks (default 60)",
+    )
+    parser.add_argument(
+        "--max-pending-per-client",
+        type=int,
+        default=64,
+        help="messages one client may have waiting or running; more are answered busy (default 64)",
+    )
+    parser.add_argument(
         "--environment",
         action="append",
         default=[],
@@ -616,6 +873,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_window_s=args.batch_window_s,
         poll_s=args.poll_s,
         env_paths=args.environment,
+        code_threads=args.code_threads,
+        max_timeout_s=args.max_timeout_s,
+        max_pending_per_client=args.max_pending_per_client,
     )
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())

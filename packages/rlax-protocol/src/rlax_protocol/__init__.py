@@ -29,6 +29,7 @@ from rlax_protocol.errors import (
     RemoteError,
     VersionMismatchError,
 )
+from rlax_protocol.fair_pool import FairPool, FairQueue
 from rlax_protocol.messages import (
     DTYPE_ITEMSIZE,
     MAX_ENV_TURNS,
@@ -119,6 +120,8 @@ __all__ = [
     "Deadline",
     "EncodedTree",
     "ErrorReply",
+    "FairPool",
+    "FairQueue",
     "FetchChunks",
     "FrameSlot",
     "AgentSpec",

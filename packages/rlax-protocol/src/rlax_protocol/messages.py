@@ -478,6 +478,10 @@ class VerifyRequest(Message, frozen=True):
     extra: dict[str, str] = {}
     timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            _fail("VerifyRequest", "timeout_s", self.timeout_s, "must be a finite number > 0")
+
 
 class VerifyResult(Message, frozen=True):
     request_id: str
@@ -489,7 +493,8 @@ class VerifyResult(Message, frozen=True):
 class VerifyBatch(Message, frozen=True):
     """A batch of `items` verifications; one raw frame follows, the JSON array of
     ``[completion, record]`` pairs (`rlax_data`'s record; its `task` names the verifier).
-    `timeout_s` caps each sandboxed job of the batch."""
+    `timeout_s` caps each sandboxed job of the batch (and the service caps it in turn: a
+    client asks, the server's limits decide)."""
 
     request_id: str
     items: int
@@ -523,7 +528,7 @@ class EnvStepRequest(Message, frozen=True):
     earlier model turns `turns[:-1]` (skipped for environments whose steps do not depend on
     each other) and answers the step of `turns[-1]` with an `EnvStepResult`. The request
     carries the whole trajectory so that any replica can serve it and a restarted service
-    loses nothing. `timeout_s` bounds the whole request."""
+    loses nothing. `timeout_s` bounds the whole request (at most the service's own maximum)."""
 
     request_id: str
     environment: str

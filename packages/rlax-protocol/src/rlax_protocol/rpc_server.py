@@ -16,13 +16,25 @@ Anything malformed, unexpected or larger than `max_request_bytes` is answered wi
 `ErrorReply` and the server keeps serving; a handler exception becomes an
 ``internal`` error reply. For high-throughput byte movement see how `rlax_paramserver`
 adds worker threads.
+
+Slow work never has to run on the thread that receives messages: a handler may answer a
+request later by returning a `concurrent.futures.Future` of its reply (work handed to a
+`FairPool`, say). The loop sends the reply once the future is done, from its own thread
+(ZeroMQ sockets are not thread-safe): a done future is queued and wakes the loop through a
+pipe it polls beside the socket. Work that must stay on the serving thread (math
+verification uses signals) can be done in bounded slices between receives: `main_work()`
+is called after every wake and says whether more remains (the loop then polls without
+sleeping), so requests keep being received, and answered, while it is done.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -45,9 +57,12 @@ log = logging.getLogger(__name__)
 
 Frames = Sequence[bytes | memoryview | zmq.Frame]
 HandlerResult = Message | tuple[Message, Frames]
-Handler = Callable[[Message, list[zmq.Frame]], HandlerResult]
-BatchResult = HandlerResult | Exception
+BatchResult = HandlerResult | Exception | Future[Any]
+"""A reply, an exception for that request alone, or a future of either (answered when done)."""
+Handler = Callable[[Message, list[zmq.Frame]], HandlerResult | Future[Any]]
 BatchHandler = Callable[[list[tuple[Message, list[zmq.Frame]]]], Sequence[BatchResult]]
+PeerBatchHandler = Callable[[list[tuple[Message, list[zmq.Frame], bytes]]], Sequence[BatchResult]]
+Reply = tuple[Message, Frames] | Future[Any]
 
 _ERROR_TEXT_LIMIT = 1000  # an error text may quote hostile input: keep replies small
 
@@ -67,6 +82,11 @@ class RpcServer:
     first; `max_request_bytes` (default: no limit beyond the message bounds) caps the
     bytes of one request, raw frames included (``too_large`` otherwise); `poll_s` is
     the longest the loop sleeps before it checks for `stop()`.
+
+    `with_peer`: the batch handler gets ``(message, frames, peer)`` triples, `peer` the
+    client's routing identity (for handlers that queue work per client). `main_work`: see
+    the module docstring; it runs on the serving thread and must return within a bounded
+    time.
     """
 
     def __init__(
@@ -74,7 +94,7 @@ class RpcServer:
         bind: str,
         handler: Handler | None = None,
         *,
-        batch_handler: BatchHandler | None = None,
+        batch_handler: BatchHandler | PeerBatchHandler | None = None,
         max_batch: int = 256,
         batch_window_s: float = 0.0,
         max_request_bytes: int | None = None,
@@ -83,6 +103,8 @@ class RpcServer:
         curve: CurveServerConfig | None = None,
         client_idle_timeout_s: float = 600.0,
         max_clients: int = 4096,
+        with_peer: bool = False,
+        main_work: Callable[[], bool] | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("RpcServer: give exactly one of handler and batch_handler")
@@ -105,7 +127,14 @@ class RpcServer:
         self.curve = curve
         self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s, max_peers=max_clients)
         self.address = ""
-        self.stats = {"requests": 0, "batches": 0, "errors": 0}
+        self.with_peer = with_peer
+        self.main_work = main_work
+        self.stats = {"requests": 0, "batches": 0, "errors": 0, "deferred": 0}
+        # Deferred replies whose futures are done, to send from the loop's thread; a byte
+        # on the pipe wakes the loop (written under the lock, so never after it closes).
+        self._finished: collections.deque[tuple[bytes, int, Future[Any]]] = collections.deque()
+        self._wake_lock = threading.Lock()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._context: zmq.Context[Any] = zmq.Context()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -176,6 +205,11 @@ class RpcServer:
             self._socket.close(0)
             self._socket = None
             self._stop_auth()
+        with self._wake_lock:
+            if self._wake_write >= 0:
+                os.close(self._wake_write)
+                os.close(self._wake_read)
+                self._wake_write = self._wake_read = -1
         self._context.term()
 
     def is_serving(self) -> bool:
@@ -218,19 +252,25 @@ class RpcServer:
         if early is not None:
             return early, ()
         assert request.message is not None  # screen() answered every request without one
-        return self._handle([request])[0]
+        reply = self._handle([request])[0]
+        return _outcome_of(reply, self.server_id) if isinstance(reply, Future) else reply
 
-    def _handle(self, requests: list[Request]) -> list[tuple[Message, Frames]]:
-        """One reply per request (all screened), through whichever handler was given."""
+    def _handle(self, requests: list[Request]) -> list[Reply]:
+        """One reply (or a future of it) per request (all screened), through whichever
+        handler was given."""
         if self.handler is not None:
             return [self._call_one(self.handler, r) for r in requests]
         assert self.batch_handler is not None
-        work = [(r.message, r.frames) for r in requests if r.message is not None]
+        work: list[Any] = [
+            (r.message, r.frames, r.identity) if self.with_peer else (r.message, r.frames)
+            for r in requests
+            if r.message is not None
+        ]
         try:
             results = self.batch_handler(work)
             if len(results) != len(work):
                 raise RuntimeError(f"batch handler returned {len(results)} results for {len(work)} requests")
-            return [_reply_for(result, self.server_id) for result in results]
+            return [r if isinstance(r, Future) else _reply_for(r, self.server_id) for r in results]
         except Exception as err:
             if len(requests) == 1:
                 return [_reply_for(err, self.server_id)]
@@ -240,13 +280,34 @@ class RpcServer:
             return [self._handle([r])[0] for r in requests]
 
     @staticmethod
-    def _call_one(handler: Handler, request: Request) -> tuple[Message, Frames]:
+    def _call_one(handler: Handler, request: Request) -> Reply:
         assert request.message is not None
         try:
             result: BatchResult = handler(request.message, request.frames)
         except Exception as err:
             result = err
-        return _reply_for(result, "handler")
+        return result if isinstance(result, Future) else _reply_for(result, "handler")
+
+    def _defer(self, identity: bytes, request_id: int, future: Future[Any]) -> None:
+        """Answer when `future` is done (its callback may run in any thread)."""
+        self.stats["deferred"] += 1
+
+        def done(f: Future[Any]) -> None:
+            self._finished.append((identity, request_id, f))
+            with self._wake_lock:
+                if self._wake_write >= 0:
+                    try:
+                        os.write(self._wake_write, b"\0")
+                    except BlockingIOError:
+                        pass  # the pipe is full of wake-ups already
+
+        future.add_done_callback(done)
+
+    def _send_finished(self, socket: zmq.Socket[Any]) -> None:
+        while self._finished:
+            identity, request_id, future = self._finished.popleft()
+            reply, frames = _outcome_of(future, self.server_id)
+            self._send(socket, identity, request_id, reply, frames)
 
     # -- the loop
 
@@ -262,11 +323,23 @@ class RpcServer:
 
     def _loop(self, socket: zmq.Socket[Any]) -> None:
         poll_ms = max(1, int(self.poll_s * 1000))
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        more_work = False
         while not self._stop.is_set():
             try:
-                if not socket.poll(poll_ms):
-                    continue
-                self._serve_batch(socket, self._drain(socket))
+                events = dict(poller.poll(0 if more_work else poll_ms))
+                if self._wake_read in events:
+                    try:
+                        os.read(self._wake_read, 4096)
+                    except BlockingIOError:
+                        pass
+                if socket in events:
+                    self._serve_batch(socket, self._drain(socket))
+                if self.main_work is not None:
+                    more_work = self.main_work()
+                self._send_finished(socket)
             except zmq.ContextTerminated:
                 return
             except Exception:  # outside any one request (the socket itself): log, go on
@@ -317,8 +390,11 @@ class RpcServer:
         except Exception as err:  # `_handle` catches the handlers' errors; this is ours
             log.exception("%s: answering a batch failed", self.server_id)
             replies = [(_internal(f"{type(err).__name__}: {err}"), ())] * len(todo)
-        for request, (reply, frames) in zip(todo, replies, strict=True):
-            self._send(socket, request.identity, request.request_id, reply, frames)
+        for request, answer in zip(todo, replies, strict=True):
+            if isinstance(answer, Future):
+                self._defer(request.identity, request.request_id, answer)
+            else:
+                self._send(socket, request.identity, request.request_id, *answer)
 
     def _too_large(self, parts: list[zmq.Frame]) -> ErrorReply | None:
         if self.max_request_bytes is None:
@@ -377,6 +453,16 @@ def _reply_for(result: BatchResult, who: str) -> tuple[Message, Frames]:
     if isinstance(result, Message):
         return result, ()
     return _internal(f"{who} returned {type(result).__name__}, not a message"), ()
+
+
+def _outcome_of(future: Future[Any], who: str) -> tuple[Message, Frames]:
+    """The reply a done future holds (what it raised, or its cancellation, as an error)."""
+    if future.cancelled():
+        return _internal("the server stopped before answering"), ()
+    error = future.exception()
+    if error is not None and not isinstance(error, Exception):  # SystemExit and the like
+        error = RuntimeError(f"{type(error).__name__}: {error}")
+    return _reply_for(error if error is not None else future.result(), who)
 
 
 def _identity_of(parts: Sequence[zmq.Frame]) -> bytes:

@@ -17,6 +17,7 @@ from rlax_data.verify.answers import ExactMatchConfig, ExactMatchVerifier, MathC
 from rlax_data.verify.base import Verifier, VerifyItem, VerifyResult
 from rlax_data.verify.code import CodeConfig, CodeVerifier
 from rlax_data.verify.countdown import CountdownConfig, CountdownVerifier
+from rlax_data.verify.sandbox import SandboxConfig
 from rlax_data.verify.shaping import ShapedVerifier, ShapingConfig
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "load_verifier_config",
     "register_verifier",
     "registered_configs",
+    "sandbox_of",
 ]
 
 _FACTORIES: dict[type, Callable[[Any], Verifier]] = {}
@@ -82,6 +84,17 @@ class RoutingVerifier:
             for i, res in zip(idx, self.routes[name].verify([items[i] for i in idx]), strict=True):
                 out[i] = res
         return out  # type: ignore[return-value]
+
+
+def sandbox_of(verifier: Verifier) -> SandboxConfig | None:
+    """The sandbox limits of a verifier that runs programs (code, shaped or not); None for
+    one that runs none. A service runs the first kind off its receiving thread, and their
+    `timeout_s` is the most any job of theirs may ask for."""
+    if isinstance(verifier, ShapedVerifier):
+        return sandbox_of(verifier.base)
+    if isinstance(verifier, CodeVerifier):
+        return verifier.config.sandbox
+    return None
 
 
 def register_verifier(config_type: type, factory: Callable[[Any], Verifier]) -> None:

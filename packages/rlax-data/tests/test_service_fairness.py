@@ -1,0 +1,194 @@
+"""`rlax-verifier` as a separate process: one client's slow request (sandboxed programs that
+sleep, a long math batch) does not hold up another client's exact match, and what a client
+asks for is bounded by the service, not the client (issue 29)."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+import rlax_protocol as rp
+from rlax_data import CodeTests, Record
+from rlax_data.service import default_routes, encode_batch
+from rlax_protocol.transport import pack_request_id, unpack_request_id
+
+MAX_S = 3.0
+"""The code route's sandbox timeout: the most any client's job may run."""
+B_BOUND_S = 2.0
+"""How long the other client's exact match may wait (the issue's bound)."""
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout_s):
+            raise TimeoutError("rlax-verifier did not print its address")
+        return proc.stdout.readline().strip()
+    finally:
+        sel.close()
+
+
+@pytest.fixture
+def verifier(tmp_path) -> Iterator[str]:
+    cfg = tmp_path / "verifier.yaml"
+    routes = msgspec.to_builtins(default_routes())
+    routes["routes"]["code"]["sandbox"] = {"workers": 2, "timeout_s": MAX_S}
+    cfg.write_text(json.dumps(routes))  # JSON is YAML
+    exe = os.path.join(os.path.dirname(sys.executable), "rlax-verifier")
+    proc = subprocess.Popen(
+        [exe, "--bind", "tcp://127.0.0.1:*", "--config", str(cfg), "--poll-s", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        yield _read_line(proc, 60)
+        assert proc.poll() is None, "the service died"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+
+
+def _sleeper(n: int, **tests: float) -> tuple[str, Record]:
+    record = Record(id=f"sleep{n}", prompt="p", task="code", tests=CodeTests(script="pass", **tests))
+    return "import time\ntime.sleep(60)\n", record
+
+
+def _outcome(reply: rp.transport.Reply) -> dict:
+    assert isinstance(reply.message, rp.VerifyBatchResult), reply.message
+    return msgspec.json.decode(reply.frames[0].bytes)
+
+
+def _exact_match(client: rp.RpcClient) -> tuple[rp.Message, float]:
+    """Client B's request and how long its answer took."""
+    sent = time.monotonic()
+    reply = client.call(
+        rp.VerifyRequest(request_id="b", verifier="exact_match", completion="42", reference="42"),
+        retry=False,
+    )
+    return reply.message, time.monotonic() - sent
+
+
+def _warm_up(client: rp.RpcClient) -> None:
+    """One quick program first: the sandbox checks itself on its first use."""
+    quick = Record(id="quick", prompt="p", task="code", tests=CodeTests(script="pass"))
+    rid = client.send_request(rp.VerifyBatch(request_id="w", items=1), [encode_batch([("x = 1\n", quick)])])
+    _, reply = client.recv_reply({rid}, timeout_s=60, operation="warm-up")
+    assert _outcome(reply)["results"][0]["correct"] is True
+
+
+def test_sleeping_programs_do_not_delay_another_clients_exact_match(verifier):
+    with (
+        rp.RpcClient(verifier, timeout_s=60, retries=0) as a,
+        rp.RpcClient(verifier, timeout_s=60, retries=0) as b,
+    ):
+        _warm_up(a)
+        b.connect()
+        sent_a = time.monotonic()
+        header = rp.VerifyBatch(request_id="a", items=2, timeout_s=MAX_S)  # the server's maximum
+        rid = a.send_request(header, [encode_batch([_sleeper(0), _sleeper(1)])])
+        time.sleep(0.5)  # A's programs are running
+        answer_b, delay_b = _exact_match(b)
+        b_done = time.monotonic() - sent_a
+        _, reply_a = a.recv_reply({rid}, timeout_s=60, operation="A's batch")
+        a_done = time.monotonic() - sent_a
+    print(f"client B answered in {delay_b:.3f}s; client A in {a_done:.3f}s")
+    assert isinstance(answer_b, rp.VerifyResult) and answer_b.correct
+    assert delay_b < B_BOUND_S, f"client B waited {delay_b:.2f}s behind client A's programs"
+    assert b_done < a_done  # B was answered while A's programs still ran
+    results = _outcome(reply_a)["results"]
+    assert [r["correct"] for r in results] == [False, False]
+    assert all(f"timed out after {MAX_S:g}s" in json.dumps(r["details"]) for r in results)
+
+
+def test_a_long_math_batch_does_not_delay_another_clients_exact_match(verifier):
+    # About 1.5 ms a math item: this batch holds seconds of the main thread's work.
+    n = 2000
+    items = [
+        (f"so \\boxed{{{i}/7}}", Record(id=f"m{i}", prompt="p", answer=f"\\frac{{{i}}}{{7}}", task="math"))
+        for i in range(n)
+    ]
+    with (
+        rp.RpcClient(verifier, timeout_s=120, retries=0) as a,
+        rp.RpcClient(verifier, timeout_s=60, retries=0) as b,
+    ):
+        a.connect()
+        b.connect()
+        sent_a = time.monotonic()
+        rid = a.send_request(rp.VerifyBatch(request_id="a", items=n), [encode_batch(items)])
+        time.sleep(0.5)  # A's batch is being scored
+        answer_b, delay_b = _exact_match(b)
+        b_done = time.monotonic() - sent_a
+        _, reply_a = a.recv_reply({rid}, timeout_s=120, operation="A's batch")
+        a_done = time.monotonic() - sent_a
+    print(f"client B answered in {delay_b:.3f}s; client A in {a_done:.3f}s")
+    assert isinstance(answer_b, rp.VerifyResult) and answer_b.correct
+    assert delay_b < B_BOUND_S, f"client B waited {delay_b:.2f}s behind client A's math"
+    assert b_done < a_done
+    assert all(r["correct"] for r in _outcome(reply_a)["results"])
+
+
+def test_a_timeout_above_the_servers_maximum_is_clamped_to_it(verifier):
+    # The batch asks 1e9 s and its record 1e6 s: each job still ends at the code route's
+    # sandbox timeout, and the answer says so.
+    with rp.RpcClient(verifier, timeout_s=60, retries=0) as client:
+        _warm_up(client)
+        sent = time.monotonic()
+        header = rp.VerifyBatch(request_id="long", items=2, timeout_s=1e9)
+        frame = encode_batch([_sleeper(0), _sleeper(1, timeout_s=1e6)])
+        rid = client.send_request(header, [frame])
+        _, reply = client.recv_reply({rid}, timeout_s=60, operation="a batch asking 1e9 s")
+        took = time.monotonic() - sent
+        results = _outcome(reply)["results"]
+        assert [r["correct"] for r in results] == [False, False]
+        assert all(f"timed out after {MAX_S:g}s" in json.dumps(r["details"]) for r in results)
+        assert took < MAX_S + 15, took
+
+
+def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_it(verifier):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(verifier)
+    try:
+        hello = rp.Hello(protocol_version=rp.PROTOCOL_VERSION, client_id="t")
+        sock.send_multipart([pack_request_id(0), rp.encode(hello)])
+        assert isinstance(_raw_reply(sock)[1], rp.Welcome)
+        good = rp.encode(
+            rp.VerifyRequest(request_id="x", verifier="exact_match", completion="1", timeout_s=1.5)
+        )
+        assert good.count(struct.pack(">d", 1.5)) == 1
+        for n, bad in enumerate((float("nan"), float("inf"), -1.0, 0.0), start=1):
+            # A client that skips the message's own checks: the service refuses it.
+            sock.send_multipart(
+                [pack_request_id(n), good.replace(struct.pack(">d", 1.5), struct.pack(">d", bad))]
+            )
+            rid, reply = _raw_reply(sock)
+            assert rid == n and isinstance(reply, rp.ErrorReply) and reply.code == "malformed", reply
+            assert "timeout_s" in reply.message, reply
+        sock.send_multipart([pack_request_id(9), good])  # and still serves
+        assert isinstance(_raw_reply(sock)[1], rp.VerifyResult)
+    finally:
+        sock.close(0)
+
+
+def _raw_reply(sock: zmq.Socket) -> tuple[int, rp.Message]:
+    parts = rp.recv_within(sock, timeout_s=30, peer="verifier", operation="reply")
+    return unpack_request_id(parts[0]), rp.decode(parts[1].buffer)
