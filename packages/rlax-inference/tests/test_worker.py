@@ -15,6 +15,7 @@ import zmq
 from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
 
 import rlax_protocol as rp
+from rlax_inference.admission import RequestLimits
 from rlax_inference.engine import EngineConfig
 from rlax_inference.worker import Worker, WorkerConfig
 from rlax_model import init_params
@@ -251,7 +252,8 @@ def request_with(rid, prompt=(5, 6, 7), n=1, **sampling):
 
 def test_an_out_of_range_field_is_refused_by_name_before_it_takes_blocks(paramserver):
     push(paramserver, PARAMS, 1)
-    w = RunningWorker(paramserver)
+    # The worker's own top_logprobs limit (64) would refuse 1,000 first: the engine's check is tested here.
+    w = RunningWorker(paramserver, limits=RequestLimits(max_top_logprobs=2000))
     try:
         with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             (ok,) = roundtrip(client, [greedy_request("warm", [5, 6, 7], max_tokens=2)])
@@ -307,7 +309,7 @@ def test_requests_without_a_seed_get_distinct_seeds(paramserver):
 def test_requests_beyond_the_inflight_bound_are_answered_busy_at_once(paramserver):
     # No weights on the server yet: the engine thread admits nothing, so every request stays
     # in flight and the bound decides alone.
-    w = RunningWorker(paramserver, max_inflight_requests=2)
+    w = RunningWorker(paramserver, max_inflight_requests=2, max_inflight_per_client=2)
     try:
         with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             ids = [client.send_request(greedy_request(f"r{i}", [5, 6, 7], max_tokens=3)) for i in range(3)]

@@ -6,18 +6,29 @@ Two threads, and only one of them runs the model:
   `rlax_protocol` (`Hello` -> `Welcome`, `GenerateRequest` -> `GenerateResult` or
   `ErrorReply`). It answers `Hello` at once, whatever the engine is doing (compiling,
   reloading, stepping), queues requests for the engine thread, answers ``busy`` beyond
-  `WorkerConfig.max_inflight_requests`, and cancels the requests of a client that
-  disconnected;
+  `WorkerConfig.max_inflight_requests` (or beyond one client's `max_inflight_per_client`),
+  and cancels the requests of a client that disconnected;
 - the engine thread (the caller of `Worker.run`; the main thread of the process) follows the
   parameter server, admits requests, steps `LLMEngine` and posts results. It never touches
   the socket.
 
+Admission (`rlax_inference.admission`): a request asking for more than a server maximum
+(`WorkerConfig.limits`, the engine's sizes) is answered ``too_large`` at once, naming the
+field and the limit; the others enter the engine round robin across clients while it has
+room for their samples, so one client's many requests cannot starve another's.
+
 Weights: a request that names a `weight_version` (the controller's pinned versions) is
-generated with exactly that version. Requests are admitted in arrival order while they ask
-for the loaded version; once the engine has finished the ones it holds, the worker loads the
-version the next request asks for (older or newer: the parameter server keeps the last
-`keep`). Requests without a version follow the newest weights (`follow_latest`): before
-admitting new requests (and every `weights_poll_s` while generating) the engine thread asks
+generated with exactly that version. Requests for the loaded version are admitted until one
+for another version the worker can load arrived before them; once the engine has finished
+the ones it holds, the worker loads that version (older or newer: the parameter server keeps
+the last `keep`). A request for a version the parameter server does not have yet is set
+aside, never holding up the others, and answered ``version_unavailable`` after
+`version_wait_s` (at once when it is more than `max_version_lead` beyond the newest); a
+pinned load that fails is tried `version_load_attempts` times, backing off, then its
+requests are answered with the error.
+
+Requests without a version follow the newest weights (`follow_latest`): before admitting
+new requests (and every `weights_poll_s` while generating) the engine thread asks
 the parameter server for its newest version, and reloads only when it is
 `reload_staleness` (the paper's j, `workers.j`) or more versions behind. A reload drops the
 partly generated samples (they restart under the new weights), so every result is generated
@@ -30,8 +41,8 @@ At its first weights the worker compiles the shapes the run will use (`WarmUp`),
 generation runs at the engine's warm speed; every result carries the worker's running totals
 (`WorkerStats`), and an engine step that had to compile a new shape counts as compile time.
 
-A request the engine refuses (a field out of range for this model: `top_logprobs=1000` on a
-128-token vocabulary, a prompt token outside the vocabulary, a prompt too long, ...) gets an
+A request the engine refuses (a field out of range for this model: `top_k=1000` on a
+128-token vocabulary, a prompt token outside the vocabulary, ...) gets an
 `ErrorReply(code="malformed")` naming the field before anything is scheduled. Stop strings
 are matched on the text the run's tokenizer decodes from each sample's latest tokens.
 """
@@ -53,6 +64,7 @@ from typing import Any
 import rlax_protocol as rp
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
+from rlax_inference.admission import AdmissionQueue, Queued, RequestLimits
 from rlax_inference.agent_loop import AgentLoop, AgentResult, TurnCodec
 from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
 from rlax_inference.sequence import SamplingParams
@@ -95,7 +107,16 @@ class WorkerConfig:
     first_weights_timeout_s: a worker without weights whose parameter server has not
       answered for this long gives up (TimeoutError).
     max_inflight_requests: requests queued or generating; beyond it a request is answered
-      ``busy``.
+      ``busy``. max_inflight_per_client: the same for one client (connection), so that one
+      client cannot take every slot (None: half of `max_inflight_requests`, at least 1).
+    version_wait_s: a request for a version this worker cannot load (the parameter server
+      does not have it yet, or loading it keeps failing) is answered ``version_unavailable``
+      after waiting this long (None: half of `rpc_timeout_s`); it never holds up requests
+      for the loaded weights. One more than `max_version_lead` versions beyond the newest
+      is refused at once; a version whose load failed `version_load_attempts` times (backing
+      off from `reload_retry_s`) is refused with the error.
+    limits: the server's maxima of a request's sizes and counts (`RequestLimits`; `n`, the
+      prompt and `max_tokens` are bounded by the engine's sizes).
     client_heartbeat_s: ZMTP heartbeat interval towards clients (a silent connection is
       closed after five), so requests of a client whose host vanished are cancelled.
     follow_latest: reload the newest weights when `reload_staleness` behind even while no
@@ -122,6 +143,11 @@ class WorkerConfig:
     follow_latest: bool = True
     max_delay_s: float = 0.0
     map_weights: bool = True
+    max_inflight_per_client: int | None = None
+    version_wait_s: float | None = None
+    max_version_lead: int = 4
+    version_load_attempts: int = 3
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         for name in ("reload_staleness", "max_inflight_requests"):
@@ -135,6 +161,28 @@ class WorkerConfig:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if not self.client_heartbeat_s >= 0:
             raise ValueError(f"WorkerConfig.client_heartbeat_s must be >= 0, got {self.client_heartbeat_s!r}")
+        for name, least in (
+            ("max_inflight_per_client", 1),
+            ("max_version_lead", 0),
+            ("version_load_attempts", 1),
+        ):
+            value = getattr(self, name)
+            if not (value is None and name == "max_inflight_per_client") and not (
+                isinstance(value, int) and not isinstance(value, bool) and value >= least
+            ):
+                raise ValueError(f"WorkerConfig.{name} must be an int >= {least}, got {value!r}")
+        if self.version_wait_s is not None and not self.version_wait_s > 0:
+            raise ValueError(
+                f"WorkerConfig.version_wait_s must be > 0 (or None), got {self.version_wait_s!r}"
+            )
+
+    @property
+    def inflight_per_client(self) -> int:
+        return self.max_inflight_per_client or max(1, self.max_inflight_requests // 2)
+
+    @property
+    def version_wait_limit_s(self) -> float:
+        return self.rpc_timeout_s / 2 if self.version_wait_s is None else self.version_wait_s
 
     @classmethod
     def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> WorkerConfig:
@@ -149,6 +197,16 @@ class WorkerConfig:
             "follow_latest": config.controller.versions == "freshest",
             "max_delay_s": config.chaos.max_delay_s,
             "map_weights": config.workers.map_weights,
+            # The controller's requests (training and eval groups) always fit; a stranger gets half.
+            "max_inflight_per_client": max(
+                2 * config.workers.max_inflight_groups, config.workers.max_inflight_requests // 2
+            ),
+            # Answered before the controller's own timeout, so it reassigns the group at once.
+            "version_wait_s": config.controller.request_timeout_s / 2,
+            "limits": RequestLimits(
+                max_agent_turns=max(RequestLimits.max_agent_turns, config.agent.max_turns),
+                max_tool_timeout_s=max(RequestLimits.max_tool_timeout_s, config.agent.tool_timeout_s),
+            ),
         }
         return cls(**{**fields, **overrides})
 
@@ -264,11 +322,20 @@ class Worker:
         self.phase = "not started"  # for logs and tests: waiting for weights, loading, warming up, ...
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
-        self._queued: list[Job] = []  # decoded, not yet in the engine (no weights yet, or a reload first)
+        # Decoded, not in the engine yet: no weights yet, a reload first, or no room.
+        self._queue = AdmissionQueue()
         self._admitted: dict[int, rp.GenerateRequest] = {}
         self._next_check = 0.0
         self._backoff_s = config.reload_retry_s
         self._backoff_until = 0.0
+        # The parameter server's newest version as last heard (and when it was asked), and the
+        # failed loads of pinned versions: version -> (attempts, next try, last error).
+        self._latest: int | None = None
+        self._latest_at = -1.0
+        self._next_latest_check = 0.0
+        self._latest_backoff_s = config.reload_retry_s
+        self._load_failures: dict[int, tuple[int, float, str]] = {}
+        self.num_refused = {"too_large": 0, "version_unavailable": 0, "not_found": 0}
         self._started = time.monotonic()
         self.num_weight_checks = 0
         self.num_failed_pulls = 0
@@ -312,6 +379,7 @@ class Worker:
             self.config.bind,
             server_id=self.server_id,
             max_inflight=self.config.max_inflight_requests,
+            max_inflight_per_client=self.config.inflight_per_client,
             heartbeat_s=self.config.client_heartbeat_s,
         )
         self.io.start()
@@ -347,19 +415,20 @@ class Worker:
                 self._take_inbox(0.0 if busy else 0.002 if in_tools else pc.weights_poll_s)
                 round_start = time.monotonic()
                 set_apart = self.reload_s + self.compile_s
-                wanted = self._requested_version()
+                self._settle_versions(round_start)
+                wanted = self._requested_version(round_start)
                 if wanted is not None:
                     self._load_requested(wanted, round_start)
                 elif in_tools:
                     pass  # a trajectory in flight keeps the loaded weights until it ends
                 elif pc.follow_latest or self.engine is None or self._serving_unpinned():
-                    self._maybe_reload(round_start, force=bool(self._queued))
+                    self._maybe_reload(round_start, force=any(q.version is None for q in self._queue))
                 # A weight load (and the first load's warm-up) is counted in reload_s and
                 # compile_s, not as this round's generation time.
                 round_start += self.reload_s + self.compile_s - set_apart
                 if self.engine is None:
                     continue
-                self._admit()
+                self._admit(round_start)
                 if self.engine.has_unfinished:
                     self._step(round_start)
                 if self.agent is not None and self.agent.active:
@@ -382,6 +451,7 @@ class Worker:
             return
         self._next_check = now + self.config.weights_poll_s
         assert self._version_client is not None
+        asked = time.monotonic()
         try:
             latest = self._version_client.latest()
         except rp.ProtocolError as error:
@@ -394,6 +464,7 @@ class Worker:
             self._failed("cannot reach the parameter server", error, now)
             return
         self.num_weight_checks += 1
+        self._latest, self._latest_at = latest, asked
         if latest is None or (
             self.version is not None and latest - self.version < self.config.reload_staleness
         ):
@@ -404,50 +475,134 @@ class Worker:
     def _serving_unpinned(self) -> bool:
         """A request that names no version is queued or generating: it follows the newest."""
         return (
-            any(job.request.weight_version is None for job in self._queued)
+            any(q.version is None for q in self._queue)
             or any(request.weight_version is None for request in self._admitted.values())
             or (self.agent is not None and self.agent.serving_unpinned)
         )
 
-    def _requested_version(self) -> int | None:
-        """The version the next queued request names, when it is not the loaded one and the
-        engine has finished every request it holds (they need the loaded weights)."""
-        if self.engine is None or self.engine.has_unfinished or not self._queued:
+    def _loadable(self, version: int, now: float) -> bool:
+        """Can the worker try to load `version` now: published (as far as it last heard), and
+        no failed load or unreachable parameter server backing off."""
+        if self._latest is None or version > self._latest or now < self._backoff_until:
+            return False
+        failure = self._load_failures.get(version)
+        return failure is None or now >= failure[1]
+
+    def _requested_version(self, now: float) -> int | None:
+        """The version the next queued request names, when it is not the loaded one, the
+        worker can load it, and the engine has finished every request it holds (they need
+        the loaded weights). Requests for versions it cannot load now are set aside."""
+        if self.engine is None or self.engine.has_unfinished or not self._queue:
             return None
         if self.agent is not None and self.agent.active:
             return None  # its trajectories' next turns need the loaded weights
-        wanted = self._queued[0].request.weight_version
-        return None if wanted is None or wanted == self.version else wanted
+        return self._queue.next_version(self.version, lambda v: self._loadable(v, now))
+
+    def _settle_versions(self, now: float) -> None:
+        """Answer the queued requests whose version this worker cannot serve: beyond the
+        newest by more than `max_version_lead` (at once), or not loadable after waiting
+        `version_wait_s` (not published, or its load backing off after failures)."""
+        pc = self.config
+        waiting = [(q, q.version) for q in self._queue if q.version is not None and q.version != self.version]
+        if not waiting:
+            return
+        if self._latest is None or any(version > self._latest for _, version in waiting):
+            self._refresh_latest(now)
+        latest, lead, wait_s = self._latest, pc.max_version_lead, pc.version_wait_limit_s
+        for q, version in waiting:
+            waited = now - q.since
+            if latest is not None and self._latest_at >= q.since and version > latest + lead:
+                why = (
+                    f"weight version {version} is more than max_version_lead={lead} versions beyond "
+                    f"the newest the parameter server holds ({latest}): refused at once"
+                )
+            elif waited >= wait_s and not self._loadable(version, now):
+                failure = self._load_failures.get(version)
+                why = (
+                    f"weight version {version} is not available (the parameter server's newest is "
+                    f"{latest}); waited {waited:.1f}s, the worker's version_wait_s={wait_s:g}"
+                    + (f"; its last load failed: {failure[2]}" if failure else "")
+                )
+            else:
+                continue
+            self._refuse([q], "version_unavailable", why)
+
+    def _refresh_latest(self, now: float) -> None:
+        """Ask the parameter server for its newest version, at most every `weights_poll_s`."""
+        if now < self._next_latest_check:
+            return
+        assert self._version_client is not None
+        asked = time.monotonic()
+        try:
+            latest = self._version_client.latest()
+        except rp.ProtocolError as error:
+            # Each failed ask holds the engine thread up to its deadline: back off, doubling.
+            retry_s = self._latest_backoff_s
+            self._latest_backoff_s = min(_MAX_BACKOFF_S, 2 * retry_s)
+            self._next_latest_check = now + retry_s
+            log.warning("cannot ask the parameter server for its newest version (%s); again in %.1fs",
+                        error, retry_s)  # fmt: skip
+            return
+        self._latest, self._latest_at = latest, asked
+        self._latest_backoff_s = self.config.reload_retry_s
+        self._next_latest_check = now + self.config.weights_poll_s
+
+    def _refuse(self, queued: list[Queued], code: str, why: str) -> None:
+        """Answer queued requests with an `ErrorReply` and take them out of the queue."""
+        assert self.io is not None
+        self._queue.remove({q.job.key for q in queued})
+        for q in queued:
+            self.num_refused[code] = self.num_refused.get(code, 0) + 1
+            self.io.post(q.job.key, rp.ErrorReply(code=code, message=f"{_shown_id(q.job.request)}: {why}"))
+        if queued:
+            log.warning("%d request(s) refused (%s): %s", len(queued), code, why)
 
     def _load_requested(self, version: int, now: float) -> None:
-        """Load `version` for the requests that name it; refuse them when the parameter
-        server no longer holds it (older than its `keep` newest)."""
+        """Load `version` for the requests that name it. Refuse them when the parameter
+        server no longer holds it (older than its `keep` newest); set them aside when it is
+        not published yet; after a failed load, back off, and after `version_load_attempts`
+        failures refuse them with the error."""
         from rlax_paramserver import VersionNotFoundError
 
-        if now < self._backoff_until:
-            return
         try:
             self._reload(version, exact=True)
         except VersionNotFoundError as error:
             assert self._version_client is not None
+            asked = time.monotonic()
             try:
                 latest = self._version_client.latest()
             except rp.ProtocolError as lost:
-                self._failed(f"version {version} not found; the newest is unknown", lost, now)
+                self._load_failed(version, f"version {version} not found; the newest is unknown: {lost}")
                 return
+            self._latest, self._latest_at = latest, asked
             if latest is None or version > latest:
-                self._failed(f"version {version} is not published yet", error, now)
+                log.info("version %d is not published yet (%s): its requests wait", version, error)
                 return
-            assert self.io is not None
-            refused = [job for job in self._queued if job.request.weight_version == version]
-            self._queued = [job for job in self._queued if job.request.weight_version != version]
-            log.error("version %d is gone from the parameter server (newest %d): %d request(s) refused",
-                      version, latest, len(refused))  # fmt: skip
-            for job in refused:
-                message = (
-                    f"{job.request.request_id}: weight version {version} is no longer held (newest {latest})"
-                )
-                self.io.post(job.key, rp.ErrorReply(code="not_found", message=message))
+            self._load_failures.pop(version, None)
+            refused = [q for q in self._queue if q.version == version]
+            self._refuse(
+                refused, "not_found", f"weight version {version} is no longer held (newest {latest})"
+            )
+        except rp.ProtocolError as error:
+            self._load_failed(version, f"pulling it from {self.config.paramserver} failed: {error}")
+        else:
+            self._load_failures.pop(version, None)
+
+    def _load_failed(self, version: int, error: str) -> None:
+        """A pinned version did not load: try again later (backing off), or, after
+        `version_load_attempts`, answer its requests with the error."""
+        attempts = self._load_failures.get(version, (0, 0.0, ""))[0] + 1
+        limit = self.config.version_load_attempts
+        if attempts >= limit:
+            self._load_failures.pop(version, None)
+            refused = [q for q in self._queue if q.version == version]
+            why = f"loading weight version {version} failed {attempts} times (version_load_attempts={limit}): {error}"
+            self._refuse(refused, "version_unavailable", why)
+            return
+        retry_s = min(_MAX_BACKOFF_S, self.config.reload_retry_s * 2 ** (attempts - 1))
+        self._load_failures[version] = (attempts, time.monotonic() + retry_s, error)
+        log.warning("loading version %d failed (%s); its requests wait, trying again in %.1fs (attempt %d of %d)",
+                    version, error, retry_s, attempts, limit)  # fmt: skip
 
     def _failed(self, what: str, error: Exception, now: float) -> None:
         self._backoff_until = now + self._backoff_s
@@ -482,6 +637,8 @@ class Worker:
         except rp.ProtocolError as error:
             self.num_failed_pulls += 1
             self.phase = previous
+            if exact:
+                raise  # the requests that name it decide (`_load_requested`)
             self._failed(
                 f"pulling version {latest} from {self.config.paramserver} failed", error, time.monotonic()
             )
@@ -559,31 +716,49 @@ class Worker:
             item = inbox.get(timeout=wait_s) if wait_s > 0 else inbox.get_nowait()
             while True:
                 if isinstance(item, Job):
-                    self._queued.append(item)
+                    self._intake(item)
                 else:
                     self._cancel(item)
                 item = inbox.get_nowait()
         except queue.Empty:
             return
 
+    def _intake(self, job: Job) -> None:
+        """Queue a decoded request, or refuse it at once when it asks for more than this
+        worker gives (`RequestLimits`, the engine's sizes)."""
+        ec = self.engine_config
+        why = self.config.limits.check(
+            job.request, max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len
+        )
+        if why is None:
+            self._queue.add(job, time.monotonic())
+            return
+        assert self.io is not None
+        self.num_refused["too_large"] += 1
+        self.io.post(job.key, rp.ErrorReply(code="too_large", message=f"{_shown_id(job.request)}: {why}"))
+
     def _cancel(self, cancel: Cancel) -> None:
         """The client is gone: forget a queued request, abort an admitted one (its blocks are freed)."""
-        self._queued = [job for job in self._queued if job.key != cancel.key]
+        self._queue.remove({cancel.key})
         if self.agent is not None:
             self.agent.cancel(cancel.key)
         if self._admitted.pop(cancel.key, None) is not None and self.engine is not None:
             self.engine.abort(str(cancel.key))
             self.num_aborted += 1
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
+        """Move queued requests into the engine, round robin across clients (`AdmissionQueue`),
+        while it has room for their samples: the rest wait here, where a client that was not
+        served for a while goes first, rather than in the engine's arrival-ordered queue."""
         engine, io = self.engine, self.io
         assert engine is not None and io is not None
-        queued, self._queued = self._queued, []
-        for position, job in enumerate(queued):
-            request = job.request
-            if request.weight_version is not None and request.weight_version != self.version:
-                self._queued = queued[position:]  # in arrival order: it waits for its version
-                return
+        capacity = self.engine_config.max_num_seqs
+        room = capacity - _engine_sequences(engine)
+        for queued in self._queue.admissible(self.version, lambda v: self._loadable(v, now)):
+            job, request = queued.job, queued.job.request
+            if request.n > room and room < capacity:
+                break  # the engine is full; this client keeps its turn
+            self._queue.served(queued)
             try:
                 params = _engine_params(request)
                 if self.detokenize is not None:
@@ -596,6 +771,7 @@ class Worker:
                     if self.detokenize is not None:
                         self.detokenize.need(self.agent.codec.stop_strings)
                     self.agent.start(job.key, request, params)
+                    room -= request.n
                     continue
                 engine.add_request(str(job.key), request.prompt_token_ids, params)
             except Exception as error:  # a request the engine refuses fails alone, before it is scheduled
@@ -606,6 +782,7 @@ class Worker:
                     message = f"{request.request_id}: {message}"
                 io.post(job.key, rp.ErrorReply(code="malformed", message=message))
                 continue
+            room -= request.n
             self._admitted[job.key] = request
 
     def _step(self, round_start: float) -> None:
@@ -698,6 +875,19 @@ def _aliased_bytes(source: Any, params: Any) -> int:
             same = False
         total += int(host.nbytes) if same else 0
     return total
+
+
+def _engine_sequences(engine: LLMEngine) -> int:
+    """Samples in the engine that have not finished (waiting, prefilling or running)."""
+    scheduler = engine.scheduler
+    jobs = (*scheduler.waiting, *scheduler.prefilling)
+    return len(scheduler.running) + sum(len(job.seqs) for job in jobs)
+
+
+def _shown_id(request: rp.GenerateRequest) -> str:
+    """The request's id for a reply or a log line (a hostile one cut short)."""
+    rid = request.request_id
+    return rid if len(rid) <= 80 else f"{rid[:80]}...({len(rid)} chars)"
 
 
 def _engine_params(request: rp.GenerateRequest) -> SamplingParams:

@@ -3,8 +3,9 @@
 It answers `Hello` at once (whatever the engine thread is doing: compiling, reloading,
 stepping), decodes each `GenerateRequest` into the inbox the engine thread reads, and sends
 what the engine thread posts to the outbox (an inproc PAIR wakes it). It owns the book of
-requests in flight: a request beyond `max_inflight` is answered ``busy`` at once (the
-client retries elsewhere), and the requests of a client whose connection closed are
+requests in flight: a request beyond `max_inflight`, or beyond its client's
+`max_inflight_per_client`, is answered ``busy`` at once (the client retries elsewhere or
+later), and the requests of a client whose connection closed are
 cancelled (a `Cancel` in the inbox; the engine thread aborts them and frees their blocks).
 
 A closed connection is told by the kernel socket a client's messages came from: every
@@ -38,10 +39,12 @@ _CHECK_CLIENTS_S = 0.2  # how often the connections of clients with requests in 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """A decoded request for the engine thread; `key` names it in both threads."""
+    """A decoded request for the engine thread; `key` names it in both threads, `client`
+    is the connection it came on (the engine thread's round robin is across clients)."""
 
     key: int
     request: rp.GenerateRequest
+    client: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,7 @@ class WorkerIO:
         *,
         server_id: str,
         max_inflight: int,
+        max_inflight_per_client: int | None = None,
         heartbeat_s: float = 2.0,
         context: zmq.Context[Any] | None = None,
     ) -> None:
@@ -74,6 +78,8 @@ class WorkerIO:
             raise ValueError(f"max_inflight={max_inflight}: must be >= 1")
         self.server_id = server_id
         self.max_inflight = max_inflight
+        # One client cannot fill the worker: beyond this many of its own, its next is ``busy``.
+        self.max_inflight_per_client = max_inflight_per_client or max_inflight
         self.inbox: queue.Queue[Job | Cancel] = queue.Queue()
         self._outbox: queue.Queue[tuple[int, rp.Message]] = queue.Queue()
         self._inflight: dict[int, _InFlight] = {}
@@ -196,10 +202,17 @@ class WorkerIO:
                     message=f"{message.request_id}: the worker has {len(self._inflight)} requests in flight "
                     f"(workers.max_inflight_requests={self.max_inflight}); retry elsewhere or later",
                 )
+            elif (mine := self._client_inflight(request.identity)) >= self.max_inflight_per_client:
+                self.num_busy += 1
+                reply = rp.ErrorReply(
+                    code="busy",
+                    message=f"{message.request_id}: this client has {mine} requests in flight "
+                    f"(the worker's max_inflight_per_client={self.max_inflight_per_client}); retry later",
+                )
             else:
                 key = next(self._keys)
                 self._inflight[key] = _InFlight(request.identity, request.request_id, _connection(parts[-1]))
-                self.inbox.put(Job(key, message))
+                self.inbox.put(Job(key, message, request.identity))
                 return  # answered when the engine thread posts its result
         else:
             name = type(message).__name__
@@ -207,6 +220,9 @@ class WorkerIO:
                 code="unknown_message", message=f"{name} is not an inference-worker request"
             )
         self._send(request.identity, request.request_id, reply)
+
+    def _client_inflight(self, identity: bytes) -> int:
+        return sum(1 for entry in self._inflight.values() if entry.identity == identity)
 
     def _send_outbox(self) -> None:
         while True:
