@@ -560,3 +560,40 @@ def test_a_worker_that_cannot_take_its_first_group_loses_every_group_of_that_dis
         assert len(sent) == config.workers.max_inflight_groups == len(worker.requests)
     finally:
         controller.close()
+
+
+def test_a_worker_that_moved_is_followed_through_the_address_book(
+    tmp_path: pathlib.Path, toy: Any, fake_workers: Any
+) -> None:
+    """Issue 29: a worker restarted on another node listens at a new address; the launcher
+    writes it in the run's address book and the controller reconnects there (its groups go
+    back to the queue at once) instead of being restarted to read a new config. The only
+    worker is lost and the heartbeat timeout is long: only the book can let the run finish."""
+    from rlax_core.addresses import write_address_book
+
+    old, moved = fake_workers(2)
+    book = tmp_path / "addresses.json"
+    config = make_config(
+        tmp_path,
+        toy.port(),
+        **{"eval.num_prompts": 0, "controller.heartbeat_timeout_s": 600, "addresses.book": str(book)},
+    )
+    write_address_book(book, {"worker0": old.address})
+    ct = ControllerThread(config, toy, [old])
+    trained = train(config.controller.address, [old, moved], stop_at=2)
+    old.paused.set()  # its node is gone
+    write_address_book(book, {"worker0": moved.address})
+    rest: dict[int, list[str]] = {}
+    trainer = threading.Thread(
+        target=lambda: rest.update(train(config.controller.address, [old, moved], start_step=2)), daemon=True
+    )
+    trainer.start()
+    trainer.join(timeout=60)
+    assert not trainer.is_alive(), "the run did not finish: the moved worker was not found"
+    ct.join()
+    trained.update(rest)
+    assert ct.code == 0 and sorted(trained) == list(range(6))
+    assert ct.controller.workers["worker0"].link.address == moved.address and moved.served > 0
+    records = read_metrics(config.output_dir / "metrics.jsonl")
+    dead = [r for r in records if r["kind"] == "worker" and r.get("event") == "dead"]
+    assert [r["why"] for r in dead] == [f"moved to {moved.address}"]

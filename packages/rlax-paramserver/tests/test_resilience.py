@@ -43,6 +43,29 @@ def test_client_rides_through_a_server_restart(tmp_path, stamp) -> None:
             assert client.stat().versions == (1, 2)
 
 
+def test_a_client_follows_a_server_that_moved_to_another_address(tmp_path, stamp) -> None:
+    """Issue 29: a parameter server restarted on another node listens elsewhere; the client's
+    `resolve` (the run's address book) names the new address. The same client reaches it:
+    its wait on the old address ends within a second of the book naming the new one, not
+    after its 30 s timeout, and nobody restarts its process."""
+    make, check = stamp
+    first, second = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    book = {"paramserver": first}
+    with ParamClient(first, timeout_s=30, retries=3, resolve=lambda: book["paramserver"]) as client:
+        with running_server_process(tmp_path, args=["--bind", first]):
+            client.push(make(1), 1)
+        with running_server_process(tmp_path, args=["--bind", second]):  # same state folder
+            book["paramserver"] = second
+            started = time.monotonic()
+            assert client.latest() == 1
+            assert time.monotonic() - started < client.timeout_s
+            assert client.address == second
+            pulled = client.pull()
+            assert pulled is not None
+            check(pulled.tree, 1)
+            client.push(make(2), 2)
+
+
 def test_pull_and_push_resend_only_unanswered_requests_after_a_timeout(stamp, monkeypatch) -> None:
     """A timeout in the middle of a pipelined push or pull resends exactly what is unanswered."""
     from rlax_paramserver.testing import running_server

@@ -16,9 +16,19 @@ __all__ = ["controller_main", "run_controller"]
 
 def _scorer(config: RunConfig, task: Any) -> Any:
     if config.verifier.mode == "service":
+        from rlax_core.addresses import resolver
         from rlax_data.service import RemoteVerifier
+        from rlax_protocol.transport import RpcClient
 
-        task.verifier = RemoteVerifier(config.verifier.address, timeout_s=config.verifier.timeout_s)
+        address, timeout_s = config.verifier.address, config.verifier.timeout_s
+        # The service's address now (the launcher's address book): it may move to another node.
+        client = RpcClient(
+            address,
+            timeout_s=timeout_s,
+            role="verifier-client",
+            resolve=resolver(config.addresses.book, "verifier", address),
+        )
+        task.verifier = RemoteVerifier(address, timeout_s=timeout_s, client=client)
     return task
 
 

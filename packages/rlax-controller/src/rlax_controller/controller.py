@@ -47,6 +47,7 @@ from rlax_controller.scheduling import (
     stable_seed,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
+from rlax_core.addresses import AddressBook
 from rlax_core.config import ConfigError, RunConfig
 from rlax_core.control import (
     BatchRequest,
@@ -213,6 +214,9 @@ class Controller:
         self._step_seconds: dict[str, float] = {}
         # The trainer's BatchRequest held until a batch is ready: identity, request id, request, since.
         self._held: tuple[bytes, int, BatchRequest, float] | None = None
+        # Where the launcher says each worker listens now (a worker moved to another node).
+        self._book = AddressBook(config.addresses.book) if config.addresses.book else None
+        self._book_read = 0.0
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Iterator[None]:
@@ -682,9 +686,27 @@ class Controller:
                 log.warning("group %d had no live request; back to the queue", group.index)
                 self.scheduler.release(group)
 
+    def _follow_moves(self, now: float) -> None:
+        """A worker restarted on another node listens at a new address (the launcher's address
+        book): its requests go back to the queue and its link connects there."""
+        if self._book is None or now - self._book_read < self.config.controller.heartbeat_interval_s:
+            return
+        self._book_read = now
+        entries = self._book.entries()
+        for worker in self.workers.values():
+            address = entries.get(worker.name, worker.link.address)
+            if address == worker.link.address:
+                continue
+            log.warning("%s moved: %s -> %s", worker.name, worker.link.address, address)
+            self._declare_dead(worker, f"moved to {address}", reopen=False)
+            worker.link.retarget(address)
+            worker.pings.clear()
+            worker.last_ping = 0.0  # say Hello there now
+
     def _heartbeat(self, now: float) -> None:
         cfg = self.config.controller
         self._release_orphans()
+        self._follow_moves(now)
         for worker in self.workers.values():
             if now - worker.last_ping >= cfg.heartbeat_interval_s:
                 worker.last_ping = now

@@ -16,6 +16,7 @@ from rich.console import Console
 from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
+from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
 
 __all__ = ["build_specs", "launch", "resolve_addresses"]
@@ -146,6 +147,13 @@ def launch(
         shutil.rmtree(output)
     resumed = (output / "snapshots").is_dir()
     output.mkdir(parents=True, exist_ok=True)
+    # The address book: clients read a server's address there when they reconnect (the Ray
+    # launcher moves servers; here the addresses stay, and the clients take the same path).
+    book = output.resolve() / ADDRESS_BOOK
+    config = msgspec.structs.replace(
+        config, addresses=msgspec.structs.replace(config.addresses, book=str(book))
+    )
+    write_address_book(book, server_addresses(config))
     resolved = dump_config(config, output / "config.yaml")
     console.print(
         f"[bold]RLAX[/bold] run [cyan]{config.run.name}[/cyan] in {output} "

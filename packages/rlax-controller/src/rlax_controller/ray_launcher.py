@@ -20,9 +20,21 @@
   that Ray restarts reads it back and restarts its component on the SAME address, which
   the other components already know.
 - A server restarted on ANOTHER node (its node was lost) cannot keep its address: it
-  tells the registry, the launcher reserves a port on the new node, rewrites the config,
-  starts it there and restarts every other process, each of which reads the new address
-  and resumes from its state (`moved` in events.jsonl).
+  tells the registry, the launcher reserves a port on the new node, rewrites the config
+  and the run's address book (`rlax_core.addresses`), and starts it there (`moved` in
+  events.jsonl). Its clients are not restarted: each reads the new address in the book
+  when it reconnects (the controller its worker links and verifier client, the trainer
+  and the workers their parameter-server clients, the trainer its controller client). A
+  lost process restarts alone, unless another learns its address only at start: a
+  trainer gang's coordinator (the gang restarts with it) and, with `agent.where:
+  service`, the verifier service of the workers' environments (`_address_dependents`).
+- How soon Ray gives a lost node up is `launcher.health_check` (passed to the Ray the
+  launcher starts; checked against an existing cluster's own). A lost process's stall, from
+  the last answer of its actor (pinged every second) to its replacement serving (its
+  address accepts connections; a process that is no server: started), is recorded per
+  node (`node_lost` in events.jsonl and in the launcher's metrics file
+  `launcher_metrics.jsonl`, with `detect_s`: how long Ray took to give the node up) and in
+  the report.
 - A multi-host trainer (`trainer.hosts > 1`) is a gang: when one member exits or is lost,
   the launcher stops the others and all restart together from the last checkpoint
   (`gang_restart`); exits of lives older than the gang's last restart are that restart's
@@ -66,16 +78,19 @@ import msgspec
 from rich.console import Console
 
 from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, summarise
-from rlax_controller.metrics import ProgressDisplay
+from rlax_controller.metrics import ProgressDisplay, read_metrics
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import SupervisorReport, _tail
+from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, dump_config, load_config
+from rlax_core.fsutil import append_line
 
-__all__ = ["READY_TIMEOUT_S", "launch"]
+__all__ = ["READY_TIMEOUT_S", "RayReport", "launch"]
 
 EXIT_MISSING_COMPONENT = 69  # rlax_core.cli: the role's package is not installed in its environment
 LOST_EXIT = -9  # the exit recorded for a life that went down with its node (as if SIGKILLed)
 READY_TIMEOUT_S = 45.0
+LAUNCHER_METRICS = "launcher_metrics.jsonl"  # the launcher's metrics records (node losses)
 PYTHON = "{python}"  # in a command: the interpreter of the actor that runs it
 _STOP_GRACE_S = 5.0
 
@@ -108,6 +123,9 @@ def _registry_class() -> type:
                 self.seq += 1
                 entry["exits"].append(LOST_EXIT)
                 entry["exit_runs"].append(entry["run"])
+                # Told apart from a SIGKILLed component's own exit (-9 as well): the node it was on.
+                lost = {"run": entry["run"], "node_id": entry.get("node", {}).get("node_id", "")}
+                entry.setdefault("lost", []).append(lost)
 
         def started(self, name: str, node: dict[str, Any]) -> int:
             entry = self._entry(name)
@@ -137,7 +155,38 @@ def _registry_class() -> type:
         def snapshot(self) -> dict[str, Any]:
             return {"seq": self.seq, "procs": self.state}
 
+        def health_check(self) -> dict[str, int]:
+            """The cluster's health-check settings, as this actor's process got them."""
+            try:
+                from ray._raylet import Config
+            except ImportError:
+                return {}
+            names = ("health_check_period_ms", "health_check_timeout_ms", "health_check_failure_threshold")
+            return {name: int(getattr(Config, name)()) for name in names if hasattr(Config, name)}
+
     return Registry
+
+
+@dataclasses.dataclass
+class RayReport(SupervisorReport):
+    """The local report, and the stall of every node lost during the run (`node_lost`
+    records: `stall_s` from the loss to every replacement serving, `detect_s` until Ray
+    gave the node up) and the cluster's health-check timing."""
+
+    stalls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    health_check: str = ""
+
+    def render(self) -> str:
+        lines = [super().render()]
+        for stall in self.stalls:
+            lines.append(
+                f"  {stall['event'].replace('_', ' ')} {stall['node'][:8]} ({', '.join(stall['processes'])}): "
+                f"{stall['stall_s']:.1f}s from the loss to its replacements serving, "
+                f"{stall['detect_s']:.1f}s of it until Ray gave the node up"
+            )
+        if self.health_check:
+            lines.append(f"  ray health check: {self.health_check}")
+        return "\n".join(lines)
 
 
 def _role_process_class() -> type:
@@ -335,14 +384,62 @@ def _ray_specs(config: RunConfig, config_path: pathlib.Path) -> list[Any]:
 def _servers(config: RunConfig) -> dict[str, str]:
     """Process name -> its address in the config, for every process others connect to (a
     multi-host trainer's process 0 hosts the gang's `jax.distributed` coordinator)."""
-    workers = list(config.workers.addresses) or [AUTO] * config.workers.count
-    servers = {"paramserver": config.paramserver.address, "controller": config.controller.address}
-    servers |= {f"worker{i}": a for i, a in enumerate(workers)}
-    if config.verifier.mode == "service":
-        servers["verifier"] = config.verifier.address
-    if config.trainer.hosts > 1:
-        servers["trainer0"] = config.trainer.coordinator
-    return servers
+    return server_addresses(config)
+
+
+def _address_dependents(config: RunConfig, name: str) -> list[str]:
+    """The processes that must restart when `name` moves to another address: those that
+    learn it only when they start. Every other client reads the address book when it
+    reconnects, so a moved server restarts alone."""
+    if name == "trainer0" and config.trainer.hosts > 1:  # the gang's jax.distributed coordinator
+        return [f"trainer{i}" for i in range(1, config.trainer.hosts)]
+    if name == "verifier" and config.agent.enabled and config.agent.where == "service":
+        # The workers' environments step in the verifier service at the address they started with.
+        return [f"worker{i}" for i in range(config.workers.count)]
+    return []
+
+
+def _accepts(address: str) -> bool:
+    """Whether something listens at `address` (tcp://HOST:PORT or HOST:PORT) now."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _health_check_text(values: dict[str, int]) -> str:
+    if not values:
+        return ""
+    period = values.get("health_check_period_ms", 0) / 1000
+    timeout = values.get("health_check_timeout_ms", 0) / 1000
+    threshold = values.get("health_check_failure_threshold", 0)
+    return (
+        f"period {period:g}s, timeout {timeout:g}s, threshold {threshold}: a node whose raylet died "
+        f"is given up after ~{period * threshold:g}s, a vanished host after ~{(period + timeout) * threshold:g}s"
+    )
+
+
+def _check_health_config(config: RunConfig, cluster: dict[str, int]) -> None:
+    """`launcher.health_check` values the cluster does not have stop the launch, naming both."""
+    wanted = config.launcher.health_check.system_config()
+    if not wanted:
+        return
+    if not cluster:
+        raise ConfigError(
+            f"launcher.health_check={wanted}: the cluster's own settings cannot be read here to "
+            "check them; set them on the cluster (ray start --head --system-config=...) and remove them"
+        )
+    differ = {k: (v, cluster.get(k)) for k, v in wanted.items() if cluster.get(k) != v}
+    if differ:
+        raise ConfigError(
+            "launcher.health_check: the Ray cluster has "
+            + ", ".join(f"{k}={have} (asked: {want})" for k, (want, have) in differ.items())
+            + "; a cluster that exists keeps its own: start its head with "
+            + f"ray start --head --system-config='{json.dumps(wanted)}' (KubeRay: the head's "
+            + "rayStartParams), or leave launcher.health_check out"
+        )
 
 
 def _with_addresses(config: RunConfig, found: dict[str, str]) -> RunConfig:
@@ -395,11 +492,17 @@ def launch(
         shutil.rmtree(output)
     resumed = (output / "snapshots").is_dir()
     output.mkdir(parents=True, exist_ok=True)
+    config = msgspec.structs.replace(
+        config, addresses=msgspec.structs.replace(config.addresses, book=str(output / ADDRESS_BOOK))
+    )
+    health = launcher.health_check.system_config()
     ray.init(
         address=launcher.address or None,
         namespace=launcher.namespace,
         log_to_driver=False,
         include_dashboard=False if not launcher.address else None,
+        # Only a Ray this call starts takes system settings; a cluster's are checked in place().
+        **({"_system_config": health} if health and not launcher.address else {}),
     )
     run = _RayRun(ray, config, output)
     previous = signal.getsignal(signal.SIGTERM)
@@ -427,7 +530,7 @@ def launch(
         display = ProgressDisplay(config.run.steps)
         report = run.supervise(_MetricsTail(output / "metrics.jsonl", display))
     except (KeyboardInterrupt, _Interrupted) as interrupt:
-        report = SupervisorReport(False, f"interrupted ({interrupt or 'Ctrl-C'})", {}, [], {}, run.log_dir)
+        report = RayReport(False, f"interrupted ({interrupt or 'Ctrl-C'})", {}, [], {}, run.log_dir)
     finally:
         if display is not None:
             display.close()
@@ -456,6 +559,7 @@ class _RayRun:
         self.placement: dict[str, dict[str, Any]] = {}
         self.found: dict[str, str] = {}  # process -> the tcp:// address it was given
         self.plans: dict[str, dict[str, Any]] = {}
+        self.health_check = ""  # the cluster's timing, in words (for the report)
 
     def event(self, kind: str, **fields: Any) -> None:
         with open(self.events, "a") as handle:
@@ -477,6 +581,10 @@ class _RayRun:
             .options(num_cpus=0, max_restarts=0, scheduling_strategy=here)
             .remote()
         )
+        cluster_health = ray.get(self.registry.health_check.remote(), timeout=READY_TIMEOUT_S)
+        _check_health_config(config, cluster_health)
+        self.health_check = _health_check_text(cluster_health)
+        self.event("health_check", **cluster_health)
         members = collections.defaultdict(list)
         for spec in self.specs:
             members[spec.role].append(spec.name)
@@ -537,6 +645,9 @@ class _RayRun:
         """Write the config with the current addresses and give the registry every plan (an
         actor Ray restarts reads its plan there)."""
         resolved = dump_config(self.config, self.output / "config.yaml")
+        # Where every server listens now: clients read it when they reconnect.
+        known = {n: a for n, a in server_addresses(self.config).items() if a != AUTO}
+        write_address_book(pathlib.Path(self.config.addresses.book), known)
         self._write_placement()
         cwd = os.getcwd()
         for spec in _ray_specs(self.config, resolved):
@@ -620,11 +731,14 @@ class _Supervision:
         self.moves_done: set[int] = set()
         self.pings: dict[str, Any] = {}
         self.dead_pings: collections.Counter[str] = collections.Counter()
+        self.answered: dict[str, float] = {}  # process -> when its actor last answered a ping
+        self.losses: dict[str, dict[str, Any]] = {}  # lost process -> its loss, until it serves again
+        self.stalls: list[dict[str, Any]] = []
 
     def report(
         self, success: bool, reason: str, procs: dict[str, Any], *, config_error: bool = False
-    ) -> SupervisorReport:
-        return SupervisorReport(
+    ) -> RayReport:
+        return RayReport(
             success=success,
             reason=reason,
             restarts={n: max(0, procs.get(n, {}).get("starts", 1) - 1) for n in self.run.actors},
@@ -632,9 +746,11 @@ class _Supervision:
             exit_codes={n: list(procs.get(n, {}).get("exits", [])) for n in self.run.actors},
             log_dir=self.run.log_dir,
             config_error=config_error,
+            stalls=list(self.stalls),
+            health_check=self.run.health_check,
         )
 
-    def loop(self, tail: _MetricsTail) -> SupervisorReport:
+    def loop(self, tail: _MetricsTail) -> RayReport:
         run, ray = self.run, self.run.ray
         last_ping = 0.0
         while True:
@@ -651,6 +767,7 @@ class _Supervision:
                 if moved and moved["seq"] not in self.moves_done:
                     self.moves_done.add(moved["seq"])
                     self.move(name, moved)
+            self.check_serving(procs)
             now = time.monotonic()
             self.chaos_tick(now, procs)
             if now - last_ping >= 1.0:
@@ -660,15 +777,21 @@ class _Supervision:
                     return dead
             time.sleep(0.25)
 
-    def observe(
-        self, name: str, entry: dict[str, Any], seq: int, procs: dict[str, Any]
-    ) -> SupervisorReport | None:
+    def observe(self, name: str, entry: dict[str, Any], seq: int, procs: dict[str, Any]) -> RayReport | None:
         run = self.run
         role = run.roles[name]
         exits = entry["exits"]
         for index in range(self.seen_exits.get(name, 0), len(exits)):
             code, life = exits[index], entry["exit_runs"][index]
             run.event("exit", name=name, role=role, code=code)
+            lost = next((lost for lost in entry.get("lost", []) if lost["run"] == life), None)
+            if lost is not None:  # went down with its node (or its actor): Ray restarted it
+                now = time.time()
+                self.losses[name] = {
+                    "node": lost["node_id"],
+                    "lost_at": self.answered.get(name, now),
+                    "detected_at": now,
+                }
             gang = self.gang_of.get(name)
             if gang and life > self.gang_epoch[gang]:
                 self.gang_epoch[gang] = seq
@@ -728,15 +851,73 @@ class _Supervision:
                 life = entry["run"]
                 if life < self.gang_epoch[gang] and (name, life) not in self.killed_lives:
                     self.killed_lives.add((name, life))
-                    if self.run.ray.get(self.run.actors[name].kill_component.remote(), timeout=30):
+                    if self.kill(name):
                         self.induced[name] += 1
+
+    def kill(self, name: str) -> bool:
+        """SIGKILL `name`'s component; False when none runs, its actor restarting included
+        (another process of its lost node: Ray is placing it again, with nothing to kill)."""
+        ray = self.run.ray
+        try:
+            return bool(ray.get(self.run.actors[name].kill_component.remote(), timeout=30))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            return False
+
+    def check_serving(self, procs: dict[str, Any]) -> None:
+        """Note when each lost process serves again (running, and its address accepts
+        connections); once every process lost on a node does, record the node's stall."""
+        run = self.run
+        for name, loss in self.losses.items():
+            entry = procs.get(name, {})
+            if "serving_at" in loss or entry.get("starts", 0) <= len(entry.get("exits", [])):
+                continue  # serving already, or not running again yet
+            address = run.found.get(name, "")
+            if address and not _accepts(address):
+                continue
+            loss["serving_at"] = time.time()
+        for node in {loss["node"] for loss in self.losses.values()}:
+            names = sorted(n for n, loss in self.losses.items() if loss["node"] == node)
+            lost = [self.losses[n] for n in names]
+            if not all("serving_at" in loss for loss in lost):
+                continue
+            for n in names:
+                del self.losses[n]
+            alive = {n["NodeID"] for n in run.ray.nodes() if n.get("Alive")}
+            lost_at = min(loss["lost_at"] for loss in lost)
+            record = {
+                "kind": "event",
+                "step": max(
+                    (r["step"] for r in read_metrics(run.output / "metrics.jsonl", "train")), default=0
+                ),
+                "event": "process_lost" if node in alive else "node_lost",
+                "node": node,
+                "processes": names,
+                "stall_s": round(max(loss["serving_at"] for loss in lost) - lost_at, 2),
+                "detect_s": round(max(loss["detected_at"] for loss in lost) - lost_at, 2),
+            }
+            self.stalls.append(record)
+            run.event(record["event"], **{k: v for k, v in record.items() if k not in ("kind", "event")})
+            # A file of the launcher's own, as the trainer has: two hosts appending to one
+            # file on shared storage (NFS) can overwrite each other's lines.
+            append_line(run.output / LAUNCHER_METRICS, json.dumps({"time": time.time(), **record}))
 
     def move(self, name: str, moved: dict[str, Any]) -> None:
         """`name` restarted on another node (its node was lost): give it an address there,
-        rewrite the config, start it, and restart every other process so that each reads the
-        new address (every component resumes from its state)."""
+        rewrite the config and the address book, and start it. Its clients find it there
+        through the book; only the processes that learn its address at start alone
+        (`_address_dependents`) are restarted."""
         run, ray = self.run, self.run.ray
-        address = ray.get(run.actors[name].reserve_port.remote(), timeout=30)
+        # The actor told the registry from its constructor: until that returns, Ray still
+        # calls it restarting and refuses calls (ActorUnavailableError).
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                address = ray.get(run.actors[name].reserve_port.remote(), timeout=30)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         old = run.found.get(name, "")
         run.found[name] = address
         run.config = _with_addresses(run.config, run.found)
@@ -744,12 +925,15 @@ class _Supervision:
         run.replan()
         run.event("moved", name=name, node=moved["node_id"], old=old, address=address)
         ray.get(run.actors[name].start.remote(run.plans[name]), timeout=60)
-        for other, actor in run.actors.items():
-            if other != name and ray.get(actor.kill_component.remote(), timeout=30):
+        dependents = _address_dependents(self.config, name)
+        for other in dependents:
+            if self.kill(other):
                 self.induced[other] += 1
-        snap_seq = ray.get(run.registry.snapshot.remote(), timeout=30)["seq"]
-        for gang in self.gangs:  # those kills are this move's, not a gang failure
-            self.gang_epoch[gang] = snap_seq
+                run.event("restart_for_move", name=other, moved=name)
+        if dependents:
+            snap_seq = ray.get(run.registry.snapshot.remote(), timeout=30)["seq"]
+            for gang in {self.gang_of[n] for n in dependents if n in self.gang_of}:
+                self.gang_epoch[gang] = snap_seq  # those kills are this move's, not a gang failure
 
     def chaos_tick(self, now: float, procs: dict[str, Any]) -> None:
         """The local supervisor's chaos mode: SIGKILL a component (its actor then restarts)."""
@@ -780,7 +964,7 @@ class _Supervision:
         self.chaos_kills.append((victim, role))
         self.next_kill = now + chaos.interval * self.rng.uniform(0.5, 1.5)
 
-    def dead_actor(self, procs: dict[str, Any]) -> SupervisorReport | None:
+    def dead_actor(self, procs: dict[str, Any]) -> RayReport | None:
         """An actor Ray will not restart (`ActorDiedError` twice in a row, a second apart;
         a restarting one answers `ActorUnavailableError` or waits) ends the run."""
         run, ray = self.run, self.run.ray
@@ -795,6 +979,7 @@ class _Supervision:
             try:
                 ray.get(ref)
                 self.dead_pings[name] = 0
+                self.answered[name] = time.time()
             except ray.exceptions.ActorUnavailableError:
                 self.dead_pings[name] = 0
             except ray.exceptions.ActorDiedError as error:

@@ -524,17 +524,57 @@ class RoleResources(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
         _check(self.max_restarts >= -1, "max_restarts", self.max_restarts, "must be >= -1")
 
 
+class HealthCheckConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How soon Ray declares a lost node dead, and so how soon the processes it ran restart
+    elsewhere: Ray's head checks every node each `period_s`, waits `timeout_s` for an
+    answer, and gives a node up after `failure_threshold` failed checks in a row (Ray's
+    `health_check_period_ms`, `health_check_timeout_ms`, `health_check_failure_threshold`;
+    0 keeps the cluster's value, Ray's defaults being 3 s, 10 s and 5). A node whose raylet
+    died is refused at once and given up after about period x threshold; a host that
+    vanished leaves each check to time out: about (period + timeout) x threshold. Applied
+    when the launcher starts Ray itself (`launcher.address` empty); a cluster that exists
+    has its own (`ray start --head --system-config='{"health_check_period_ms": 1000, ...}'`,
+    or KubeRay's head `rayStartParams`), and a value set here that the cluster does not
+    have stops the launch naming both. Too short, and a node that is only slow or briefly
+    partitioned is given up and every process on it restarted."""
+
+    period_s: float = 0.0
+    timeout_s: float = 0.0
+    failure_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.period_s >= 0, "period_s", self.period_s, "must be >= 0 (0: the cluster's)")
+        _check(self.timeout_s >= 0, "timeout_s", self.timeout_s, "must be >= 0 (0: the cluster's)")
+        _check(
+            self.failure_threshold >= 0,
+            "failure_threshold",
+            self.failure_threshold,
+            "must be >= 0 (0: the cluster's)",
+        )
+
+    def system_config(self) -> dict[str, int]:
+        """Ray's `_system_config` keys of the values set (those left at 0 are absent)."""
+        out = {
+            "health_check_period_ms": round(self.period_s * 1000),
+            "health_check_timeout_ms": round(self.timeout_s * 1000),
+            "health_check_failure_threshold": self.failure_threshold,
+        }
+        return {k: v for k, v in out.items() if v}
+
+
 class LauncherConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How `rlax launch` runs the components: `local` (processes under the built-in
     supervisor) or `ray` (Ray actors on a cluster). `address`: the Ray cluster to join
     (`auto`: the one this node belongs to; `ray://HOST:PORT`: a remote one through Ray
     Client; empty: start a local one). `resources`: per role (controller, trainer, worker,
-    paramserver, verifier); a role not named asks for one CPU."""
+    paramserver, verifier); a role not named asks for one CPU. `health_check`: how soon Ray
+    gives a lost node up (`HealthCheckConfig`)."""
 
     backend: Literal["local", "ray"] = "local"
     address: str = ""
     namespace: str = "rlax"
     resources: dict[str, RoleResources] = {}
+    health_check: HealthCheckConfig = msgspec.field(default_factory=HealthCheckConfig)
 
     def __post_init__(self) -> None:
         _check(
@@ -551,9 +591,15 @@ class LauncherConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 class AddressesConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Where `auto` addresses bind in a local launch (a multi-host run writes endpoints instead)."""
+    """Where `auto` addresses bind in a local launch (a multi-host run writes endpoints instead).
+
+    `book`: the run's address book (`rlax_core.addresses`), set by `rlax launch` in the
+    config it writes: a client reads a server's address there before each reconnect, so a
+    server the launcher moved to another node is found without restarting its clients.
+    Empty (a component run by hand): the addresses above are used for good."""
 
     host: str = "127.0.0.1"
+    book: str = ""
 
     def __post_init__(self) -> None:
         _check(bool(self.host) and " " not in self.host, "host", self.host, "must be a host name or IP")

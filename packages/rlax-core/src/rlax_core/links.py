@@ -19,7 +19,7 @@ import zmq
 
 from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError, RemoteError
 from rlax_protocol.messages import PROTOCOL_VERSION, ErrorReply, Hello, Message, Welcome
-from rlax_protocol.transport import check_welcome, pack_request_id, unpack_request_id
+from rlax_protocol.transport import RESOLVE_EVERY_S, check_welcome, pack_request_id, unpack_request_id
 
 __all__ = ["ControlClient", "PeerLink"]
 
@@ -63,6 +63,13 @@ class PeerLink:
         if self.socket is not None:
             self.socket.close(linger=0)
             self.socket = None
+
+    def retarget(self, address: str) -> None:
+        """Connect to the peer's new address (it moved to another node): a fresh socket, so
+        nothing queued for the old one is sent, and the next Welcome is a new peer's."""
+        self.address = address
+        self.server_id = None
+        self.open()
 
     def hello(self) -> int | None:
         return self.send(Hello(protocol_version=PROTOCOL_VERSION, client_id=self.client_id, role=self.role))
@@ -117,6 +124,9 @@ class ControlClient:
 
     A call that times out resets the socket (dropping any late reply) and raises
     `ProtocolTimeoutError` naming the peer and operation; the caller decides to retry.
+    `resolve`: the controller's address now (the run's address book), asked before each
+    (re)connect and once a second while a call waits, so a controller that moved to another
+    node is found there.
     """
 
     def __init__(
@@ -129,10 +139,12 @@ class ControlClient:
         client_id: str = "",
         role: str = "",
         context: zmq.Context[Any] | None = None,
+        resolve: Callable[[], str] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0")
         self.timeout_s = timeout_s
+        self.resolve = resolve
         self.context = context or zmq.Context.instance()
         self.link: PeerLink | None = None
         self._args = (address, encode, decode, client_id, role)
@@ -141,23 +153,36 @@ class ControlClient:
     def peer(self) -> str:
         return f"controller {self._args[0]}"
 
-    def _wait(self, request_id: int, operation: str, timeout_s: float) -> Message:
+    def _poll(self, event: int, operation: str, deadline: float, timeout_s: float) -> None:
+        """Wait until `deadline` (monotonic) for `event` on the link; missing it resets the
+        link and raises (naming `timeout_s`). With `resolve`, the address is looked up every
+        `RESOLVE_EVERY_S` meanwhile: a controller that moved ends the wait at once (the next
+        call connects there)."""
         assert self.link is not None and self.link.socket is not None
-        deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.link.socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            wait = min(remaining, RESOLVE_EVERY_S) if self.resolve is not None else remaining
+            if remaining > 0 and self.link.socket.poll(int(wait * 1000) + 1, event):
+                return
+            last = remaining <= wait
+            moved = None if last or self.resolve is None else self.resolve()
+            if last or (moved is not None and moved != self._args[0]):
                 self.reset()
-                raise ProtocolTimeoutError(self.peer, operation, timeout_s)
+                where = "" if last else f" (the controller moved to {moved})"
+                raise ProtocolTimeoutError(self.peer, f"{operation}{where}", timeout_s)
+
+    def _wait(self, request_id: int, operation: str, timeout_s: float) -> Message:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._poll(zmq.POLLIN, operation, deadline, timeout_s)
+            assert self.link is not None
             for rid, message in self.link.receive():
                 if rid == request_id:
                     return message
 
     def _send(self, message: Message, operation: str, timeout_s: float) -> int:
-        assert self.link is not None and self.link.socket is not None
-        if not self.link.socket.poll(int(timeout_s * 1000), zmq.POLLOUT):
-            self.reset()
-            raise ProtocolTimeoutError(self.peer, f"send {operation}", timeout_s)
+        self._poll(zmq.POLLOUT, f"send {operation}", time.monotonic() + timeout_s, timeout_s)
+        assert self.link is not None
         request_id = self.link.send(message)
         if request_id is None:
             self.reset()
@@ -166,6 +191,9 @@ class ControlClient:
 
     def _connect(self, timeout_s: float) -> None:
         address, encode, decode, client_id, role = self._args
+        if self.resolve is not None and (current := self.resolve()) != address:
+            address = current
+            self._args = (address, encode, decode, client_id, role)
         self.link = PeerLink(
             address, encode=encode, decode=decode, context=self.context, client_id=client_id, role=role
         )

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import rlax_protocol as rp
+from rlax_core.addresses import resolver
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
 from rlax_inference.admission import AdmissionQueue, Queued, RequestLimits
@@ -127,6 +128,9 @@ class WorkerConfig:
       (`ParamClient(local=...)`): the weights are the page cache's, shared, not a copy.
     max_delay_s: `chaos.max_delay_s`: sleep a random time up to this before each engine
       step (a test hook: timing must not change a pinned run).
+    address_book: the run's address book (`addresses.book`); the parameter server's
+      address is read there before each reconnect, so one that moved to another node is
+      followed without a restart. Empty: `paramserver` for good.
     """
 
     bind: str = "tcp://127.0.0.1:*"
@@ -148,6 +152,7 @@ class WorkerConfig:
     max_version_lead: int = 4
     version_load_attempts: int = 3
     limits: RequestLimits = RequestLimits()
+    address_book: str = ""
 
     def __post_init__(self) -> None:
         for name in ("reload_staleness", "max_inflight_requests"):
@@ -207,6 +212,7 @@ class WorkerConfig:
                 max_agent_turns=max(RequestLimits.max_agent_turns, config.agent.max_turns),
                 max_tool_timeout_s=max(RequestLimits.max_tool_timeout_s, config.agent.tool_timeout_s),
             ),
+            "address_book": config.addresses.book,
         }
         return cls(**{**fields, **overrides})
 
@@ -397,7 +403,11 @@ class Worker:
         assert io is not None, "call start() first"
         pc = self.config
         self._version_client = ParamClient(
-            pc.paramserver, timeout_s=min(1.0, pc.rpc_timeout_s), retries=0, client_id=pc.worker_id
+            pc.paramserver,
+            timeout_s=min(1.0, pc.rpc_timeout_s),
+            retries=0,
+            client_id=pc.worker_id,
+            resolve=resolver(pc.address_book, "paramserver", pc.paramserver),
         )
         self._pull_client = ParamClient(
             pc.paramserver,
@@ -405,6 +415,7 @@ class Worker:
             retries=pc.pull_retries,
             client_id=pc.worker_id,
             local=pc.map_weights,
+            resolve=resolver(pc.address_book, "paramserver", pc.paramserver),
         )
         try:
             while not self._stop.is_set():

@@ -122,6 +122,9 @@ class ParamClient:
     weights in this process, the pages shared with every process mapping the same file.
     The file must hold exactly the granted manifest (checksums included) and, with
     `verify`, its tensors must hash to it; otherwise the frames are fetched as usual.
+    resolve: the server's address now (the run's address book), asked before each
+    (re)connect and once a second while a reply is awaited, so a parameter server that
+    moved to another node is found there (`RpcClient`).
     Calls from several threads are serialised.
     """
 
@@ -141,6 +144,7 @@ class ParamClient:
         curve: CurveClientConfig | None = None,
         client_id: str = "",
         context: zmq.Context[Any] | None = None,
+        resolve: Callable[[], str] | None = None,
     ) -> None:
         for name, value in (
             ("chunk_bytes", chunk_bytes),
@@ -149,7 +153,6 @@ class ParamClient:
         ):
             if value <= 0:
                 raise ValueError(f"ParamClient {name}={value}: must be > 0")
-        self.address = address
         self.chunk_bytes = chunk_bytes
         self.message_bytes = message_bytes
         self.window = window
@@ -165,8 +168,14 @@ class ParamClient:
             role="paramclient",
             curve=curve,
             context=context,
+            resolve=resolve,
         )
         self._lock = threading.RLock()
+
+    @property
+    def address(self) -> str:
+        """The server's address as of the last (re)connect."""
+        return self._rpc.address
 
     @property
     def timeout_s(self) -> float:

@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -347,6 +347,9 @@ def start_curve_server(
 
 # --------------------------------------------------------------------------- client
 
+RESOLVE_EVERY_S = 1.0
+"""How often a client with a `resolve` looks its server's address up while it waits."""
+
 
 @dataclass
 class Reply:
@@ -361,6 +364,10 @@ class RpcClient:
     handshake is redone and the request resent, up to `retries` times, sleeping
     ``backoff_s * 2**attempt`` (capped, jittered) in between. An `ErrorReply` raises
     `RemoteError` at once (the server did answer). Not thread-safe: one caller at a time.
+
+    `resolve`: called before each (re)connect for the server's address now (the run's
+    address book), and every `RESOLVE_EVERY_S` while a reply is awaited: a wait for a
+    server that moved ends as a timeout at once, and the retry connects to the new address.
     """
 
     def __init__(
@@ -375,6 +382,7 @@ class RpcClient:
         role: str = "",
         curve: CurveClientConfig | None = None,
         context: zmq.Context[Any] | None = None,
+        resolve: Callable[[], str] | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0")
@@ -393,10 +401,13 @@ class RpcClient:
         self._socket: zmq.Socket[Any] | None = None
         self._next_id = 1
         self.welcome: Welcome | None = None
+        self.resolve = resolve
 
     # -- connection
 
     def _open(self, timeout_s: float) -> zmq.Socket[Any]:
+        if self.resolve is not None and (address := self.resolve()) != self.address:
+            self.address, self.peer = address, f"server {address}"
         socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         socket.linger = 0
         if self.curve is not None:
@@ -472,9 +483,21 @@ class RpcClient:
             raise ProtocolTimeoutError(self.peer, f"receive {operation} (not connected)", timeout_s)
         deadline = Deadline(timeout_s)
         while True:
-            parts = recv_within(
-                self._socket, timeout_s=deadline.remaining(), peer=self.peer, operation=operation
-            )
+            wait = deadline.remaining()
+            if self.resolve is not None:
+                wait = min(wait, RESOLVE_EVERY_S)  # a server that moved is not waited for
+            try:
+                parts = recv_within(self._socket, timeout_s=wait, peer=self.peer, operation=operation)
+            except ProtocolTimeoutError:
+                if self.resolve is None:
+                    raise
+                if deadline.expired():
+                    raise ProtocolTimeoutError(self.peer, f"receive {operation}", timeout_s) from None
+                if (address := self.resolve()) != self.address:
+                    raise ProtocolTimeoutError(
+                        self.peer, f"receive {operation} (the server moved to {address})", timeout_s
+                    ) from None
+                continue
             if len(parts) < 2:
                 raise MalformedMessageError(f"{self.peer} sent a reply of {len(parts)} parts")
             request_id = unpack_request_id(parts[0])

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from rlax_core.addresses import resolver
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import RunConfig, rejected_by
 from rlax_core.control import (
@@ -149,7 +150,11 @@ class TrainerLoop:
         )
         # Only the leader talks to the parameter server (and writes the metrics).
         self.params_client = (
-            ParamClient(config.paramserver.address, timeout_s=config.controller.request_timeout_s)
+            ParamClient(
+                config.paramserver.address,
+                timeout_s=config.controller.request_timeout_s,
+                resolve=resolver(config.addresses.book, "paramserver", config.paramserver.address),
+            )
             if self.gang.leader
             else None
         )
@@ -465,6 +470,7 @@ def run(config: RunConfig, process_id: int = 0) -> int:
             decode=decode_control,
             timeout_s=min(10.0, config.controller.request_timeout_s),
             role="trainer",
+            resolve=resolver(config.addresses.book, "controller", config.controller.address),
         )
         if gang.leader
         else None
