@@ -3,9 +3,15 @@
 address of their own on the loopback network (127.0.0.1 the head, which only runs the
 launcher; 127.0.0.2 a service node; 127.0.0.3 a trainer node; 127.0.0.4 a worker node;
 with `--spare-nodes`, a second service node 127.0.0.5 and a second trainer node
-127.0.0.6), runs `rlax launch` with `launcher.backend=ray` on it for each case, checks
-what was left running, stops the cluster (`ray stop --force`) whatever happened, and
-prints one JSON line `RESULT {...}` for the test to read.
+127.0.0.6; with the `worker_loss` case, a second worker node 127.0.0.7),
+runs `rlax launch` with `launcher.backend=ray` on it for each case, checks what was left
+running, stops the cluster whatever happened, and prints one JSON line `RESULT {...}` for
+the test to read.
+
+The cluster is a `ray.cluster_utils.Cluster` of this process, under a Ray temp folder of
+its own (`RAY_TMPDIR`): a lost node is its node removed (every process of that node
+SIGKILLed), and the end stops exactly the processes it started, never another cluster on
+the host (`ray stop` would stop every Ray process of the machine, other users' too).
 
     python tests/ray_netns_run.py OUT_DIR --cases=run,... [--spare-nodes] [override ...]
 """
@@ -17,17 +23,17 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tiny_run import DEMO_CONFIG, TINY_RUN
 
-RAY = str(pathlib.Path(sys.executable).with_name("ray"))
 ROLE_RESOURCES = ("service_node", "trainer_node", "worker_node")
 NODES = [
     ("127.0.0.2", {"service_node": 3}),
@@ -35,6 +41,8 @@ NODES = [
     ("127.0.0.4", {"worker_node": 2}),
 ]
 SPARE_NODES = [("127.0.0.5", {"service_node": 3}), ("127.0.0.6", {"trainer_node": 1})]
+# worker_loss: a second worker node, where the workers of the lost one move.
+SPARE_WORKER_NODE = ("127.0.0.7", {"worker_node": 2})
 ROLES = {
     "controller": "service_node",
     "paramserver": "service_node",
@@ -42,36 +50,59 @@ ROLES = {
     "trainer": "trainer_node",
     "worker": "worker_node",
 }
-# The GCS declares a node dead after ~10 s without health checks (default: 30 s).
-GCS_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "10"}
+# The head gives a node up after ~10 s without answers to its health checks (Ray's default:
+# ~15 s, more for a vanished host); the launcher's `launcher.health_check` names the same.
+HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_cluster(nodes: list[tuple[str, dict[str, int]]]) -> tuple[Any, dict[str, Any]]:
+    """The head (127.0.0.1) and one Ray node per (ip, resources): the cluster and its nodes by ip."""
+    from ray.cluster_utils import Cluster
+
+    head = {"node_ip_address": "127.0.0.1", "num_cpus": 4, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={**head, "_system_config": HEALTH_CHECK})
+    by_ip = {}
+    try:
+        for ip, resources in nodes:
+            by_ip[ip] = cluster.add_node(node_ip_address=ip, num_cpus=4, resources=dict(resources))
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster, by_ip
 
 
-def start_cluster(port: int, nodes: list[tuple[str, dict[str, int]]]) -> None:
-    common = ["--num-cpus=4", "--disable-usage-stats"]
-    env = {**os.environ, **GCS_ENV}
-    head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", *common]
-    head += ["--node-ip-address=127.0.0.1"]
-    subprocess.run(head, check=True, capture_output=True, env=env)
-    for ip, resources in nodes:
-        subprocess.run(
-            [
-                RAY,
-                "start",
-                f"--address=127.0.0.1:{port}",
-                f"--node-ip-address={ip}",
-                *common,
-                f"--resources={json.dumps(resources)}",
-            ],
-            check=True,
-            capture_output=True,
-            env=env,
-        )
+def descendants(pid: int) -> list[int]:
+    """Every living process below `pid` (a component started with setsid included)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def lose(cluster: Any, node: Any) -> None:
+    """The node is lost with everything on it, as when its machine goes: its Ray processes
+    and, at the same moment, every process they started (actors and their components; a
+    raylet's actors may otherwise outlive it for a while, still serving on its address)."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    doomed = descendants(raylet)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.remove_node(node, allow_graceful=False)
 
 
 def node_resources(address: str, count: int) -> dict[str, dict[str, float]]:
@@ -130,9 +161,16 @@ def last_start_pid(run: pathlib.Path, name: str) -> int | None:
     return pid
 
 
-def disturb(run: pathlib.Path, plan: list[tuple[int, str]], stop: threading.Event, done: list[str]) -> None:
-    """At each (step, target): SIGKILL the component `target`, or with `node_of:NAME` the
-    raylet of the node that process was placed on (the node is lost with everything on it)."""
+def disturb(
+    run: pathlib.Path,
+    plan: list[tuple[int, str]],
+    stop: threading.Event,
+    done: list[str],
+    lose_node: Callable[[str], None],
+    lost_at: list[float],
+) -> None:
+    """At each (step, target): SIGKILL the component `target`, or with `node_of:NAME` lose
+    the node that process was placed on (every process of that Ray node SIGKILLed)."""
     for step, target in plan:
         while not stop.is_set() and train_steps(run) < step:
             time.sleep(0.2)
@@ -141,12 +179,9 @@ def disturb(run: pathlib.Path, plan: list[tuple[int, str]], stop: threading.Even
         if target.startswith("node_of:"):  # the node a process was first placed on
             placed = json.loads((run / "logs" / "placement.json").read_text())
             ip = placed[target.removeprefix("node_of:")]["node_ip"]
-            listing = subprocess.run(["pgrep", "-af", "raylet"], capture_output=True, text=True).stdout
-            for line in listing.splitlines():
-                pid, exe, *args = line.split()
-                if exe.endswith("/raylet") and f"--node_ip_address={ip}" in args:
-                    os.kill(int(pid), signal.SIGKILL)
-                    done.append(f"node:{ip}")
+            lost_at.append(time.time())
+            lose_node(ip)
+            done.append(f"node:{ip}")
             continue
         pid = last_start_pid(run, target)
         if pid:
@@ -192,6 +227,7 @@ def run_case(
     disturbances: list[tuple[int, str]],
     pythons: dict[str, str],
     placement: dict[str, str] | None = None,
+    lose_node: Callable[[str], None] = lambda ip: None,
 ) -> dict[str, Any]:
     from rich.console import Console
 
@@ -214,13 +250,16 @@ def run_case(
         *extra,
     ]
     result: dict[str, Any] = {}
-    stop, done = threading.Event(), []
+    stop, done, lost_at = threading.Event(), [], []
     if disturbances:
-        threading.Thread(target=disturb, args=(out / "run", disturbances, stop, done), daemon=True).start()
+        threading.Thread(
+            target=disturb, args=(out / "run", disturbances, stop, done, lose_node, lost_at), daemon=True
+        ).start()
     t1 = time.monotonic()
     try:
         report = launch(str(DEMO_CONFIG), overrides, overwrite=True, console=Console(stderr=True))
         result.update(success=report.success, reason=report.reason, restarts=report.restarts)
+        result["report"] = report.render()
     except ConfigError as error:
         result.update(success=False, config_error=str(error))
     finally:
@@ -251,7 +290,32 @@ def run_case(
     )
     if result.get("success"):
         result["summary"] = run_summary(out / "run")
+    if lost_at:
+        result["stall"] = stall_figures(out / "run", lost_at[0])
     return result
+
+
+def stall_figures(run: pathlib.Path, lost_at: float) -> dict[str, Any]:
+    """What a lost node cost, as the run's metrics show it: the launcher's `node_lost`
+    records, and (measured the same way whichever launcher ran) the longest wait for a
+    trained step after the loss, against the median step."""
+    launcher = run / "launcher_metrics.jsonl"
+    losses = [json.loads(line) for line in launcher.read_text().splitlines()] if launcher.exists() else []
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times: dict[int, float] = {}
+    for r in records:
+        if r.get("kind") == "train":
+            times.setdefault(r["step"], r["time"])
+    ordered = [times[s] for s in sorted(times)]
+    pairs = list(zip(ordered, ordered[1:], strict=False))
+    gaps = sorted(b - a for a, b in pairs)
+    after = [b - max(a, lost_at) for a, b in pairs if b > lost_at]
+    return {
+        "losses": losses,
+        "lost_at": lost_at,
+        "longest_wait_after_loss_s": round(max(after), 2) if after else None,
+        "median_step_s": round(gaps[len(gaps) // 2], 2) if gaps else None,
+    }
 
 
 def local_reference(out: pathlib.Path, extra: list[str]) -> dict[str, Any]:
@@ -271,22 +335,30 @@ def main() -> int:
     parser.add_argument(
         "--cases",
         default="run",
-        help="comma-separated: bad_resource, missing, run, chaos, acceptance, gang",
+        help="comma-separated: bad_resource, missing, run, chaos, acceptance, gang, worker_loss",
     )
     parser.add_argument("--missing-python", default="", help="an interpreter with ray and rlax-core only")
     parser.add_argument("--spare-nodes", action="store_true", help="a second service and trainer node")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     out = pathlib.Path(args.out).resolve()
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    cluster = NODES + (SPARE_NODES if args.spare_nodes else [])
+    layout = NODES + (SPARE_NODES if args.spare_nodes else [])
+    if "worker_loss" in args.cases.split(","):
+        layout = [*layout, SPARE_WORKER_NODE]
+    # Ray's sessions, sockets and address file in a folder of this run's own, removed at the end.
+    os.environ["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="rlax-ray-")
     result: dict[str, Any] = {}
+    cluster = None
     t0 = time.monotonic()
     try:
-        start_cluster(port, cluster)
+        cluster, by_ip = start_cluster(layout)
+        address = cluster.address
         result["cluster_s"] = round(time.monotonic() - t0, 1)
-        nodes = node_resources(address, len(cluster) + 1)
+        nodes = node_resources(address, len(layout) + 1)
+
+        def lose_node(ip: str) -> None:
+            lose(cluster, by_ip.pop(ip))
+
         for case in args.cases.split(","):
             roles, extra, disturbances, pythons = dict(ROLES), list(args.overrides), [], {}
             placement = None
@@ -310,15 +382,24 @@ def main() -> int:
                 extra += ["trainer.hosts=2", "trainer.k=0", "workers.j=1"]
                 placement = {"trainer": "STRICT_SPREAD"}
                 disturbances = [(3, "trainer1")]
+            elif case == "worker_loss":
+                # The node that holds both workers (and nothing else) is lost at step 3: they
+                # move to the other worker node; compared with an undisturbed local run at k=0.
+                extra += ["trainer.k=0", "workers.j=1"]
+                placement = {"worker": "PACK"}
+                disturbances = [(3, "node_of:worker0")]
+                result["local_reference"] = local_reference(out / "local", extra)
             result[case] = run_case(
-                out / case, address, nodes, roles, extra, disturbances, pythons, placement
+                out / case, address, nodes, roles, extra, disturbances, pythons, placement, lose_node
             )
     except Exception as error:  # reported to the test, which fails with it
         import traceback
 
         result["error"] = repr(error) + "\n" + traceback.format_exc()[-3000:]
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True)
+        if cluster is not None:
+            cluster.shutdown()  # this cluster's processes, and no other
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

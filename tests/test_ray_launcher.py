@@ -214,3 +214,46 @@ def test_ray_trainer_gang_and_external_kills(tmp_path: pathlib.Path) -> None:
     check_run(chaos, 8)
     assert chaos["disturbed"] == ["worker0", "paramserver"], chaos
     assert chaos["restarts"]["worker0"] >= 1 and chaos["restarts"]["paramserver"] >= 1, chaos["restarts"]
+
+
+HEALTH_CHECK = "launcher.health_check={period_s: 1, failure_threshold: 10}"  # the helper's cluster's
+
+
+@pytest.mark.slow
+def test_a_lost_worker_node_restarts_its_workers_alone(tmp_path: pathlib.Path) -> None:
+    """Issue 29: the node that holds the two workers and nothing else is lost at step 3. The
+    workers restart on the other worker node, at new addresses that the controller reads
+    in the run's address book; the trainer, the parameter server, the controller and the
+    verifier are not restarted (one start each, the same pids), the run finishes with the
+    prompts, trained rollouts and final weights of an undisturbed local run, and the stall
+    from the loss to the replacements serving is recorded (launcher_metrics.jsonl,
+    events.jsonl, the report). Slow (~3 min: a local reference run, then the Ray run)."""
+    result = netns_run(tmp_path, "--cases=worker_loss", "run.steps=10", HEALTH_CHECK, timeout=1200)
+    run, local = result["worker_loss"], result["local_reference"]
+    assert local["success"], local
+    check_run(run, 10)
+    lost = run["first_ip"]["worker0"]
+    assert run["disturbed"] == [f"node:{lost}"], run["disturbed"]
+    assert [n for n, ip in run["first_ip"].items() if ip == lost] == ["worker0", "worker1"], run["first_ip"]
+    moved = [e for e in run["events"] if e["event"] == "moved"]
+    assert sorted(e["name"] for e in moved) == ["worker0", "worker1"], moved
+    assert all(e["address"] != e["old"] for e in moved), moved
+    for name in ("trainer", "paramserver", "controller", "verifier"):
+        starts = [e for e in run["events"] if e["event"] == "start" and e["name"] == name]
+        assert len(starts) == 1 and run["restarts"][name] == 0, (name, starts, run["restarts"])
+    assert not [e for e in run["events"] if e["event"] in ("restart_for_move", "gang_restart")]
+    ours, theirs = run["summary"], local["summary"]
+    assert ours["consumed"] == theirs["consumed"]
+    assert theirs["trained_exactly_once"] and ours["trained_exactly_once"]
+    assert ours["weights_version"] == theirs["weights_version"] == 10
+    assert ours["weights_sha256"] == theirs["weights_sha256"]
+    # The stall: one record for the lost node, in launcher_metrics.jsonl, events.jsonl, the report.
+    (loss,) = run["stall"]["losses"]
+    assert loss["event"] == "node_lost" and loss["processes"] == ["worker0", "worker1"], loss
+    assert 0 < loss["detect_s"] <= loss["stall_s"], loss
+    (event,) = [e for e in run["events"] if e["event"] == "node_lost"]
+    assert (event["processes"], event["stall_s"]) == (loss["processes"], loss["stall_s"]), event
+    expected = f"node lost {event['node'][:8]} (worker0, worker1): {loss['stall_s']:.1f}s"
+    assert expected in run["report"], run["report"]
+    health = [e for e in run["events"] if e["event"] == "health_check"]
+    assert health and health[0]["health_check_period_ms"] == 1000, health
