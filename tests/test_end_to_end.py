@@ -9,6 +9,9 @@ metrics.
   default) they are the same run: the same rollout ids and rewards at every step, the same
   trainer metrics and the same final weights. The killed run checkpoints only every third
   step (`trainer.checkpoint_every`): its restarted trainer replays its batch journal.
+- The chaos run is also attacked (`hostile.attack_run`): a stranger, an earlier run's
+  process and one of its own workers try to rewind it, push weights and generate; each is
+  refused and the run is still the undisturbed run.
 - No run here may hide a crash: `launch` fails on any exit of a component that neither a
   chaos kill nor the test's own kills explain, with that component's traceback
   (`rlax_controller.testing.check_no_unplanned_restarts`).
@@ -26,10 +29,12 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 import pytest
+from hostile import EXPECTED, attack_run, flood_run
 from tiny_run import DEMO_CONFIG, TINY_RUN
 
 from rlax_controller.metrics import latest_per_step, read_metrics
@@ -53,6 +58,7 @@ def launch(
     kills: list[tuple[int, str]] | None = None,
     config: pathlib.Path = DEMO_CONFIG,
     base: list[str] | None = None,
+    attack_at: int | None = None,
 ) -> dict[str, Any]:
     """Run `rlax launch config` (with the `base` overrides, `BASE` by default, then `extra`)
     to completion; `kills`: (step, process name) SIGKILLed once the run's metrics reach that
@@ -73,11 +79,18 @@ def launch(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     pending = list(kills or [])
     killed: list[str] = []
+    attacks: dict[str, Any] = {}
+    attacker: threading.Thread | None = None
     try:
         deadline = time.monotonic() + 900
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rlax launch did not finish within 900 s: {out}")
+            if attack_at is not None and attacker is None:
+                steps = [r["step"] for r in read_metrics(out / "metrics.jsonl", kind="train")]
+                if steps and max(steps) >= attack_at:  # strangers and a hostile worker, beside the kills
+                    attacker = threading.Thread(target=_attack, args=(out, attacks), daemon=True)
+                    attacker.start()
             if pending:
                 steps = [r["step"] for r in read_metrics(out / "metrics.jsonl", kind="train")]
                 if steps and max(steps) >= pending[0][0]:
@@ -94,6 +107,8 @@ def launch(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    if attacker is not None:
+        attacker.join(120)
     assert proc.returncode == 0, output[-4000:]
     assert not pending, f"the run finished before these kills: {pending}"
     check_no_unplanned_restarts(out, caused=killed)
@@ -111,7 +126,16 @@ def launch(
         ],
         "events": events,
         "killed": killed,
+        "attacks": attacks,
     }
+
+
+def _attack(out: pathlib.Path, attacks: dict[str, Any]) -> None:
+    try:
+        attacks.update(attack_run(out))
+        attacks["flood"] = flood_run(out)
+    except Exception as error:  # reported by the test that checks the attacks
+        attacks["attack_run failed"] = f"{type(error).__name__}: {error}"
 
 
 def final_weights(out: pathlib.Path) -> tuple[int, str]:
@@ -187,8 +211,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "trainer.checkpoint_every=3",
         "chaos.max_delay_s=0.05",
         kills=kills,
+        attack_at=3,
     )
     return {"calm": calm, "chaos": chaos, "cache": cache, "root": root}
+
+
+def test_strangers_and_a_hostile_worker_are_refused_and_the_run_is_unchanged(runs: dict[str, Any]) -> None:
+    """Issue 29: during the chaos run a stranger, a process of an earlier run and one of the
+    run's own workers ask the controller to rewind to step 1, push a version 10**6 and ask a
+    worker for a generation; then strangers send 12 messages of 100 MB to every server. The first two never get past the connection (an earlier run's
+    secrets are not this run's); the worker is answered ``forbidden``. The run's trajectory
+    is still the undisturbed run's (`test_killed_run_follows_the_undisturbed_trajectory`)."""
+    attacks = dict(runs["chaos"]["attacks"])
+    flood = attacks.pop("flood", None)
+    assert attacks == EXPECTED
+    # 12 messages of 100 MB to every server from strangers: none buffers them (issue 29: 0.56-1.3 GB).
+    assert flood is not None and all(rise < 50 for rise in flood.values()), flood
+    steps = [r["step"] for r in runs["chaos"]["train"]]
+    assert steps == sorted(steps) == list(range(1, STEPS + 1))  # never rewound
 
 
 def test_killed_run_follows_the_undisturbed_trajectory(runs: dict[str, Any]) -> None:

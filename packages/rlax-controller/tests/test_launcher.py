@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlax_controller import launcher
-from rlax_controller.launcher import build_specs, resolve_addresses
+from rlax_controller.launcher import build_specs, resolve_addresses, run_keys
 from rlax_controller.supervisor import SupervisorReport
 from rlax_core.cli import main as rlax_main
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
@@ -185,7 +185,7 @@ def test_resolve_addresses_and_process_specs(tmp_path: pathlib.Path) -> None:
         *config.workers.addresses,
     ]
     assert len(set(addresses)) == 6 and all(a.startswith("tcp://127.0.0.1:") for a in addresses)
-    specs = build_specs(config, tmp_path / "config.yaml")
+    specs = build_specs(config, tmp_path / "config.yaml", run_keys(config))
     assert [s.role for s in specs] == [
         "paramserver",
         "verifier",

@@ -230,11 +230,11 @@ def test_any_exception_in_a_worker_or_the_persister_is_answered_and_both_live_on
     real_answer, real_install = server_module.ParamServer._answer, VersionStore.install
     broken = {"answer": 1, "install": 1}
 
-    def answer_once_broken(self, socket, request):
+    def answer_once_broken(self, socket, request, role=""):
         if isinstance(request.message, rp.LatestQuery) and broken["answer"]:
             broken["answer"] -= 1
             raise RuntimeError("a bug reached by one request")
-        return real_answer(self, socket, request)
+        return real_answer(self, socket, request, role)
 
     def install_once_broken(self, stored):
         if broken["install"]:

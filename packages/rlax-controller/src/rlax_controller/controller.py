@@ -62,6 +62,7 @@ from rlax_core.control import (
 from rlax_core.links import PeerLink
 from rlax_data.agent_turns import last_model_turn
 from rlax_data.evaluation import pass_at_k
+from rlax_protocol.auth import ANY_ROLE, Permissions, ServerAuth, roles
 from rlax_protocol.errors import MalformedMessageError, ProtocolError, RemoteError
 from rlax_protocol.messages import (
     AgentSpec,
@@ -78,11 +79,21 @@ from rlax_protocol.messages import (
 )
 from rlax_protocol.messages import decode as decode_protocol
 from rlax_protocol.messages import encode as encode_protocol
-from rlax_protocol.transport import pack_request_id, unpack_request_id, welcome_for
+from rlax_protocol.transport import PeerRegistry, pack_request_id, unpack_request_id, welcome_for
 
 __all__ = ["Controller", "RolloutScorer"]
 
 log = logging.getLogger("rlax.controller")
+
+CONTROLLER_PERMISSIONS: Permissions = {
+    BatchRequest: roles("trainer"),
+    StatusQuery: roles(ANY_ROLE),
+}
+"""Who may ask the controller what when the run authenticates: only the trainer asks for
+batches (a BatchRequest moves the run to its step), anyone of the run asks for status."""
+
+MAX_CONTROLLER_REQUEST_BYTES = 4 * 1024 * 1024
+"""Largest frame the controller receives (a BatchRequest with its metrics is a few KB)."""
 
 
 class RolloutScorer(Protocol):
@@ -185,7 +196,13 @@ class Controller:
         self.server_id = uuid.uuid4().hex[:12]
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 0
+        # Only the run's roles connect (when it authenticates); only its trainer asks for batches.
+        self.auth = ServerAuth(
+            "controller", CONTROLLER_PERMISSIONS, max_message_bytes=MAX_CONTROLLER_REQUEST_BYTES
+        )
+        self.auth.secure(self.context, self.router, config.controller.address)
         self.router.bind(config.controller.address)
+        self.peers = PeerRegistry(idle_timeout_s=3600.0, max_peers=1024)
         self.workers = {
             f"worker{i}": WorkerState(
                 f"worker{i}",
@@ -238,20 +255,38 @@ class Controller:
     def _serve_router(self) -> None:
         while True:
             try:
-                parts = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = parts[0]
-            if len(parts) < 3:
-                why = f"request has {len(parts) - 1} parts after the identity, needs >= 2"
+            identity = frames[0].bytes
+            if len(frames) < 3:
+                why = f"request has {len(frames) - 1} parts after the identity, needs >= 2"
                 self._reply(identity, 0, ErrorReply(code="malformed", message=why))
                 continue
             try:
-                request_id = unpack_request_id(parts[1])
-                message = decode_control(parts[2])
+                request_id = unpack_request_id(frames[1])
+                message = decode_control(frames[2].buffer)
             except Exception as error:  # hostile bytes (any decoder failure) get an error reply
                 self._count("malformed_requests")
                 self._reply(identity, 0, ErrorReply(code="malformed", message=_describe(error)))
+                continue
+            if isinstance(message, Hello):
+                welcome = welcome_for(message, server_id=self.server_id)
+                if welcome.accepted:
+                    self.peers.admit(identity, message.client_id)
+                self._reply(identity, request_id, welcome)
+                continue
+            screened: Message | None
+            if not self.peers.touch(identity):
+                screened = ErrorReply(
+                    code="handshake_required", message="say Hello (with the protocol version) first"
+                )
+            else:
+                screened = self.auth.refusal(ServerAuth.role_of(frames[1]), message)
+            if screened is not None:
+                # Not a scheduler counter: a restarted trainer's first request is screened too,
+                # and a run's counters must not depend on who restarted when.
+                self._reply(identity, request_id, screened)
                 continue
             was_restored = self.restored  # the first request restores and starts the dispatch
             reply = self._answer(message)
@@ -970,4 +1005,5 @@ class Controller:
         for worker in self.workers.values():
             worker.link.close()
         self.router.close(linger=0)
+        self.auth.close()
         self.metrics.close()

@@ -18,8 +18,9 @@ from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
 from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
+from rlax_protocol.auth import INSECURE_ENV, RunKeys
 
-__all__ = ["build_specs", "launch", "resolve_addresses"]
+__all__ = ["build_specs", "launch", "resolve_addresses", "run_keys"]
 
 
 def _free_port(host: str) -> int:
@@ -70,29 +71,56 @@ def _paramserver_command(config: RunConfig) -> list[str]:
     return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", state_dir]
 
 
-def build_specs(config: RunConfig, config_path: pathlib.Path) -> list[ProcessSpec]:
-    """The processes of a local run, in start order (servers before their clients)."""
+def run_keys(config: RunConfig) -> RunKeys | None:
+    """Fresh secrets for one run (None with ``security.insecure``): PLAIN tokens when every
+    address is loopback, CURVE key pairs otherwise (`rlax_protocol.auth`)."""
+    if config.security.insecure:
+        return None
+    addresses = [
+        config.controller.address,
+        config.paramserver.address,
+        config.verifier.address,
+        *config.workers.addresses,
+        f"tcp://{config.addresses.host}:0",
+    ]
+    return RunKeys.for_addresses(addresses)
+
+
+def _role_env(keys: RunKeys | None, role: str) -> dict[str, str]:
+    """The environment that gives one process its role's credential, and nothing more."""
+    if keys is None:
+        return {"PYTHONUNBUFFERED": "1", INSECURE_ENV: "1"}
+    return {"PYTHONUNBUFFERED": "1", **keys.environment(role)}
+
+
+def build_specs(config: RunConfig, config_path: pathlib.Path, keys: RunKeys | None) -> list[ProcessSpec]:
+    """The processes of a local run, in start order (servers before their clients), each
+    with its role's credential from `keys` (give the same keys for the whole run: a
+    restarted process must present what the others accept; None: ``security.insecure``)."""
     path = str(config_path)
-    env = {"PYTHONUNBUFFERED": "1"}
-    specs = [ProcessSpec("paramserver", "paramserver", _paramserver_command(config), env)]
+    specs = [
+        ProcessSpec("paramserver", "paramserver", _paramserver_command(config), _role_env(keys, "server"))
+    ]
     if config.verifier.mode == "service":
         command = _rlax(config, "verifier", "--bind", config.verifier.address)
         if config.agent.where == "service" and ":" in config.agent.environment:
             command += ["--environment", config.agent.environment]  # a user's module path
-        specs.append(ProcessSpec("verifier", "verifier", command, env))
+        specs.append(ProcessSpec("verifier", "verifier", command, _role_env(keys, "server")))
     for i in range(config.workers.count):
         command = _rlax(config, "worker", "--config", path, "--index", str(i))
-        specs.append(ProcessSpec(f"worker{i}", "worker", command, env))
+        specs.append(ProcessSpec(f"worker{i}", "worker", command, _role_env(keys, "worker")))
     hosts = config.trainer.hosts
     if hosts == 1:
-        specs.append(ProcessSpec("trainer", "trainer", _rlax(config, "trainer", "--config", path), env))
+        command = _rlax(config, "trainer", "--config", path)
+        specs.append(ProcessSpec("trainer", "trainer", command, _role_env(keys, "trainer")))
     for i in range(hosts if hosts > 1 else 0):  # one gang, joined by jax.distributed
         command = _rlax(config, "trainer", "--config", path, "--process-id", str(i))
-        specs.append(ProcessSpec(f"trainer{i}", "trainer", command, env, gang="trainer"))
-    specs.append(
-        ProcessSpec(
-            "controller", "controller", _rlax(config, "controller", "--config", path), env, completes_run=True
+        specs.append(
+            ProcessSpec(f"trainer{i}", "trainer", command, _role_env(keys, "trainer"), gang="trainer")
         )
+    command = _rlax(config, "controller", "--config", path)
+    specs.append(
+        ProcessSpec("controller", "controller", command, _role_env(keys, "controller"), completes_run=True)
     )
     return specs
 
@@ -164,7 +192,8 @@ def launch(
     )
     display = ProgressDisplay(config.run.steps)
     tail = _MetricsTail(output / "metrics.jsonl", display)
-    supervisor = Supervisor(build_specs(config, resolved), output / "logs", config.supervisor, config.chaos)
+    specs = build_specs(config, resolved, run_keys(config))
+    supervisor = Supervisor(specs, output / "logs", config.supervisor, config.chaos)
     try:
         report = supervisor.run(on_tick=tail)
     finally:

@@ -77,13 +77,14 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, summarise
+from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, run_keys, summarise
 from rlax_controller.metrics import ProgressDisplay, read_metrics
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import SupervisorReport, _tail
 from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, dump_config, load_config
 from rlax_core.fsutil import append_line
+from rlax_protocol.auth import RunKeys
 
 __all__ = ["READY_TIMEOUT_S", "RayReport", "launch"]
 
@@ -372,10 +373,11 @@ def _check_schedulable(ray: Any, config: RunConfig, roles: list[str]) -> None:
         )
 
 
-def _ray_specs(config: RunConfig, config_path: pathlib.Path) -> list[Any]:
-    """The local launcher's processes, with each role's interpreter on its own node."""
+def _ray_specs(config: RunConfig, config_path: pathlib.Path, keys: RunKeys | None) -> list[Any]:
+    """The local launcher's processes, with each role's interpreter on its own node. Each
+    plan's environment carries its role's credential: Ray hands it to the actor in memory."""
     specs = []
-    for spec in build_specs(config, config_path):
+    for spec in build_specs(config, config_path, keys):
         python = config.launcher.of(spec.role).python or PYTHON
         specs.append(dataclasses.replace(spec, argv=[python, *spec.argv[1:]]))
     return specs
@@ -551,7 +553,8 @@ class _RayRun:
         self.log_dir = output / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.events = self.log_dir / "events.jsonl"
-        self.specs = _ray_specs(config, output / "config.yaml")
+        self.keys = run_keys(config)  # once per run: a restarted actor presents what the others accept
+        self.specs = _ray_specs(config, output / "config.yaml", self.keys)
         self.roles = {s.name: s.role for s in self.specs}
         self.actors: dict[str, Any] = {}
         self.groups: dict[str, Any] = {}
@@ -650,7 +653,7 @@ class _RayRun:
         write_address_book(pathlib.Path(self.config.addresses.book), known)
         self._write_placement()
         cwd = os.getcwd()
-        for spec in _ray_specs(self.config, resolved):
+        for spec in _ray_specs(self.config, resolved, self.keys):
             address = self.found.get(spec.name, "")
             self.plans[spec.name] = {
                 "argv": spec.argv,

@@ -80,6 +80,12 @@ COMMANDS: dict[str, Command] = {
     "convert": Command(
         "rlax_trainer.convert", "main", "rlax-trainer", "convert checkpoints (GGUF/RLAX -> HF)"
     ),
+    "keys": Command(
+        "rlax_protocol.auth",
+        "keys_main",
+        "rlax-protocol",
+        "a run's credentials, for components started by hand",
+    ),
 }
 
 

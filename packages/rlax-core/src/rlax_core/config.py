@@ -605,6 +605,19 @@ class AddressesConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only
         _check(bool(self.host) and " " not in self.host, "host", self.host, "must be a host name or IP")
 
 
+class SecurityConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Who may talk to the run's servers (`rlax_protocol.auth`).
+
+    By default every launch makes fresh secrets for the run and gives each process its
+    role's credential: on loopback a token checked when a client connects (ZeroMQ PLAIN,
+    nothing encrypted), beyond loopback a CURVE key pair per role (authenticated and
+    encrypted). Each server also checks which role may send which message.
+    `insecure: true` turns all of it off: any process that reaches a port can steer the
+    run; servers then listen beyond loopback only because this says so."""
+
+    insecure: bool = False
+
+
 class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The whole run: one section per component."""
 
@@ -622,6 +635,7 @@ class RunConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     addresses: AddressesConfig = msgspec.field(default_factory=AddressesConfig)
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         # Batch s needs rollouts of version >= s - k while the newest version is s; a worker

@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from rlax_protocol.auth import Credential, client_credential
 from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError, RemoteError
 from rlax_protocol.messages import PROTOCOL_VERSION, ErrorReply, Hello, Message, Welcome
 from rlax_protocol.transport import RESOLVE_EVERY_S, check_welcome, pack_request_id, unpack_request_id
@@ -39,8 +40,10 @@ class PeerLink:
         context: zmq.Context[Any],
         client_id: str = "",
         role: str = "",
+        credential: Credential | None = None,
     ) -> None:
         self.address = address
+        self.credential = client_credential(credential)
         self.encode = encode
         self.decode = decode
         self.context = context
@@ -56,6 +59,8 @@ class PeerLink:
         socket = self.context.socket(zmq.DEALER)
         socket.linger = 0
         socket.setsockopt(zmq.IMMEDIATE, 1)
+        if self.credential is not None:
+            self.credential.apply_client(socket)
         socket.connect(self.address)
         self.socket = socket
 
@@ -140,11 +145,13 @@ class ControlClient:
         role: str = "",
         context: zmq.Context[Any] | None = None,
         resolve: Callable[[], str] | None = None,
+        credential: Credential | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0")
         self.timeout_s = timeout_s
         self.resolve = resolve
+        self.credential = credential
         self.context = context or zmq.Context.instance()
         self.link: PeerLink | None = None
         self._args = (address, encode, decode, client_id, role)
@@ -195,7 +202,13 @@ class ControlClient:
             address = current
             self._args = (address, encode, decode, client_id, role)
         self.link = PeerLink(
-            address, encode=encode, decode=decode, context=self.context, client_id=client_id, role=role
+            address,
+            encode=encode,
+            decode=decode,
+            context=self.context,
+            client_id=client_id,
+            role=role,
+            credential=self.credential,
         )
         assert self.link.socket is not None
         hello = Hello(protocol_version=PROTOCOL_VERSION, client_id=self.link.client_id, role=role)
@@ -212,6 +225,11 @@ class ControlClient:
             self._connect(timeout)
         operation = type(message).__name__
         reply = self._wait(self._send(message, operation, timeout), operation, timeout)
+        if isinstance(reply, ErrorReply) and reply.code == "handshake_required":
+            # The server restarted (or forgot an idle client): say Hello again, once.
+            self.reset()
+            self._connect(timeout)
+            reply = self._wait(self._send(message, operation, timeout), operation, timeout)
         if isinstance(reply, ErrorReply):
             raise RemoteError(reply.code, reply.message, peer=self.peer)
         return reply

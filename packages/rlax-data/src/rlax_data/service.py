@@ -70,6 +70,7 @@ from rlax_data.verify.registry import (
     load_verifier_config,
     sandbox_of,
 )
+from rlax_protocol.auth import Permissions, roles
 from rlax_protocol.rpc_server import BatchResult
 
 __all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
@@ -283,6 +284,15 @@ class _Job:
         self.future: Future[BatchResult] = Future()
 
 
+VERIFIER_PERMISSIONS: Permissions = {
+    rp.VerifyBatch: roles("controller"),
+    rp.VerifyRequest: roles("controller"),
+    rp.EnvStepRequest: roles("controller", "worker"),
+}
+"""Who may ask the verifier service what, when the run authenticates (`rlax_protocol.auth`):
+the controller scores, the workers (and the controller) step environments."""
+
+
 class VerifierService:
     """`rlax_protocol.RpcServer` with a batch handler that scores `VerifyRequest`s.
 
@@ -390,6 +400,7 @@ class VerifierService:
             max_request_bytes=max_request_bytes,
             poll_s=poll_s,
             server_id=server_id,
+            permissions=VERIFIER_PERMISSIONS,
             with_peer=True,
             main_work=self._work,
         )

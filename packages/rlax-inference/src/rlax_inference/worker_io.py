@@ -29,10 +29,18 @@ from typing import Any
 import zmq
 
 import rlax_protocol as rp
+from rlax_protocol.auth import Permissions, ServerAuth, roles
 
 __all__ = ["Cancel", "Job", "WorkerIO"]
 
 log = logging.getLogger("rlax.worker")
+
+WORKER_PERMISSIONS: Permissions = {rp.GenerateRequest: roles("controller")}
+"""When the run authenticates (`rlax_protocol.auth`) only its controller asks for generations."""
+
+MAX_WORKER_REQUEST_BYTES = 16 * 1024 * 1024
+"""Largest frame a worker receives (ZeroMQ drops a sender of a bigger one before buffering
+it): a GenerateRequest of a 1M-token prompt is ~5 MB of msgpack."""
 
 _CHECK_CLIENTS_S = 0.2  # how often the connections of clients with requests in flight are checked
 
@@ -98,7 +106,15 @@ class WorkerIO:
         if heartbeat_s > 0:
             self.socket.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
             self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 5000))
-        self.socket.bind(bind)
+        self.auth = ServerAuth(server_id, WORKER_PERMISSIONS, max_message_bytes=MAX_WORKER_REQUEST_BYTES)
+        self._context = ctx
+        try:
+            self.auth.secure(ctx, self.socket, bind)
+            self.socket.bind(bind)
+        except BaseException:
+            self.socket.close(linger=0)
+            self.auth.close()
+            raise
         self.address: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://rlax-worker-wake-{id(self):x}-{os.getpid()}"
         self._wake_rx = ctx.socket(zmq.PAIR)
@@ -139,6 +155,7 @@ class WorkerIO:
         if self._thread is None or not self._thread.is_alive():
             for socket in (self.socket, self._wake_rx, self._wake_tx):
                 socket.close(linger=0)
+            self.auth.close()
 
     def _run(self) -> None:
         try:
@@ -194,6 +211,8 @@ class WorkerIO:
             reply = rp.ErrorReply(code="malformed", message=str(request.error))
         elif isinstance(message, rp.Hello):
             reply = rp.welcome_for(message, server_id=self.server_id)
+        elif (refused := self.auth.refusal(ServerAuth.role_of(parts[-1]), message)) is not None:
+            reply = refused
         elif isinstance(message, rp.GenerateRequest):
             if len(self._inflight) >= self.max_inflight:
                 self.num_busy += 1

@@ -13,6 +13,7 @@ import threading
 from rlax_paramserver.config import DEFAULT_BIND, ServerConfig
 from rlax_paramserver.server import ParamServer
 from rlax_protocol import CurveServerConfig, load_curve_keypair, load_curve_public_key
+from rlax_protocol.auth import InsecureBindError
 
 # sysexits.h EX_CONFIG, the exit code of every RLAX component whose config is rejected.
 EXIT_CONFIG_ERROR = 78
@@ -68,6 +69,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
     parser.add_argument(
         "--curve-allow", action="append", default=[], help="public key file or folder of *.key files"
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback without authentication (normally the run's credential, "
+        "RLAX_CREDENTIAL, authenticates every client)",
+    )
     parser.add_argument("--ready-file", type=pathlib.Path, help="write the bound address here once serving")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -94,6 +101,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
             max_message_bytes=args.max_message_bytes,
             max_clients=args.max_clients,
             max_waiters=args.max_waiters,
+            insecure=True if args.insecure else None,
             curve=curve,
         )
     except ValueError as err:
@@ -107,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     config, ready_file, level = parse_config(argv)
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = ParamServer(config)
-    address = server.start()
+    try:
+        address = server.start()
+    except InsecureBindError as err:
+        print(f"rlax-paramserver: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -38,6 +38,8 @@ class ServerConfig:
     max_wait_s: longest a WaitNewer long-poll is held before answering.
     max_waiters: most long-polls held at once (beyond it the oldest is answered early).
     client_idle_timeout_s: a client silent for this long must say Hello again.
+    insecure: without a credential (`rlax_protocol.auth`), listen beyond loopback anyway
+        (None: only if the environment says ``RLAX_INSECURE=1``).
     max_clients: most handshaken connections remembered (beyond it the least recently
         seen must say Hello again), so reconnect churn cannot grow memory.
     """
@@ -63,6 +65,7 @@ class ServerConfig:
     client_idle_timeout_s: float = 600.0
     max_clients: int = 4096
     server_id: str = "rlax-paramserver"
+    insecure: bool | None = None
     curve: CurveServerConfig | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,7 @@ from rlax_protocol import (
     start_curve_server,
     welcome_for,
 )
+from rlax_protocol.auth import ANY_ROLE, InsecureBindError, Permissions, ServerAuth, roles
 from rlax_protocol.messages import Chunks
 from rlax_protocol.transport import pack_request_id
 
@@ -76,6 +77,21 @@ log = logging.getLogger(__name__)
 
 _READY, _REPLY, _SEND = b"R", b"P", b"S"
 _POLL_MS = 50
+
+PARAMSERVER_PERMISSIONS: Permissions = {
+    PushBegin: roles("trainer"),
+    PushChunks: roles("trainer"),
+    PushCommit: roles("trainer"),
+    PushAbort: roles("trainer"),
+    PullBegin: roles("trainer", "worker"),
+    FetchChunks: roles("trainer", "worker"),
+    PullEnd: roles("trainer", "worker"),
+    LatestQuery: roles(ANY_ROLE),
+    WaitNewer: roles(ANY_ROLE),
+    StatQuery: roles(ANY_ROLE),
+}
+"""Who may send what when the run authenticates (`rlax_protocol.auth`): only the trainer
+pushes (so only it holds push slots), the trainer and workers pull, anyone of the run asks."""
 
 
 @dataclass
@@ -97,6 +113,15 @@ class ParamServer:
         self.config = config
         self.store = VersionStore(config)
         self.peers = PeerRegistry(idle_timeout_s=config.client_idle_timeout_s, max_peers=config.max_clients)
+        # A peer sending a frame larger than max_frame_bytes is dropped by ZeroMQ itself.
+        self.auth = ServerAuth(
+            config.server_id,
+            PARAMSERVER_PERMISSIONS,
+            insecure=True if config.curve is not None else config.insecure,
+            max_message_bytes=config.max_frame_bytes + 4096,
+        )
+        if config.curve is not None:
+            self.auth.credential = None  # the explicit CURVE allow-list authenticates instead
         self.address = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -117,6 +142,8 @@ class ParamServer:
         self._threads.append(broker)
         if not self._ready.wait(30) or self._start_error is not None:
             self.stop()
+            if isinstance(self._start_error, InsecureBindError):
+                raise self._start_error
             raise RuntimeError(f"parameter server failed to bind {self.config.bind}: {self._start_error}")
         for i in range(self.config.workers):
             thread = threading.Thread(
@@ -174,8 +201,7 @@ class ParamServer:
         try:
             frontend.linger = 0
             backend.linger = 0
-            # A peer sending a frame larger than this is disconnected by ZeroMQ itself.
-            frontend.maxmsgsize = self.config.max_frame_bytes + 4096
+            self.auth.secure(self._context, frontend, self.config.bind)
             if self.config.curve is not None:
                 auth = start_curve_server(self._context, frontend, self.config.curve)
             frontend.bind(self.config.bind)
@@ -188,6 +214,7 @@ class ParamServer:
             backend.close(0)
             if auth is not None:
                 auth.stop()
+            self.auth.close()
             return
         self._ready.set()
         idle: collections.deque[bytes] = collections.deque()
@@ -217,13 +244,16 @@ class ParamServer:
                             parts = frontend.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        backend.send_multipart([idle.popleft(), *parts], copy=False)
+                        # The connection's authenticated role goes along (a forwarded frame loses it).
+                        role = ServerAuth.role_of(parts[1]).encode() if len(parts) > 1 else b""
+                        backend.send_multipart([idle.popleft(), role, *parts], copy=False)
                 poller.modify(frontend, zmq.POLLIN if idle else 0)
         finally:
             frontend.close(0)
             backend.close(0)
             if auth is not None:
                 auth.stop()
+            self.auth.close()
 
     # ------------------------------------------------------------------ workers
 
@@ -255,9 +285,10 @@ class ParamServer:
         The broker counts this worker idle again only after ``REPLY`` or ``READY``, so
         exactly one of them is sent on every path (else the worker is lost for good).
         """
-        request = parse_request(parts)
+        role = parts[0].bytes.decode("utf-8", "replace") if parts else ""
+        request = parse_request(parts[1:])
         try:
-            answer = self._answer(socket, request)
+            answer = self._answer(socket, request, role)
         except Exception as err:  # `_answer` catches what handlers raise; this is the last guard
             log.exception("internal error answering a request")
             answer = ErrorReply(code="internal", message=f"{type(err).__name__}: {err}"), []
@@ -286,7 +317,9 @@ class ParamServer:
                 [_SEND, w.identity, pack_request_id(w.request_id), encode(LatestVersion(version=w.latest))]
             )
 
-    def _answer(self, socket: zmq.Socket[Any], request: Request) -> tuple[Message, list[Any]] | None:
+    def _answer(
+        self, socket: zmq.Socket[Any], request: Request, role: str = ""
+    ) -> tuple[Message, list[Any]] | None:
         """The reply to one request, or None when it is answered later (long-poll, persisting commit)."""
         message = request.message
         if request.error is not None or message is None:
@@ -302,6 +335,9 @@ class ParamServer:
                 return ErrorReply(
                     code="handshake_required", message="say Hello (with the protocol version) first"
                 ), []
+            refused = self.auth.refusal(role, message)
+            if refused is not None:
+                return refused, []
             return self._dispatch(socket, request, message)
         except StoreError as err:
             if err.code == "malformed":

@@ -39,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from rlax_protocol.auth import Credential, Permissions, ServerAuth
 from rlax_protocol.errors import ProtocolError, RemoteError
 from rlax_protocol.messages import ErrorReply, Hello, Message
 from rlax_protocol.transport import (
@@ -80,8 +81,15 @@ class RpcServer:
     `max_batch` bounds how many requests one batch handler call gets; `batch_window_s`
     (default 0: only what is already waiting) is how long to wait for more after the
     first; `max_request_bytes` (default: no limit beyond the message bounds) caps the
-    bytes of one request, raw frames included (``too_large`` otherwise); `poll_s` is
+    bytes of one request, raw frames included (``too_large`` otherwise), and a frame of
+    more than twice that is not even received (ZeroMQ's ``MAXMSGSIZE`` drops the sender
+    before buffering it); `poll_s` is
     the longest the loop sleeps before it checks for `stop()`.
+
+    Authentication (`rlax_protocol.auth`): with a credential (given, or the process's)
+    only the run's roles can connect, and `permissions` says which role may send which
+    message (None: any authenticated role may send anything); without one the server is
+    open and refuses to bind beyond loopback unless `insecure`.
 
     `with_peer`: the batch handler gets ``(message, frames, peer)`` triples, `peer` the
     client's routing identity (for handlers that queue work per client). `main_work`: see
@@ -103,6 +111,9 @@ class RpcServer:
         curve: CurveServerConfig | None = None,
         client_idle_timeout_s: float = 600.0,
         max_clients: int = 4096,
+        permissions: Permissions | None = None,
+        credential: Credential | None = None,
+        insecure: bool | None = None,
         with_peer: bool = False,
         main_work: Callable[[], bool] | None = None,
     ) -> None:
@@ -125,6 +136,15 @@ class RpcServer:
         self.poll_s = poll_s
         self.server_id = server_id
         self.curve = curve
+        self.auth = ServerAuth(
+            server_id,
+            permissions,
+            credential=credential,
+            insecure=insecure if insecure is not None else (True if curve is not None else None),
+            max_message_bytes=_hard_frame_limit(max_request_bytes),
+        )
+        if curve is not None:
+            self.auth.credential = None  # the explicit CURVE allow-list authenticates instead
         self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s, max_peers=max_clients)
         self.address = ""
         self.with_peer = with_peer
@@ -151,6 +171,7 @@ class RpcServer:
             socket = self._context.socket(zmq.ROUTER)
             socket.linger = 0
             try:
+                self.auth.secure(self._context, socket, self.bind)
                 if self.curve is not None:
                     self._auth = start_curve_server(self._context, socket, self.curve)
                 socket.bind(self.bind)
@@ -219,6 +240,7 @@ class RpcServer:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        self.auth.close()
 
     def __enter__(self) -> RpcServer:
         self.start()
@@ -373,6 +395,8 @@ class RpcServer:
                 if early is None:
                     request = parse_request(parts)
                     early = self.screen(request)
+                if early is None and request is not None and request.message is not None:
+                    early = self.auth.refusal(ServerAuth.role_of(parts[1]), request.message)
             except Exception as err:  # defence in depth: parsing must never stop the loop
                 log.exception("%s: could not read a request", self.server_id)
                 early = _internal(f"{type(err).__name__}: {err}")
@@ -429,6 +453,12 @@ class RpcServer:
                 socket.send_multipart(reply_parts(identity, request_id, error))
             except zmq.ZMQError as again:
                 log.error("%s: could not send an error reply either: %s", self.server_id, again)
+
+
+def _hard_frame_limit(max_request_bytes: int | None) -> int | None:
+    """The frame size beyond which ZeroMQ drops the sender unanswered. Twice the polite
+    limit: a request a little too large still gets a ``too_large`` reply that says why."""
+    return None if max_request_bytes is None else 2 * max_request_bytes + 64 * 1024
 
 
 def _bounded(text: str) -> str:

@@ -32,6 +32,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from rlax_protocol.auth import Credential, client_credential
 from rlax_protocol.errors import (
     MalformedMessageError,
     ProtocolTimeoutError,
@@ -381,6 +382,7 @@ class RpcClient:
         client_id: str = "",
         role: str = "",
         curve: CurveClientConfig | None = None,
+        credential: Credential | None = None,
         context: zmq.Context[Any] | None = None,
         resolve: Callable[[], str] | None = None,
     ) -> None:
@@ -397,6 +399,8 @@ class RpcClient:
         self.client_id = client_id or uuid.uuid4().hex[:12]
         self.role = role
         self.curve = curve
+        # The run's credential (this process's, unless given): it authenticates the connection.
+        self.credential = client_credential(credential) if curve is None else None
         self._context = context or zmq.Context.instance()
         self._socket: zmq.Socket[Any] | None = None
         self._next_id = 1
@@ -412,6 +416,8 @@ class RpcClient:
         socket.linger = 0
         if self.curve is not None:
             apply_curve_client(socket, self.curve)
+        elif self.credential is not None:
+            self.credential.apply_client(socket)
         socket.connect(self.address)
         self._socket = socket
         try:

@@ -1,0 +1,161 @@
+"""Attacks on a live run's control plane, played from outside it (issue 29): a stranger with
+no key, a process of an earlier run, and one of the run's own workers sending what only the
+trainer may send. Each must be refused without changing the run; `attack_run` returns what
+each attempt got, for the test to check beside the run's trajectory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from typing import Any
+
+import yaml
+
+import rlax_protocol as rp
+from rlax_core.control import BatchRequest, StatusQuery, decode_control, encode_control
+from rlax_core.links import ControlClient
+from rlax_protocol.auth import CREDENTIAL_ENV, Credential, RunKeys
+
+ATTEMPT_TIMEOUT_S = 3.0
+
+
+def credential_of(out: pathlib.Path, name: str) -> Credential:
+    """The credential a running component of the run holds, read from its environment (the
+    same user may read it; that is what a compromised worker would have)."""
+    starts = [json.loads(line) for line in (out / "logs" / "events.jsonl").read_text().splitlines()]
+    pid = [e["pid"] for e in starts if e["event"] == "start" and e["name"] == name][-1]
+    environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    for entry in environ:
+        key, _, value = entry.partition(b"=")
+        if key.decode() == CREDENTIAL_ENV:
+            return Credential.from_json(value.decode())
+    raise AssertionError(f"{name} (pid {pid}) holds no {CREDENTIAL_ENV}")
+
+
+def _outcome(call: Any) -> str:
+    """``ok``, ``refused at connect`` (no answer at all) or the error code of the answer."""
+    try:
+        call()
+    except rp.ProtocolTimeoutError:
+        return "refused at connect"
+    except rp.RemoteError as error:
+        return error.code
+    return "ok"
+
+
+def _controller(address: str, credential: Credential | None) -> ControlClient:
+    return ControlClient(
+        address,
+        encode=encode_control,
+        decode=decode_control,
+        timeout_s=ATTEMPT_TIMEOUT_S,
+        credential=credential,
+    )
+
+
+def _rpc(address: str, credential: Credential | None) -> rp.RpcClient:
+    return rp.RpcClient(address, timeout_s=ATTEMPT_TIMEOUT_S, retries=0, credential=credential)
+
+
+def attack_run(out: pathlib.Path) -> dict[str, str]:
+    """Play every attack once against the run in `out`; returns attack -> outcome."""
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    controller = config["controller"]["address"]
+    paramserver = config["paramserver"]["address"]
+    worker = config["workers"]["addresses"][0]
+    mechanism = credential_of(out, "worker0").mechanism
+    earlier_run = RunKeys.generate(mechanism).credential("trainer")
+    inside = credential_of(out, "worker1")  # a worker of this run, turned hostile
+    rewind = BatchRequest(trainer_step=1, trainer_id="stranger")
+    manifest = rp.TensorManifest(protocol_version=rp.PROTOCOL_VERSION, chunk_bytes=1024, tensors=())
+    generate = rp.GenerateRequest(
+        request_id="hostile", prompt_token_ids=(1, 2), sampling=rp.SamplingParams(max_tokens=4), n=1
+    )
+    outcomes: dict[str, str] = {}
+    for who, credential in (("stranger", None), ("earlier run", earlier_run), ("worker", inside)):
+        with contextlib.closing(_controller(controller, credential)) as control:
+            outcomes[f"{who}: controller BatchRequest"] = _outcome(lambda c=control: c.call(rewind))
+        with _rpc(paramserver, credential) as client:
+            begin = rp.PushBegin(version=10**6, manifest=manifest)
+            outcomes[f"{who}: paramserver PushBegin"] = _outcome(lambda c=client, b=begin: c.call(b))
+        with _rpc(worker, credential) as client:
+            outcomes[f"{who}: worker GenerateRequest"] = _outcome(lambda c=client: c.call(generate))
+    with contextlib.closing(_controller(controller, inside)) as control:  # read-only: open to the run's roles
+        outcomes["worker: controller StatusQuery"] = _outcome(lambda: control.call(StatusQuery()))
+    secret = (inside.secret or inside.client_secret).encode()
+    written = [p for p in out.rglob("*") if p.is_file() and secret in p.read_bytes()]
+    outcomes["secrets written in the run folder"] = ", ".join(str(p) for p in written) or "none"
+    return outcomes
+
+
+EXPECTED = {
+    **{
+        f"{who}: {what}": "refused at connect"
+        for who in ("stranger", "earlier run")
+        for what in ("controller BatchRequest", "paramserver PushBegin", "worker GenerateRequest")
+    },
+    "worker: controller BatchRequest": "forbidden",
+    "worker: paramserver PushBegin": "forbidden",
+    "worker: worker GenerateRequest": "forbidden",
+    "worker: controller StatusQuery": "ok",
+    "secrets written in the run folder": "none",
+}
+"""What every attack must get."""
+
+
+def _rss_mb(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _pids(out: pathlib.Path) -> dict[str, int]:
+    events = [json.loads(line) for line in (out / "logs" / "events.jsonl").read_text().splitlines()]
+    return {e["name"]: e["pid"] for e in events if e["event"] == "start"}
+
+
+def flood_run(out: pathlib.Path, messages: int = 12, megabytes: int = 100) -> dict[str, float]:
+    """Send `messages` messages of `megabytes` MB from as many unauthenticated connections
+    to every server of the run at once; returns server -> rise of its RSS (MB) over the
+    next 3 s (peak minus before)."""
+    import time
+
+    import zmq
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    servers = {
+        "controller": config["controller"]["address"],
+        "paramserver": config["paramserver"]["address"],
+        "verifier": config["verifier"]["address"],
+        "worker0": config["workers"]["addresses"][0],
+    }
+    pids = _pids(out)
+    payload = b"\x01" * (megabytes * 1024 * 1024)
+    context = zmq.Context()
+    sockets = []
+    before = {name: _rss_mb(pids[name]) for name in servers}
+    peak = dict(before)
+    try:
+        for address in servers.values():
+            for _ in range(messages):
+                sock = context.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.sndtimeo = 0
+                sock.connect(address)
+                try:
+                    sock.send_multipart([b"\0" * 8, payload], copy=False)
+                except zmq.Again:
+                    pass  # not even connected: nothing reaches the server
+                sockets.append(sock)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            for name in servers:
+                peak[name] = max(peak[name], _rss_mb(pids[name]))
+            time.sleep(0.05)
+    finally:
+        for sock in sockets:
+            sock.close(0)
+        context.term()
+    return {name: round(peak[name] - before[name], 1) for name in servers}
