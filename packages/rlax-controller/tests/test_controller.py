@@ -36,6 +36,7 @@ from rlax_protocol.messages import (
     GenerateResult,
     Hello,
     Sample,
+    Welcome,
 )
 from rlax_protocol.transport import pack_request_id, parse_request, reply_parts, welcome_for
 
@@ -75,7 +76,8 @@ class ControllerThread:
 
     def _run(self) -> None:
         try:
-            self.code = self.controller.run(stop_after_complete_s=0.1, max_seconds=60)
+            # Generous: on two loaded cores (the suite runs two files at once) a run takes minutes.
+            self.code = self.controller.run(stop_after_complete_s=0.1, max_seconds=300)
         except BaseException as error:  # surfaced by the test
             self.error = error
         finally:
@@ -99,13 +101,19 @@ def train(
     `batches`: where to keep every batch received."""
     client = ControlClient(address, encode=encode_control, decode=decode_control, timeout_s=5.0)
     step = start_step
+    silent = 0
     trained: dict[int, list[str]] = {}
     try:
         while stop_at is None or step < stop_at:
             try:
                 reply = client.call(BatchRequest(trainer_step=step, metrics=metrics or {"loss": 0.5}))
+                silent = 0
             except ProtocolTimeoutError:
-                continue  # a busy controller (it draws the summary plot at the end): ask again
+                # A busy controller (it draws the summary plot at the end): ask again, but not
+                # forever: a controller that stopped (its max_seconds ran out) never answers.
+                silent += 1
+                assert silent < 12, f"the controller stopped answering at step {step}"
+                continue
             if isinstance(reply, RunComplete):
                 assert reply.final_step == step
                 break
@@ -455,6 +463,13 @@ def test_an_exception_from_decoding_one_request_is_answered_and_the_controller_k
         )
         dealer.send_multipart([pack_request_id(6), encode_control(StatusQuery())])
         assert dealer.poll(10_000), "no answer after the failing message"
+        refused = decode_control(dealer.recv_multipart()[1])  # the controller requires Hello first
+        assert isinstance(refused, ErrorReply) and refused.code == "handshake_required", refused
+        hello = Hello(protocol_version=PROTOCOL_VERSION, client_id="t")
+        dealer.send_multipart([pack_request_id(7), encode_control(hello)])
+        assert dealer.poll(10_000) and isinstance(decode_control(dealer.recv_multipart()[1]), Welcome)
+        dealer.send_multipart([pack_request_id(8), encode_control(StatusQuery())])
+        assert dealer.poll(10_000), "no answer after the handshake"
         assert isinstance(decode_control(dealer.recv_multipart()[1]), RunStatus)
     finally:
         dealer.close(0)

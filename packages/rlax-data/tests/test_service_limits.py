@@ -58,8 +58,8 @@ def hanging(tmp_path, monkeypatch) -> Iterator[str]:
 
 
 @contextmanager
-def serving(**kwargs: object) -> Iterator[VerifierService]:
-    routes = RoutingVerifier({"arithmetic": ExactMatchVerifier()})
+def serving(routes: dict[str, object] | None = None, **kwargs: object) -> Iterator[VerifierService]:
+    routes = RoutingVerifier(routes or {"arithmetic": ExactMatchVerifier()})  # type: ignore[arg-type]
     svc = VerifierService(routes, address="tcp://127.0.0.1:*", poll_s=0.05, **kwargs)  # type: ignore[arg-type]
     thread = threading.Thread(target=svc.serve, daemon=True)
     thread.start()
@@ -124,9 +124,17 @@ def test_a_client_past_its_share_is_busy_and_another_client_is_served_meanwhile(
         assert svc.stats["busy"] == 1
 
 
+class _SlowExactMatch(ExactMatchVerifier):
+    """Takes 0.3 s per call: a chunk is still being scored when the next one arrives."""
+
+    def verify(self, items):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        return super().verify(items)
+
+
 def test_remote_verifier_sends_a_busy_chunk_again():
     items = [(r.answer, r) for r in ArithmeticTask().generate(6, seed=1)]
-    with serving(max_pending_per_client=1) as svc:
+    with serving(max_pending_per_client=1, routes={"arithmetic": _SlowExactMatch()}) as svc:
         remote = RemoteVerifier(svc.bound_address, timeout_s=30, chunk_items=2)
         try:
             assert all(r.correct for r in remote.verify(items))

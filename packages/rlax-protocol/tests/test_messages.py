@@ -293,3 +293,11 @@ def test_a_verify_batch_with_impossible_fields_is_malformed(fields):
     raw = msgspec.msgpack.encode({"type": "VerifyBatch", "request_id": "b", "timeout_s": 1.0, **fields})
     with pytest.raises(rp.MalformedMessageError, match="VerifyBatch"):
         rp.decode(raw)
+
+
+def test_a_trajectory_that_ended_in_an_environment_error_crosses_the_wire() -> None:
+    """The agent loop ends a trajectory `error` when its environment raised or overran; a
+    result holding one used to be refused by the controller's decoder."""
+    sample = rp.Sample(token_ids=(1, 2), logprobs=(-0.1, -0.2), finish_reason="stop", end="error")
+    result = rp.GenerateResult(request_id="r", samples=(sample,), weight_version=0)
+    assert rp.decode(rp.encode(result)) == result

@@ -71,7 +71,9 @@ class Welcome(Message, frozen=True):
 class ErrorReply(Message, frozen=True):
     """Answer to a request that could not be served. `code` is machine-readable
     (``malformed``, ``unknown_message``, ``version_mismatch``, ``not_found``, ``stale_version``,
-    ``too_large``, ``out_of_order``, ``checksum``, ``handshake_required``, ``internal``)."""
+    ``too_large``, ``out_of_order``, ``checksum``, ``handshake_required``, ``forbidden``: the
+    sender's role may not send this, ``busy``: retry later or elsewhere, ``version_unavailable``:
+    a worker could not get the asked weight version within its limit, ``internal``)."""
 
     code: str
     message: str
@@ -356,7 +358,9 @@ class GenerateRequest(Message, frozen=True):
             _fail("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
 
 
-TrajectoryEnd = Literal["", "answer", "max_turns", "max_tokens", "abort"]
+TrajectoryEnd = Literal["", "answer", "max_turns", "max_tokens", "abort", "error"]
+"""Why a trajectory ended; ``error``: its environment raised, overran or was refused (the
+worker's agent loop counts the kind in `tool_errors`)."""
 
 
 class Sample(Message, frozen=True):
@@ -368,7 +372,8 @@ class Sample(Message, frozen=True):
     an environment token (context only; its logprob is 0); empty means every token is the
     model's. `turns`: model turns; `tool_calls` / `tool_errors`: environment steps that ran
     a tool / whose tool call failed (malformed, unknown tool, crash, timeout, too large);
-    `end`: why the trajectory ended (`answer`: the environment was done); `env_reward`: the
+    `end`: why the trajectory ended (`answer`: the environment was done; `error`: the
+    environment failed); `env_reward`: the
     environment's own reward, when it gives one (else the run's verifier scores)."""
 
     token_ids: tuple[int, ...]
