@@ -6,7 +6,9 @@ with `--spare-nodes`, a second service node 127.0.0.5 and a second trainer node
 127.0.0.6; with the `worker_loss` case, a second worker node 127.0.0.7),
 runs `rlax launch` with `launcher.backend=ray` on it for each case, checks what was left
 running, stops the cluster whatever happened, and prints one JSON line `RESULT {...}` for
-the test to read.
+the test to read. Each case's result names its run folder and the components the helper
+SIGKILLed itself, for the test's `check_no_unplanned_restarts`; a local reference run is
+checked here.
 
 The cluster is a `ray.cluster_utils.Cluster` of this process, under a Ray temp folder of
 its own (`RAY_TMPDIR`): a lost node is its node removed (every process of that node
@@ -266,6 +268,11 @@ def run_case(
         stop.set()
     result["launch_s"] = round(time.monotonic() - t1, 1)
     result["disturbed"] = done
+    # For `check_no_unplanned_restarts` in the test: the run folder (its logs/events.jsonl),
+    # and the components this helper SIGKILLed itself (a lost node's processes are the
+    # launcher's to excuse: their next life is on another node).
+    result["run_dir"] = str(out / "run")
+    result["caused"] = [target for target in done if not target.startswith("node:")]
     placement_path = out / "run" / "logs" / "placement.json"
     placed = json.loads(placement_path.read_text()) if placement_path.exists() else {}
     # Every node a process ran on (a restart may move it), by the role resources it carries.
@@ -323,9 +330,12 @@ def local_reference(out: pathlib.Path, extra: list[str]) -> dict[str, Any]:
     from rich.console import Console
 
     from rlax_controller.launcher import launch
+    from rlax_controller.testing import check_no_unplanned_restarts
 
     overrides = [f"run.output_dir={out / 'run'}", *TINY_RUN, *extra]
     report = launch(str(DEMO_CONFIG), overrides, overwrite=True, console=Console(stderr=True))
+    # The reference may hide no crash either (raises: the helper's `error`, the test fails with it).
+    check_no_unplanned_restarts(report)
     return {"success": report.success, "reason": report.reason, "summary": run_summary(out / "run")}
 
 

@@ -8,7 +8,9 @@ cluster (a head for the launcher; a service node, a trainer node and a worker no
 with its custom resource; for the slow tests a second service and trainer node), runs the
 cases, checks what is left running (actors, placement groups, processes) and stops the
 cluster whatever happens. Without `unshare`/`ip` (or not as root) these tests FAIL, naming what
-is missing: they are never skipped.
+is missing: they are never skipped. Every run that finishes fails on any exit of a component
+that neither the launcher (chaos, a gang restart, a move, a lost node) nor the helper's own
+kills explain, with its traceback (`rlax_controller.testing.check_no_unplanned_restarts`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import time
 from typing import Any
 
 import pytest
+
+from rlax_controller.testing import check_no_unplanned_restarts, unplanned_restarts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HELPER = ROOT / "tests" / "ray_netns_run.py"
@@ -91,10 +95,13 @@ NOTHING_LEFT = {"actors": [], "groups": [], "processes": []}
 
 
 def check_run(case: dict[str, Any], steps: int) -> None:
-    """The run finished, nothing is left on the cluster, and every process ran only on
-    nodes that carry its role's resource."""
+    """The run finished, nothing is left on the cluster, every process ran only on nodes
+    that carry its role's resource, and no component exited unless the launcher (chaos, a
+    gang restart, a move, a lost node) or the helper's own kills (`caused`) explain it: a
+    crash fails the test with its traceback."""
     assert case.get("success"), case
     assert case["left"] == NOTHING_LEFT, case["left"]
+    check_no_unplanned_restarts(pathlib.Path(case["run_dir"]), caused=case["caused"])
     expected = {"controller": "service_node", "paramserver": "service_node", "verifier": "service_node"}
     expected |= {"trainer": "trainer_node", "worker": "worker_node"}
     for name, nodes in case["placed"].items():
@@ -163,6 +170,10 @@ def test_a_role_environment_without_its_package_stops_the_run_naming_it(tmp_path
     assert not missing["success"] and missing["launch_s"] < 60, missing
     assert "verifier" in missing["reason"] and "pip install rlax-data" in missing["reason"], missing["reason"]
     assert missing["left"] == NOTHING_LEFT, missing["left"]
+    # The verifier's exit 69 is the one the test caused; the launcher marks it unplanned, with its message.
+    exits = unplanned_restarts(pathlib.Path(missing["run_dir"]))
+    verifier = [e for e in exits if e.name == "verifier"]
+    assert [e.code for e in verifier] == [69] and "rlax-data" in verifier[0].log_tail, exits
 
 
 @pytest.mark.slow

@@ -45,6 +45,16 @@
   `max_restarts`: `ActorDiedError` on two pings a second apart) or, with `max_restarts:
   -1`, more than `supervisor.max_restarts` failures of one process (kills by chaos, gang
   restarts and moves are not failures).
+- Planned and unplanned exits, as the local supervisor tells them: an exit is planned
+  when the launcher ended that life itself (a chaos kill, a gang restart, a restart for a
+  move; `kill_component` names the life it ended), when it is the completing process's
+  clean exit, a gang member going down after another member's exit, or a life that went
+  down with its node (its next life is on another node, or it moved). Anything else (a
+  crash, a component killed from outside) is unplanned: its `exit` event says `unplanned:
+  true` and carries the end of that life's log (as its actor read it at the exit; for a
+  life that never reported, its part of the log), and `RayReport.unplanned_restarts` lists
+  it. A planned exit's event says why (`planned`). A SIGKILL nobody here explains waits
+  for the process's next life (or the run's end: is its node still alive?) to be told.
 - Logs: each actor appends its component's output to `<run>/logs/<process>.log`; the run
   folder must be shared storage visible to every node at the same path (it is, for the
   checkpoints, snapshots, parameter-server state and metrics, anyway). Every node each
@@ -80,7 +90,7 @@ from rich.console import Console
 from rlax_controller.launcher import _MetricsTail, build_specs, resolve_addresses, run_keys, summarise
 from rlax_controller.metrics import ProgressDisplay, read_metrics
 from rlax_controller.preflight import validate_components
-from rlax_controller.supervisor import SupervisorReport, _tail
+from rlax_controller.supervisor import UNPLANNED_TAIL_LINES, SupervisorReport, UnplannedRestart, _tail
 from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
 from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, ConfigError, RunConfig, dump_config, load_config
 from rlax_core.fsutil import append_line
@@ -90,6 +100,7 @@ __all__ = ["READY_TIMEOUT_S", "RayReport", "launch"]
 
 EXIT_MISSING_COMPONENT = 69  # rlax_core.cli: the role's package is not installed in its environment
 LOST_EXIT = -9  # the exit recorded for a life that went down with its node (as if SIGKILLed)
+TAIL_LINES = UNPLANNED_TAIL_LINES  # the end of a life's log that an unplanned exit carries
 READY_TIMEOUT_S = 45.0
 LAUNCHER_METRICS = "launcher_metrics.jsonl"  # the launcher's metrics records (node losses)
 PYTHON = "{python}"  # in a command: the interpreter of the actor that runs it
@@ -106,6 +117,11 @@ def _registry_class() -> type:
             self.plans: dict[str, dict[str, Any]] = {}
             self.state: dict[str, dict[str, Any]] = {}
             self.seq = 0
+            # Kept out of the snapshot (read only for an unplanned exit): where each life's
+            # output starts in its log, and the end of each life's log as its actor read it
+            # at the exit.
+            self.log_starts: dict[str, list[tuple[int, int]]] = {}
+            self.tails: dict[tuple[str, int], str] = {}
 
         def _entry(self, name: str) -> dict[str, Any]:
             return self.state.setdefault(
@@ -128,23 +144,36 @@ def _registry_class() -> type:
                 lost = {"run": entry["run"], "node_id": entry.get("node", {}).get("node_id", "")}
                 entry.setdefault("lost", []).append(lost)
 
-        def started(self, name: str, node: dict[str, Any]) -> int:
+        def started(self, name: str, node: dict[str, Any], log_offset: int = 0) -> int:
             entry = self._entry(name)
             self._close_lost_life(entry)
             self.seq += 1
             entry["starts"] += 1
             entry["node"] = node
             entry["run"] = self.seq
+            # The node of every life: an exit followed by a life on another node went down with its node.
+            entry.setdefault("life_nodes", {})[self.seq] = node.get("node_id", "")
             entry.pop("moved", None)
+            self.log_starts.setdefault(name, []).append((self.seq, log_offset))
             return self.seq
 
-        def exited(self, name: str, code: int, final: bool, run: int) -> None:
+        def exited(self, name: str, code: int, final: bool, run: int, log_tail: str = "") -> None:
             self.seq += 1
             entry = self._entry(name)
             entry["exits"].append(code)
             entry["exit_runs"].append(run)
             if final:
                 entry["final"] = code
+            self.tails[(name, run)] = log_tail
+
+        def life_log(self, name: str, run: int) -> dict[str, Any]:
+            """Where life `run` of `name` wrote in its log: `start` (byte offset), `end` (the
+            next life's start; None: to the end), and `tail`, what its actor read there at
+            the exit (None: it never reported one)."""
+            starts = self.log_starts.get(name, [])
+            start = next((offset for life, offset in starts if life == run), 0)
+            end = next((offset for life, offset in starts if life > run), None)
+            return {"start": start, "end": end, "tail": self.tails.get((name, run))}
 
         def moved(self, name: str, node: dict[str, Any]) -> None:
             """Restarted on a node other than the one its address is on: waits for a new plan."""
@@ -252,25 +281,46 @@ def _role_process_class() -> type:
                 except OSError:
                     pass
 
-            with self.lock, open(log_path, "ab") as log:
-                log.write(f"--- {self.name} starting on {self.node} ---\n".encode())
-                log.flush()
-                self.popen = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, preexec_fn=die_with_parent
+            # The lock covers the registry's answer too: a kill names the life it ended.
+            with self.lock:
+                with open(log_path, "ab") as log:
+                    offset = log.seek(0, os.SEEK_END)
+                    log.write(f"--- {self.name} starting on {self.node} ---\n".encode())
+                    log.flush()
+                    popen = subprocess.Popen(
+                        argv,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=cwd,
+                        preexec_fn=die_with_parent,
+                    )
+                self.popen = popen
+                self.run = ray.get(
+                    self.registry.started.remote(self.name, {**self.node, "pid": popen.pid}, offset)
                 )
-            run = ray.get(self.registry.started.remote(self.name, {**self.node, "pid": self.popen.pid}))
-            threading.Thread(target=self._watch, args=(self.popen, run), daemon=True).start()
-            return int(self.popen.pid)
+            threading.Thread(
+                target=self._watch, args=(popen, self.run, log_path, offset), daemon=True
+            ).start()
+            return int(popen.pid)
 
-        def _watch(self, popen: Any, run: int) -> None:
+        def _watch(self, popen: Any, run: int, log_path: pathlib.Path, offset: int) -> None:
             import ray
 
             code = popen.wait()
             if popen is not self.popen:
-                return
+                return  # stopped by the launcher (the run's end)
             final = (code == 0 and self.completes_run) or code in (78, EXIT_MISSING_COMPONENT)
+            tail = ""
+            try:  # the end of what this life wrote (a crash's traceback), read on its own node
+                with open(log_path, "rb") as log:
+                    end = log.seek(0, os.SEEK_END)
+                    log.seek(max(offset, end - 65536))
+                    tail = "\n".join(log.read().decode(errors="replace").splitlines()[-TAIL_LINES:])
+            except OSError:
+                pass
             try:
-                ray.get(self.registry.exited.remote(self.name, code, final, run))
+                ray.get(self.registry.exited.remote(self.name, code, final, run, tail))
             except Exception:  # the launcher is going away: nothing to tell
                 pass
             if not final:
@@ -279,13 +329,14 @@ def _role_process_class() -> type:
         def pid(self) -> int:
             return -1 if self.popen is None else int(self.popen.pid)
 
-        def kill_component(self) -> bool:
-            """SIGKILL the component's process group (the actor then restarts); False when
-            no component is running."""
-            if self.popen is not None and self.popen.poll() is None:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                return True
-            return False
+        def kill_component(self) -> int:
+            """SIGKILL the component's process group (the actor then restarts): the life it
+            ended (the registry's number), 0 when no component is running."""
+            with self.lock:
+                if self.popen is not None and self.popen.poll() is None:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                    return int(self.run)
+                return 0
 
         def stop(self, grace_s: float) -> None:
             popen, self.popen = self.popen, None
@@ -302,6 +353,18 @@ def _role_process_class() -> type:
                     pass
 
     return RoleProcess
+
+
+def _log_part_tail(path: pathlib.Path, start: int, end: int | None, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of `path` between byte `start` and `end` (None: its end)."""
+    try:
+        with open(path, "rb") as handle:
+            stop = handle.seek(0, os.SEEK_END) if end is None else end
+            handle.seek(max(start, stop - 65536))
+            text = handle.read(max(0, stop - handle.tell())).decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _probe(address: str, timeout_s: float = 5.0) -> None:
@@ -737,10 +800,17 @@ class _Supervision:
         self.answered: dict[str, float] = {}  # process -> when its actor last answered a ping
         self.losses: dict[str, dict[str, Any]] = {}  # lost process -> its loss, until it serves again
         self.stalls: list[dict[str, Any]] = []
+        # Planned and unplanned exits. A life the launcher ended itself (a chaos kill, a gang
+        # restart, a restart for a move) -> why; a SIGKILL nobody here explains waits until
+        # the process's next life shows whether its node went (it restarts on another one).
+        self.planned: dict[tuple[str, int], str] = {}
+        self.pending: dict[tuple[str, int], dict[str, Any]] = {}
+        self.unplanned: list[UnplannedRestart] = []
 
     def report(
         self, success: bool, reason: str, procs: dict[str, Any], *, config_error: bool = False
     ) -> RayReport:
+        self.settle_pending(procs, final=True)
         return RayReport(
             success=success,
             reason=reason,
@@ -749,6 +819,7 @@ class _Supervision:
             exit_codes={n: list(procs.get(n, {}).get("exits", [])) for n in self.run.actors},
             log_dir=self.run.log_dir,
             config_error=config_error,
+            unplanned_restarts=list(self.unplanned),
             stalls=list(self.stalls),
             health_check=self.run.health_check,
         )
@@ -786,7 +857,7 @@ class _Supervision:
         exits = entry["exits"]
         for index in range(self.seen_exits.get(name, 0), len(exits)):
             code, life = exits[index], entry["exit_runs"][index]
-            run.event("exit", name=name, role=role, code=code)
+            self.classify(name, entry, code, life)
             lost = next((lost for lost in entry.get("lost", []) if lost["run"] == life), None)
             if lost is not None:  # went down with its node (or its actor): Ray restarted it
                 now = time.time()
@@ -800,6 +871,7 @@ class _Supervision:
                 self.gang_epoch[gang] = seq
                 run.event("gang_restart", gang=gang, cause=name, code=code)
         self.seen_exits[name] = len(exits)
+        self.settle_pending({name: entry})
         if entry["starts"] > self.seen_starts.setdefault(name, 1):
             self.seen_starts[name] = entry["starts"]
             node = entry.get("node", {})
@@ -844,6 +916,81 @@ class _Supervision:
             )
         return None
 
+    def classify(self, name: str, entry: dict[str, Any], code: int, life: int) -> None:
+        """Planned or unplanned, as the local supervisor tells them: a life the launcher
+        ended (chaos, a gang restart, a restart for a move), the completing process's clean
+        exit, a gang member that went down after another member's exit (a life older than
+        the gang's last restart) and a process whose node was lost (its next life is on
+        another node) are planned; anything else is unplanned. Call before the gang's
+        epoch moves for this exit."""
+        reason = self.planned.pop((name, life), "")
+        gang = self.gang_of.get(name)
+        if not reason and code == 0 and name in self.completes:
+            reason = "completed the run"
+        if not reason and gang and life <= self.gang_epoch[gang]:
+            reason = "stopped with its gang"
+        if reason:
+            self.exit_event(name, code, life, planned=reason)
+        elif code == LOST_EXIT:  # SIGKILLed, or gone with its actor: was it its node?
+            self.pending[(name, life)] = {"code": code}
+        else:
+            self.exit_event(name, code, life, planned="")
+
+    def settle_pending(self, procs: dict[str, Any], *, final: bool = False) -> None:
+        """Decide each SIGKILLed life whose process has started again (or moved): on another
+        node, its node was lost (planned); on the same node, something killed it (unplanned).
+        `final` (the run ends): one not started again is planned if its node is gone."""
+        alive: set[str] | None = None
+        for (name, life), pending in list(self.pending.items()):
+            entry = procs.get(name)
+            if entry is None:
+                continue
+            nodes = {int(k): v for k, v in entry.get("life_nodes", {}).items()}
+            node = nodes.get(life, "")
+            later = [nodes[n] for n in sorted(nodes) if n > life]
+            moved = entry.get("moved")
+            if later:
+                went = later[0] != node
+            elif moved and moved["seq"] > life:
+                went = moved.get("node_id", "") != node
+            elif final:
+                if alive is None:
+                    try:
+                        alive = {n["NodeID"] for n in self.run.ray.nodes() if n.get("Alive")}
+                    except Exception:  # the cluster cannot say: call it unplanned
+                        alive = set()
+                went = bool(node) and node not in alive
+            else:
+                continue
+            del self.pending[(name, life)]
+            self.exit_event(name, pending["code"], life, planned="its node was lost" if went else "")
+
+    def exit_event(self, name: str, code: int, life: int, *, planned: str) -> None:
+        """The `exit` event of one life: `planned` says why, or (empty) the exit is
+        unplanned and the event and the report carry the end of that life's log."""
+        role = self.run.roles[name]
+        if planned:
+            self.run.event("exit", name=name, role=role, code=code, life=life, planned=planned)
+            return
+        unplanned = UnplannedRestart(name, role, code, self.life_tail(name, life))
+        self.unplanned.append(unplanned)
+        self.run.event(
+            "exit", name=name, role=role, code=code, life=life, unplanned=True, log_tail=unplanned.log_tail
+        )
+
+    def life_tail(self, name: str, life: int) -> str:
+        """The end of what life `life` of `name` wrote: as its actor read it at the exit, or
+        (a life that never reported, gone with its actor) from its part of the plan's log."""
+        try:
+            where = self.run.ray.get(self.run.registry.life_log.remote(name, life), timeout=30)
+        except Exception:  # the registry is gone: read the log from its start
+            where = {"start": 0, "end": None, "tail": None}
+        if where.get("tail") is not None:
+            return str(where["tail"])
+        plan = self.run.plans.get(name, {})
+        path = pathlib.Path(plan.get("log") or self.run.log_dir / f"{name}.log")
+        return _log_part_tail(path, where.get("start", 0), where.get("end"))
+
     def restart_gangs(self, procs: dict[str, Any]) -> None:
         """Stop every member still running a life older than its gang's last restart."""
         for gang, names in self.gangs.items():
@@ -854,17 +1001,21 @@ class _Supervision:
                 life = entry["run"]
                 if life < self.gang_epoch[gang] and (name, life) not in self.killed_lives:
                     self.killed_lives.add((name, life))
-                    if self.kill(name):
+                    if self.kill(name, "stopped with its gang"):
                         self.induced[name] += 1
 
-    def kill(self, name: str) -> bool:
-        """SIGKILL `name`'s component; False when none runs, its actor restarting included
-        (another process of its lost node: Ray is placing it again, with nothing to kill)."""
+    def kill(self, name: str, why: str) -> int:
+        """SIGKILL `name`'s component, and note the life it ended as planned (`why`). The
+        life, or 0 when none runs, its actor restarting included (another process of its
+        lost node: Ray is placing it again, with nothing to kill)."""
         ray = self.run.ray
         try:
-            return bool(ray.get(self.run.actors[name].kill_component.remote(), timeout=30))
+            life = int(ray.get(self.run.actors[name].kill_component.remote(), timeout=30))
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            return False
+            return 0
+        if life:
+            self.planned[(name, life)] = why
+        return life
 
     def check_serving(self, procs: dict[str, Any]) -> None:
         """Note when each lost process serves again (running, and its address accepts
@@ -930,7 +1081,7 @@ class _Supervision:
         ray.get(run.actors[name].start.remote(run.plans[name]), timeout=60)
         dependents = _address_dependents(self.config, name)
         for other in dependents:
-            if self.kill(other):
+            if self.kill(other, f"restarted because {name} moved"):
                 self.induced[other] += 1
                 run.event("restart_for_move", name=other, moved=name)
         if dependents:
@@ -963,7 +1114,7 @@ class _Supervision:
         role = self.chaos_round.pop(0)
         victim = self.rng.choice(running)
         run.event("chaos_kill", name=victim, role=role)
-        run.ray.get(run.actors[victim].kill_component.remote(), timeout=30)
+        self.kill(victim, "chaos kill")
         self.chaos_kills.append((victim, role))
         self.next_kill = now + chaos.interval * self.rng.uniform(0.5, 1.5)
 
