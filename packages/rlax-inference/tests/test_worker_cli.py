@@ -6,6 +6,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -58,6 +59,31 @@ def test_rlax_worker_process(tmp_path: pathlib.Path, free_tcp_port: int):
             result = reply.message
             assert isinstance(result, rp.GenerateResult), (tmp_path / "worker.log").read_text()
             assert result.weight_version == 4 and result.stats is not None and result.stats.compile_s > 0
+            # Issue 29: a hostile request for a version nobody published (6; the newest is 4)
+            # is held at most version_wait_s and answered; meanwhile another client's request
+            # is answered at once (it used to get no answer for 30 s).
+            with (
+                rp.RpcClient(address, timeout_s=120, client_id="hostile") as hostile,
+                rp.RpcClient(address, timeout_s=120, client_id="good") as good,
+            ):
+                held = hostile.send_request(
+                    rp.GenerateRequest(
+                        request_id="h",
+                        prompt_token_ids=(1, 5, 13),
+                        sampling=rp.SamplingParams(max_tokens=3, seed=2),
+                        weight_version=6,
+                    )
+                )
+                time.sleep(0.3)  # the hostile request is in
+                sent = time.monotonic()
+                rid = good.send_request(request)
+                _, answer = good.recv_reply({rid}, timeout_s=120, operation="GenerateResult")
+                delay = time.monotonic() - sent
+                assert isinstance(answer.message, rp.GenerateResult) and answer.message.weight_version == 4
+                assert [s.token_ids for s in answer.message.samples] == [s.token_ids for s in result.samples]
+                assert delay < 2.0, f"held {delay:.1f} s behind a request for a missing version"
+                _, late = hostile.recv_reply({held}, timeout_s=120, operation="version_unavailable")
+                assert isinstance(late.message, rp.ErrorReply) and late.message.code == "version_unavailable"
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 143, (tmp_path / "worker.log").read_text()
             # The socket was closed on the way out: the address can be bound again.
