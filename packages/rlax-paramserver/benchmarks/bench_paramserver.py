@@ -12,6 +12,7 @@ moves the frames. Medians of several rounds; ratio = ours / raw.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import statistics
 import subprocess
@@ -279,3 +280,61 @@ def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
     benchmark.extra_info.update(
         {name: {"ours_GBps": o / 1e9, "raw_GBps": r / 1e9, "ratio": o / r} for name, o, r in rows}
     )
+
+
+def test_smollm2_push_to_a_state_dir_by_file_vs_over_the_socket(benchmark, tmp_path) -> None:
+    """A trainer on the parameter server's host: a push through the server's staging file
+    (written by the pusher, hashed and renamed by the server) against the same push sent
+    as frames (received, written to the state file by the server). Both end persisted and
+    served from the file. Rounds alternate; medians; ratio = by file / over the socket."""
+    tree = smollm2_tree(np.dtype(np.float32))
+    nbytes = sum(int(a.nbytes) for a in _leaves(tree))
+    server_args = ["--io-threads", str(IO_THREADS), "--workers", "4"]
+    with running_server_process(tmp_path, keep=2, args=server_args) as server:
+        by_file = ParamClient(server.address, timeout_s=60, local=True)
+        by_socket = ParamClient(server.address, timeout_s=60, local=False)
+        version = 0
+
+        def push(client: ParamClient) -> float:
+            nonlocal version
+            version += 1
+            return timed(lambda: client.push(tree, version))
+
+        try:
+            push(by_file), push(by_socket)  # warm up both paths
+            times = [(push(by_file), push(by_socket)) for _ in range(ROUNDS)]
+            benchmark.pedantic(lambda: push(by_file), rounds=1, iterations=1)
+        finally:
+            by_file.close()
+            by_socket.close()
+    file_s, socket_s = (statistics.median(t) for t in zip(*times))
+    figures = {
+        "push_bytes": nbytes,
+        "push_by_file_seconds": file_s,
+        "push_over_socket_seconds": socket_s,
+        "push_by_file_over_socket": file_s / socket_s,
+    }
+    print(
+        f"\nSmolLM2-135M-shaped weights, float32, {nbytes / 1e6:.0f} MB, pushed and persisted on one host:"
+        f"\n  by file {file_s:.3f} s, over the socket {socket_s:.3f} s: ratio {file_s / socket_s:.2f}"
+    )
+    benchmark.extra_info.update(figures)
+    if path := os.environ.get("RLAX_BENCH_JSON"):
+        _merge_json(pathlib.Path(path), figures)
+
+
+def _leaves(tree: dict) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    for value in tree.values():
+        out.extend(_leaves(value) if isinstance(value, dict) else [value])
+    return out
+
+
+def _merge_json(path: pathlib.Path, figures: dict) -> None:
+    """Add `figures` to the JSON object at `path` (written to a temporary name, then renamed)."""
+    import json
+
+    current = json.loads(path.read_text()) if path.exists() else {}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**current, **figures}, indent=2))
+    os.replace(tmp, path)

@@ -82,8 +82,10 @@ def test_deep_metadata_push_is_refused_and_every_worker_keeps_serving() -> None:
         assert client.latest() == 1
 
 
-def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monkeypatch) -> None:
-    real_write = server_module.write_state
+@pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])
+def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monkeypatch, by_file) -> None:
+    writer = "install_staged" if by_file else "write_state"
+    real_write = getattr(server_module, writer)
     failures = iter([RuntimeError("metadata the disk format cannot hold"), MemoryError()])
 
     def flaky_write(*args, **kwargs):
@@ -92,10 +94,10 @@ def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monke
             raise error
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(server_module, "write_state", flaky_write)
+    monkeypatch.setattr(server_module, writer, flaky_write)
     with (
         running_server(tmp_path) as address,
-        ParamClient(address, timeout_s=5, commit_timeout_s=10) as client,
+        ParamClient(address, timeout_s=5, commit_timeout_s=10, local=by_file) as client,
     ):
         for version in (1, 2):
             with pytest.raises(rp.RemoteError, match="persist_failed") as raised:
@@ -109,8 +111,10 @@ def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monke
         assert stats.latest == 3 and stats.persisted_version == 3 and stats.state_error is None
 
 
-def test_a_version_is_never_visible_before_it_is_on_disk(tmp_path, monkeypatch) -> None:
-    real_write = server_module.write_state
+@pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])
+def test_a_version_is_never_visible_before_it_is_on_disk(tmp_path, monkeypatch, by_file) -> None:
+    writer = "install_staged" if by_file else "write_state"
+    real_write = getattr(server_module, writer)
     writing, release = threading.Event(), threading.Event()
 
     def slow_write(*args, **kwargs):
@@ -118,9 +122,9 @@ def test_a_version_is_never_visible_before_it_is_on_disk(tmp_path, monkeypatch) 
         assert release.wait(10)
         return real_write(*args, **kwargs)
 
-    with running_server(tmp_path) as address, ParamClient(address, timeout_s=5) as client:
+    with running_server(tmp_path) as address, ParamClient(address, timeout_s=5, local=by_file) as client:
         client.push(SMALL, 1)
-        monkeypatch.setattr(server_module, "write_state", slow_write)
+        monkeypatch.setattr(server_module, writer, slow_write)
         result: list[rp.Committed] = []
         pusher = threading.Thread(target=lambda: result.append(client.push(SMALL, 2)))
         pusher.start()

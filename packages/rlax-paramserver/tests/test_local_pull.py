@@ -117,14 +117,15 @@ def test_a_file_of_another_version_with_the_same_bytes_is_refused(tmp_path) -> N
     assert pulled is not None and pulled.version == 2 and not pulled.mapped
 
 
-def rss_anon_mb(pid: int) -> float:
+def rss_anon_mb(pid: int, field: str = "RssAnon") -> float:
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise AssertionError(f"no RssAnon for {pid}")
+    raise AssertionError(f"no {field} for {pid}")
 
 
-def test_the_server_holds_no_copy_of_a_persisted_version(tmp_path) -> None:
+@pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])
+def test_the_server_holds_no_copy_of_a_persisted_version(tmp_path, by_file: bool) -> None:
     # 2 x 40 MB tensors a version (above glibc's largest mmap threshold, so freed frames go
     # back to the kernel), 3 versions pushed with keep=2.
     def big(version: int) -> dict[str, np.ndarray]:
@@ -132,12 +133,16 @@ def test_the_server_holds_no_copy_of_a_persisted_version(tmp_path) -> None:
 
     with (
         running_server_process(tmp_path, keep=2) as server,
-        ParamClient(server.address, timeout_s=10) as client,
+        ParamClient(server.address, timeout_s=10, local=by_file) as client,
     ):
         baseline = rss_anon_mb(server.process.pid)
+        file_baseline = rss_anon_mb(server.process.pid, "RssFile")
         for version in (1, 2, 3):
             client.push(big(version), version)
         after = rss_anon_mb(server.process.pid)
+        # Nor through its mappings: verifying a pushed file reads it without mapping it, so
+        # the version's pages are counted in the memory of the workers that map them.
+        file_after = rss_anon_mb(server.process.pid, "RssFile")
         assert client.stat().versions == (2, 3)
         with ParamClient(server.address, timeout_s=10, local=False) as network:
             pulled = network.pull()  # sent from the mapping: file pages, not anonymous ones
@@ -145,6 +150,7 @@ def test_the_server_holds_no_copy_of_a_persisted_version(tmp_path) -> None:
     assert pulled is not None and not pulled.mapped and np.all(pulled.tree["y"] == 4.0)
     # Held in memory before: 2 versions (160 MB) of received frames. Now: none of them.
     assert after - baseline < 20, f"server anonymous memory grew {after - baseline:.0f} MB"
+    assert file_after - file_baseline < 20, f"server's mapped pages grew {file_after - file_baseline:.0f} MB"
     assert served - baseline < 20, f"server anonymous memory grew {served - baseline:.0f} MB serving a pull"
 
 

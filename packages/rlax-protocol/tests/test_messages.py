@@ -27,6 +27,10 @@ EXAMPLES: list[rp.Message] = [
     MANIFEST,
     rp.PushBegin(version=3, manifest=MANIFEST, metadata={"step": 3, "loss": 0.5, "tags": ["a"]}),
     rp.PushReady(push_id=1, max_message_bytes=1 << 26),
+    rp.PushBegin(version=4, manifest=MANIFEST, local=True),
+    rp.PushReady(
+        push_id=2, max_message_bytes=1 << 26, staging_file="/run/state/.w.tmp-push-ab", data_offset=4096
+    ),
     rp.PushChunks(push_id=1, first_frame=0, count=1),
     rp.PushCommit(push_id=1),
     rp.PushAbort(push_id=1),

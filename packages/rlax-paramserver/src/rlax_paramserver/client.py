@@ -18,9 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
 import zmq
 
-from rlax_paramserver.persist import CorruptStateError, map_state
+from rlax_paramserver.persist import CorruptStateError, map_state, write_staged
 from rlax_protocol import (
     DEFAULT_CHUNK_BYTES,
     Ack,
@@ -47,6 +48,7 @@ from rlax_protocol import (
     RpcClient,
     ServerStats,
     StatQuery,
+    TensorManifest,
     TreeAssembler,
     WaitNewer,
     encode_tree,
@@ -122,6 +124,8 @@ class ParamClient:
     weights in this process, the pages shared with every process mapping the same file.
     The file must hold exactly the granted manifest (checksums included) and, with
     `verify`, its tensors must hash to it; otherwise the frames are fetched as usual.
+    A push likewise writes the version into a staging file the server names (the
+    server verifies it on commit); where that file cannot be opened it sends frames.
     resolve: the server's address now (the run's address book), asked before each
     (re)connect and once a second while a reply is awaited, so a parameter server that
     moved to another node is found there (`RpcClient`).
@@ -252,11 +256,18 @@ class ParamClient:
         """
         encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes)
         with self._lock:
-            ready = self._call(
-                PushBegin(version=version, manifest=encoded.manifest, metadata=dict(metadata or {})),
-                expect=PushReady,
-            ).message
+            begin = PushBegin(
+                version=version, manifest=encoded.manifest, metadata=dict(metadata or {}), local=self.local
+            )
+            ready = self._call(begin, expect=PushReady).message
             assert isinstance(ready, PushReady)
+            if ready.staging_file:
+                committed = self._push_by_file(ready, encoded.manifest, encoded.frames, version)
+                if committed is not None:
+                    return committed
+                begin = msgspec.structs.replace(begin, local=False)
+                ready = self._call(begin, expect=PushReady).message
+                assert isinstance(ready, PushReady)
             budget = min(self.message_bytes, ready.max_message_bytes)
             runs = _batches([f.nbytes for f in encoded.frames], budget)
             requests: list[tuple[Message, Sequence[Part]]] = [
@@ -276,6 +287,24 @@ class ParamClient:
             except BaseException:
                 self._abort_quietly(ready.push_id)
                 raise
+
+    def _push_by_file(
+        self, ready: PushReady, manifest: TensorManifest, frames: Sequence[memoryview], version: int
+    ) -> Committed | None:
+        """Write the version into the server's staging file and commit it; None (the push
+        aborted) when this host cannot open that file, so the caller sends the frames."""
+        try:
+            write_staged(ready.staging_file, ready.data_offset, manifest, frames)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
+            log.info(
+                "pushing version %d over the network: cannot write %s: %s", version, ready.staging_file, err
+            )
+            self._abort_quietly(ready.push_id)
+            return None
+        except BaseException:
+            self._abort_quietly(ready.push_id)
+            raise
+        return self._commit(ready.push_id, version)
 
     def _commit(self, push_id: int, version: int) -> Committed:
         try:

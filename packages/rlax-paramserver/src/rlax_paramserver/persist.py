@@ -19,6 +19,12 @@ use a mapped tensor as a CPU array without copying it. A state file is never cha
 in place (it is written under another name and renamed), so a mapping stays valid
 after its file is replaced or removed.
 
+A pusher on the same host writes a version's tensors straight into a staging file the
+server created for it (`create_staging`: header written, size fixed, a name no other
+push can guess); on commit the server verifies every tensor of that file, renames it
+into place and serves its mapping (`install_staged`): the version crosses no socket and
+no process holds an anonymous copy of it.
+
 A file is written under a temporary name, fsynced, renamed into place and the
 directory fsynced, so a crash leaves either the old files or the new one too; only then
 are files older than the newest `keep` removed. On load (up to `keep` files) every
@@ -35,6 +41,7 @@ import mmap
 import os
 import pathlib
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +118,24 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
+def _file_prefix(version: int, manifest: TensorManifest, metadata: dict[str, Any]) -> bytes:
+    """Magic, header length, header and the zero padding up to the tensors' start."""
+    header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
+    prefix = MAGIC + len(header).to_bytes(8, "little") + header
+    return prefix + b"\x00" * ((-len(prefix)) % ALIGN)
+
+
+def _prune(state_dir: pathlib.Path, version: int, keep: int) -> None:
+    """Remove state files older than `version` beyond the newest `keep` (`version` included)."""
+    older = sorted(
+        (int(m.group(1)), p)
+        for p in state_dir.iterdir()
+        if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < version
+    )
+    for _, other in older[: max(0, len(older) - (keep - 1))]:
+        other.unlink(missing_ok=True)
+
+
 def write_state(
     state_dir: pathlib.Path,
     version: int,
@@ -135,16 +160,14 @@ def write_state(
     state_dir.mkdir(parents=True, exist_ok=True)
     final = state_path(state_dir, version)
     tmp = state_dir / f".{final.name}.tmp-{os.getpid()}"
-    header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
-    prefix = MAGIC + len(header).to_bytes(8, "little") + header
-    padding = (-len(prefix)) % ALIGN
+    prefix = _file_prefix(version, manifest, metadata)
     starts, _ = tensor_starts(manifest)
     slots = frame_layout(manifest)
     if len(frames) != len(slots):
         raise ValueError(f"{len(frames)} frames for a manifest of {len(slots)}")
     try:
         with open(tmp, "wb") as f:
-            f.write(prefix + b"\x00" * padding)
+            f.write(prefix)
             written = 0
             for slot, frame in zip(slots, frames, strict=True):
                 gap = starts[slot.tensor] + slot.offset - written
@@ -161,14 +184,147 @@ def write_state(
         raise
     if fsync:
         _fsync_dir(state_dir)
-    older = sorted(
-        (int(m.group(1)), p)
-        for p in state_dir.iterdir()
-        if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < version
-    )
-    for _, other in older[: max(0, len(older) - (keep - 1))]:
-        other.unlink(missing_ok=True)
+    _prune(state_dir, version, keep)
     return final
+
+
+@dataclass(frozen=True)
+class StagingFile:
+    """A file the server created for one push on its host: the pusher writes tensor `i`
+    at ``data_offset + tensor_starts(manifest)[0][i]``; nothing else may change it.
+
+    `identity`: (st_dev, st_ino) at creation, so that a file put in its place under the
+    same name is never installed."""
+
+    path: pathlib.Path
+    data_offset: int
+    size: int
+    identity: tuple[int, int]
+
+
+def create_staging(
+    state_dir: pathlib.Path, version: int, manifest: TensorManifest, metadata: dict[str, Any]
+) -> StagingFile:
+    """Create the staging file of a push of `version`: header written, tensors' bytes zero.
+
+    The name carries 128 random bits (a client is told it, never chooses it) and matches
+    the temporary-file pattern the server clears when it starts (`load_states(owner=True)`). The file is sparse
+    until written: creating it costs no disk space or time for the tensors.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    final = state_path(state_dir, version)
+    path = state_dir / f".{final.name}.tmp-push-{secrets.token_hex(16)}"
+    prefix = _file_prefix(version, manifest, metadata)
+    _, data_bytes = tensor_starts(manifest)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, prefix)
+        os.ftruncate(fd, len(prefix) + data_bytes)
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return StagingFile(path, len(prefix), len(prefix) + data_bytes, (info.st_dev, info.st_ino))
+
+
+def discard_staging(staging: StagingFile) -> None:
+    """Remove a staging file whose push ended without a commit (aborted, expired, corrupt)."""
+    try:
+        info = os.stat(staging.path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if (info.st_dev, info.st_ino) == staging.identity:
+        staging.path.unlink(missing_ok=True)
+
+
+def install_staged(
+    state_dir: pathlib.Path,
+    staging: StagingFile,
+    version: int,
+    manifest: TensorManifest,
+    *,
+    keep: int = 1,
+    fsync: bool = True,
+) -> LoadedState:
+    """Verify a staging file the pusher has written, rename it into place as `version`'s
+    state file, prune older files beyond `keep`; returns the installed file's mapping.
+
+    Every tensor is hashed against `manifest` (a pusher that died or wrote short leaves
+    zeros that fail), so a version is installed only whole. Raises `CorruptStateError`
+    naming the tensor, or when another file took the staging file's name.
+    """
+    info = os.stat(staging.path, follow_symlinks=False)
+    if (info.st_dev, info.st_ino) != staging.identity or info.st_size != staging.size:
+        raise CorruptStateError(
+            f"{staging.path}: not the staging file created for version {version} "
+            f"(replaced, or {info.st_size} bytes instead of {staging.size})"
+        )
+    with open(staging.path, "rb", buffering=0) as f:
+        if fsync:
+            os.fsync(f.fileno())
+        _hash_by_reading(staging.path, f, staging.data_offset, manifest)
+    # Mapped unverified, so the server's page tables never touch the pages: they stay the
+    # page cache's, counted in the memory of the workers that map them, not the server's.
+    loaded = map_state(staging.path, verify=False, expect=manifest)
+    if loaded.version != version:
+        raise CorruptStateError(f"{staging.path}: holds version {loaded.version}, not {version}")
+    final = state_path(state_dir, version)
+    os.replace(staging.path, final)
+    if fsync:
+        _fsync_dir(state_dir)
+    _prune(state_dir, version, keep)
+    return LoadedState(loaded.version, loaded.manifest, loaded.metadata, loaded.frames, final, loaded.tensors)
+
+
+_READ_BYTES = 8 << 20
+
+
+def _hash_by_reading(path: pathlib.Path, f: Any, data_offset: int, manifest: TensorManifest) -> None:
+    """Hash every tensor of an open state file against `manifest` by reading it through one
+    small buffer (no mapping: the pages are read but never enter this process's memory)."""
+    starts, _ = tensor_starts(manifest)
+    buffer = memoryview(bytearray(_READ_BYTES))
+    for start, tensor in zip(starts, manifest.tensors, strict=True):
+        hasher = xxhash.xxh3_64()
+        offset, left = data_offset + start, tensor.nbytes
+        while left:
+            got = os.preadv(f.fileno(), [buffer[: min(left, _READ_BYTES)]], offset)
+            if got <= 0:
+                raise CorruptStateError(f"{path}: ends inside tensor {tensor.name!r}")
+            hasher.update(buffer[:got])
+            offset, left = offset + got, left - got
+        if hasher.intdigest() != tensor.checksum:
+            raise CorruptStateError(
+                f"{path}: tensor {tensor.name!r} fails its checksum (bytes {start}..{start + tensor.nbytes})"
+            )
+
+
+def write_staged(
+    staging_file: str, data_offset: int, manifest: TensorManifest, frames: Sequence[Any]
+) -> None:
+    """The pusher's side: write a version's frames (manifest frame order, as `encode_tree`
+    makes them) into a staging file the server created. Opens without creating: a path
+    that does not exist here (the server is on another host) raises `FileNotFoundError`."""
+    starts, _ = tensor_starts(manifest)
+    slots = frame_layout(manifest)
+    if len(frames) != len(slots):
+        raise ValueError(f"{len(frames)} frames for a manifest of {len(slots)}")
+    fd = os.open(staging_file, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != data_offset + tensor_starts(manifest)[1]:
+            raise OSError(f"{staging_file} does not have the size of a staging file for this manifest")
+        for slot, frame in zip(slots, frames, strict=True):
+            view = memoryview(frame).cast("B")
+            if view.nbytes != slot.nbytes:
+                raise ValueError(f"frame of {view.nbytes} bytes where the manifest has {slot.nbytes}")
+            offset = data_offset + starts[slot.tensor] + slot.offset
+            while view.nbytes:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+    finally:
+        os.close(fd)
 
 
 def _read_header(path: pathlib.Path, f: Any, size: int) -> tuple[StateHeader, int, int]:
@@ -254,11 +410,15 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
     return (states[0] if states else None), error
 
 
-def load_states(state_dir: pathlib.Path, keep: int) -> tuple[list[LoadedState], str | None]:
+def load_states(
+    state_dir: pathlib.Path, keep: int, *, owner: bool = False
+) -> tuple[list[LoadedState], str | None]:
     """Up to `keep` newest valid states in `state_dir`, oldest first, and an error text
     naming every corrupt file met on the way.
 
-    Leftover temporary files of an interrupted write are deleted; a corrupt file is
+    `owner` (the parameter server starting on its own dir): temporary files left by an
+    interrupted write or file push are deleted. Any other reader (`rlax eval` on a live
+    run) leaves them alone: they may be a push in progress. A corrupt file is
     renamed to ``<name>.corrupt`` (kept for inspection) and the next older file is read
     in its place. A file that cannot be read raises `StateReadError` naming it and is
     left in place: skipping it could serve an older newest version than pullers saw, or
@@ -269,7 +429,7 @@ def load_states(state_dir: pathlib.Path, keep: int) -> tuple[list[LoadedState], 
         raise ValueError(f"keep={keep}: must be >= 1")
     if not state_dir.is_dir():
         return [], None
-    for leftover in state_dir.glob(".weights-v*.tmp-*"):
+    for leftover in state_dir.glob(".weights-v*.tmp-*") if owner else ():
         log.warning("removing %s left by an interrupted write", leftover)
         leftover.unlink(missing_ok=True)
     candidates = sorted(

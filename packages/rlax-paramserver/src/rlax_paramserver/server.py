@@ -20,6 +20,11 @@ pulls of an older version keep working). A write that fails answers
 the commit with ``persist_failed`` and the version never becomes visible; the
 persister lives on. Without a state dir a commit is visible at once.
 
+A pusher on this host (`PushBegin.local`) is given a staging file in the state dir
+instead: it writes the tensors there, and on commit the persister hashes the file
+against the manifest and renames it into place. The weights cross no socket and the
+server never holds them in anonymous memory (`persist.create_staging`).
+
 No message can stop a thread: a worker answers anything one request raises with an
 ``internal`` error and goes back to the idle pool.
 """
@@ -35,10 +40,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from rlax_paramserver.config import ServerConfig
-from rlax_paramserver.persist import load_states, map_state, write_state
+from rlax_paramserver.persist import (
+    CorruptStateError,
+    create_staging,
+    discard_staging,
+    install_staged,
+    load_states,
+    map_state,
+    write_state,
+)
 from rlax_paramserver.store import PendingPush, StoredVersion, StoreError, VersionStore, Waiter, Wakeup
 from rlax_protocol import (
     Ack,
@@ -163,6 +177,7 @@ class ParamServer:
         for thread in self._threads:
             thread.join(10)
         self._threads.clear()
+        self.store.drop_all_pushes()
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -176,7 +191,7 @@ class ParamServer:
 
     def _restore(self) -> None:
         assert self.config.state_dir is not None
-        states, error = load_states(self.config.state_dir, self.config.keep)
+        states, error = load_states(self.config.state_dir, self.config.keep, owner=True)
         self.store.state_error = error
         for loaded in states:  # oldest first: each install is newer than the last
             stored = StoredVersion(
@@ -385,7 +400,10 @@ class ParamServer:
             # over abandons its older pushes instead of piling them up to `busy`.
             owner = self.peers.client_key(request.identity)
             push_id = store.begin_push(message.version, message.manifest, message.metadata, owner)
-            return PushReady(push_id=push_id, max_message_bytes=self.config.max_message_bytes), []
+            ready = PushReady(push_id=push_id, max_message_bytes=self.config.max_message_bytes)
+            if message.local and self.config.state_dir is not None:
+                return self._staged(ready, message), []
+            return ready, []
         if isinstance(message, PushChunks):
             if message.count != len(request.frames):
                 raise StoreError(
@@ -437,6 +455,20 @@ class ParamServer:
         return ErrorReply(
             code="unknown_message", message=f"{type(message).__name__} is not a parameter-server request"
         ), []
+
+    def _staged(self, ready: PushReady, message: PushBegin) -> PushReady:
+        """`ready` naming a fresh staging file for a pusher on this host; `ready` as it is
+        (frames over the socket) when the file cannot be made."""
+        assert self.config.state_dir is not None
+        try:
+            staging = create_staging(
+                self.config.state_dir, message.version, message.manifest, message.metadata
+            )
+        except (OSError, TypeError, ValueError, msgspec.EncodeError) as err:
+            log.warning("push of version %d goes over the socket: no staging file: %s", message.version, err)
+            return ready
+        self.store.stage(ready.push_id, staging)
+        return msgspec.structs.replace(ready, staging_file=str(staging.path), data_offset=staging.data_offset)
 
     @staticmethod
     def _log_commit(stored: StoredVersion, *, persisted: bool) -> None:
@@ -490,42 +522,20 @@ class ParamServer:
         """
         assert self.config.state_dir is not None
         try:
-            stored = StoredVersion(
-                push.version,
-                push.manifest,
-                push.metadata,
-                [f for f in push.frames if f is not None],
-                push.manifest.total_bytes,
-            )
-            path = write_state(
-                self.config.state_dir,
-                stored.version,
-                stored.manifest,
-                stored.metadata,
-                stored.frames,
-                keep=self.config.keep,
-                fsync=self.config.fsync,
-            )
-            # Serve the file's mapping, not the received frames: the pushed bytes are freed
-            # once this push is dropped, and the version's pages are the page cache's, shared
-            # with the workers on this host that map the same file (`PullBegin.local`). The
-            # frames were verified on arrival and the file was written from them: no re-hash.
-            mapped = map_state(path, verify=False, expect=push.manifest)
-            stored = StoredVersion(
-                push.version,
-                push.manifest,
-                push.metadata,
-                mapped.frames,
-                push.manifest.total_bytes,
-                path=path,
-            )
+            if push.staging is not None:
+                stored = self._install_staged(push)
+            else:
+                stored = self._write_and_map(push)
         except Exception as err:
             self.store.release(push.version)
+            if push.staging is not None:
+                discard_staging(push.staging)
+            code = "checksum" if isinstance(err, CorruptStateError) else "persist_failed"
             log.error("could not persist version %d: %s: %s", push.version, type(err).__name__, err)
             self.store.state_error = f"persisting version {push.version} failed: {type(err).__name__}: {err}"
             return ErrorReply(
-                code="persist_failed",
-                message=f"version {push.version} was not committed: writing it failed: {type(err).__name__}: {err}",
+                code=code,
+                message=f"version {push.version} was not committed: {type(err).__name__}: {err}",
             )
         try:
             _, wakeups = self.store.install(stored)
@@ -539,3 +549,45 @@ class ParamServer:
             log.error("could not wake long-polls for version %d: %s", stored.version, err)
         self._log_commit(stored, persisted=True)
         return Committed(version=stored.version, persisted=True)
+
+    def _install_staged(self, push: PendingPush) -> StoredVersion:
+        """A file push: verify the file the pusher wrote, rename it into place, serve its mapping."""
+        assert self.config.state_dir is not None and push.staging is not None
+        mapped = install_staged(
+            self.config.state_dir,
+            push.staging,
+            push.version,
+            push.manifest,
+            keep=self.config.keep,
+            fsync=self.config.fsync,
+        )
+        return StoredVersion(
+            push.version,
+            push.manifest,
+            push.metadata,
+            mapped.frames,
+            push.manifest.total_bytes,
+            path=mapped.path,
+        )
+
+    def _write_and_map(self, push: PendingPush) -> StoredVersion:
+        """A push of frames: write them to the version's file, then serve the file's mapping."""
+        assert self.config.state_dir is not None
+        frames = [f for f in push.frames if f is not None]
+        path = write_state(
+            self.config.state_dir,
+            push.version,
+            push.manifest,
+            push.metadata,
+            frames,
+            keep=self.config.keep,
+            fsync=self.config.fsync,
+        )
+        # Serve the file's mapping, not the received frames: the pushed bytes are freed
+        # once this push is dropped, and the version's pages are the page cache's, shared
+        # with the workers on this host that map the same file (`PullBegin.local`). The
+        # frames were verified on arrival and the file was written from them: no re-hash.
+        mapped = map_state(path, verify=False, expect=push.manifest)
+        return StoredVersion(
+            push.version, push.manifest, push.metadata, mapped.frames, push.manifest.total_bytes, path=path
+        )

@@ -18,6 +18,7 @@ from typing import Any
 import xxhash
 
 from rlax_paramserver.config import ServerConfig
+from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest, frame_layout
 
 
@@ -55,6 +56,8 @@ class PendingPush:
     tensor_missing: list[int]
     verified: list[bool]
     generation: list[int]
+    # A push written into a file on the server's host: no frames, verified on commit.
+    staging: StagingFile | None = None
 
 
 @dataclass
@@ -170,7 +173,7 @@ class VersionStore:
             self._refuse_stale(version)
             mine = sorted(p.push_id for p in self.pending.values() if p.owner == owner)
             while len(mine) >= self.config.max_pending_per_client:
-                del self.pending[mine.pop(0)]  # a client restarting its push abandons the older one
+                self._drop_push(mine.pop(0))  # a client restarting its push abandons the older one
             if len(self.pending) >= self.config.max_pending_pushes:
                 raise StoreError(
                     "busy",
@@ -194,11 +197,28 @@ class VersionStore:
             )
             return push_id
 
+    def stage(self, push_id: int, staging: StagingFile) -> None:
+        """Make a pending push a file push: its tensors arrive in `staging`, not as frames.
+        Removes the file at once when the push is already gone."""
+        with self._lock:
+            push = self.pending.get(push_id)
+            if push is None:
+                discard_staging(staging)
+                raise StoreError("out_of_order", f"push {push_id} ended before its staging file was made")
+            push.staging = staging
+            push.frames = []
+            push.missing = 0
+            push.touched = time.monotonic()
+
     def put_chunks(self, push_id: int, first_frame: int, frames: Sequence[memoryview]) -> list[TensorCheck]:
         """Store frames; returns the tensors they completed, to be hashed without the lock
         (`record_check`), so that verification overlaps with the rest of the transfer."""
         with self._lock:
             push = self._pending(push_id)
+            if push.staging is not None:
+                raise StoreError(
+                    "malformed", f"push {push_id} is written to its staging file: send no PushChunks"
+                )
             end = first_frame + len(frames)
             if first_frame < 0 or end > len(push.slots):
                 raise StoreError(
@@ -251,7 +271,7 @@ class VersionStore:
             tensor = push.manifest.tensors[check.tensor]
             if digest != tensor.checksum:
                 # A corrupt tensor dooms the push: drop it now rather than at commit.
-                del self.pending[check.push_id]
+                self._drop_push(check.push_id)
                 raise StoreError(
                     "checksum",
                     f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
@@ -260,7 +280,13 @@ class VersionStore:
 
     def abort_push(self, push_id: int) -> None:
         with self._lock:
-            self.pending.pop(push_id, None)
+            self._drop_push(push_id)
+
+    def _drop_push(self, push_id: int) -> None:
+        """Forget a pending push (lock held); a file push's staging file goes with it."""
+        push = self.pending.pop(push_id, None)
+        if push is not None and push.staging is not None:
+            discard_staging(push.staging)
 
     def take_for_commit(self, push_id: int) -> PendingPush:
         """Remove a complete pending push so its checksums can be verified (and the version
@@ -273,9 +299,20 @@ class VersionStore:
                     "out_of_order", f"push {push_id} misses {len(absent)} frames (first: {absent[:5]})"
                 )
             del self.pending[push_id]
-            self._refuse_stale(push.version)
+            try:
+                self._refuse_stale(push.version)
+            except StoreError:
+                if push.staging is not None:
+                    discard_staging(push.staging)
+                raise
             self.committing.add(push.version)
             return push
+
+    def drop_all_pushes(self) -> None:
+        """Forget every pending push (the server stops): no staging file is left behind."""
+        with self._lock:
+            for push_id in list(self.pending):
+                self._drop_push(push_id)
 
     def release(self, version: int) -> None:
         """Give up a version taken for commit that will not become visible (corrupt, not persisted)."""
@@ -283,7 +320,10 @@ class VersionStore:
             self.committing.discard(version)
 
     def verify(self, push: PendingPush) -> None:
-        """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one."""
+        """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one.
+        A file push is verified where its file is installed (`persist.install_staged`)."""
+        if push.staging is not None:
+            return
         for index, tensor in enumerate(push.manifest.tensors):
             if push.verified[index]:
                 continue
@@ -488,7 +528,7 @@ class VersionStore:
         for push_id in [
             p.push_id for p in self.pending.values() if now - p.touched > self.config.push_idle_timeout_s
         ]:
-            del self.pending[push_id]
+            self._drop_push(push_id)
 
     def _evict(self, now: float) -> None:
         # The newest `keep` versions stay; an older one stays only while a pull of it is in flight.
@@ -506,7 +546,9 @@ class VersionStore:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            self._expire_leases(time.monotonic())
+            now = time.monotonic()
+            self._expire_leases(now)
+            self._expire_pushes(now)
             by_version: dict[int, int] = {}
             for lease in self.leases.values():
                 by_version[lease.version] = by_version.get(lease.version, 0) + 1

@@ -152,16 +152,27 @@ Metadata = dict[str, Any]
 
 class PushBegin(Message, frozen=True):
     """Start pushing weight `version`; the server answers `PushReady` or an error
-    (``stale_version`` when `version` is not newer than the latest)."""
+    (``stale_version`` when `version` is not newer than the latest). With `local` the
+    pusher can write the server's files (the same host): a server that persists its
+    versions then names a staging file in `PushReady` to write the tensors into instead
+    of sending frames."""
 
     version: int
     manifest: TensorManifest
     metadata: Metadata = {}
+    local: bool = False
 
 
 class PushReady(Message, frozen=True):
+    """With `staging_file`, write tensor i of the manifest at byte `data_offset` plus its
+    64-byte-aligned offset into that file (created by the server, header written), then
+    `PushCommit`; no `PushChunks`. A pusher that cannot open the file (another host)
+    sends `PushAbort` and pushes again without `local`."""
+
     push_id: int
     max_message_bytes: int
+    staging_file: str = ""
+    data_offset: int = 0
 
 
 class PushChunks(Message, frozen=True):
