@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
@@ -50,6 +52,25 @@ def test_writer_jsonl_tensorboard_and_reader(tmp_path: pathlib.Path) -> None:
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     with pytest.raises(ValueError, match="kind"):
         MetricsWriter(tmp_path / "x", tensorboard=False).write({"step": 1})
+
+
+def test_the_tensorboard_writer_does_not_load_torch(tmp_path: pathlib.Path) -> None:
+    # tensorboardX imports torch whenever it is installed (~240 MB of the controller's memory).
+    script = (
+        "import importlib.util, pathlib, sys\n"
+        "from rlax_controller.metrics import MetricsWriter\n"
+        f"w = MetricsWriter({str(tmp_path)!r})\n"
+        "w.write({'kind': 'train', 'step': 3, 'reward_mean': 0.25})\n"
+        "w.close()\n"
+        "print(importlib.util.find_spec('torch') is not None, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    installed, loaded = done.stdout.split()
+    assert installed == "True", "torch is not installed here: this test would prove nothing"
+    assert loaded == "False"
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    assert b"train/reward_mean" in events.read_bytes()
 
 
 def test_reader_tolerates_torn_last_line_only(tmp_path: pathlib.Path) -> None:
