@@ -16,6 +16,7 @@ import rlax_protocol as rp
 from rlax_core.control import BatchRequest, StatusQuery, decode_control, encode_control
 from rlax_core.links import ControlClient
 from rlax_protocol.auth import CREDENTIAL_ENV, Credential, RunKeys
+from rlax_protocol.procfs import memory_mb
 
 ATTEMPT_TIMEOUT_S = 5.0
 
@@ -126,10 +127,7 @@ EXPECTED = {
 
 
 def _rss_mb(pid: int) -> float:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return memory_mb(pid, "VmRSS") or 0.0
 
 
 def _pids(out: pathlib.Path) -> dict[str, int]:

@@ -23,6 +23,7 @@ import time
 from rlax_data.service import RemoteVerifier, default_routes
 from rlax_data.tasks import ArithmeticTask
 from rlax_data.verify import build_verifier
+from rlax_protocol.procfs import memory_mb
 
 N_ITEMS = 1000
 ROUNDS = 51
@@ -38,11 +39,8 @@ def _cpu_s(pid: int) -> float:
 
 def _peak_rss_mib(pid: int) -> float:
     """VmHWM of a live process (Linux), in MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    peak = memory_mb(pid, "VmHWM")
+    return float("nan") if peak is None else peak
 
 
 def test_service_vs_in_process(benchmark):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -230,39 +228,22 @@ def test_routes_that_run_no_code_need_no_bubblewrap(tmp_path, monkeypatch):
         verifier.verify([("def sq(x):\n    return x * x\n", _code_record())])
 
 
-def test_the_verifier_service_starts_without_bubblewrap(tmp_path):
+def test_the_verifier_service_starts_without_bubblewrap(tmp_path, start_verifier):
     """`rlax-verifier` with its default routes on a host without `bwrap`: arithmetic and
     exact match are served, and a code item is refused with what to install."""
-    exe = os.path.join(os.path.dirname(sys.executable), "rlax-verifier")
-    env = {**os.environ, "PATH": _path_without_bwrap(tmp_path)}
-    proc = subprocess.Popen(
-        [exe, "--bind", "tcp://127.0.0.1:*", "--poll-s", "0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    service = start_verifier(env={**os.environ, "PATH": _path_without_bwrap(tmp_path)})
+    remote = RemoteVerifier(service.address, timeout_s=60)
     try:
-        address = proc.stdout.readline().strip()
-        assert address.startswith("tcp://"), (address, proc.poll(), proc.stderr.read()[-2000:])
-        remote = RemoteVerifier(address, timeout_s=60)
-        try:
-            arith = ArithmeticTask().generate(1, seed=1)[0]
-            exact = Record(id="e", prompt="p", answer="yes", task="exact_match")
-            got = remote.verify([(arith.answer, arith), ("yes", exact), ("no", exact)])
-            assert [r.correct for r in got] == [True, True, False]
-            with pytest.raises(rp.RemoteError, match="apt-get install bubblewrap"):
-                remote.verify([("def sq(x):\n    return x * x\n", _code_record())])
-            # And it still serves after refusing.
-            assert remote.verify([("yes", exact)])[0].correct
-        finally:
-            remote.close()
+        arith = ArithmeticTask().generate(1, seed=1)[0]
+        exact = Record(id="e", prompt="p", answer="yes", task="exact_match")
+        got = remote.verify([(arith.answer, arith), ("yes", exact), ("no", exact)])
+        assert [r.correct for r in got] == [True, True, False]
+        with pytest.raises(rp.RemoteError, match="apt-get install bubblewrap"):
+            remote.verify([("def sq(x):\n    return x * x\n", _code_record())])
+        # And it still serves after refusing.
+        assert remote.verify([("yes", exact)])[0].correct
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        remote.close()
 
 
 def test_a_bubblewrap_that_cannot_disable_user_namespaces_is_refused(tmp_path, monkeypatch):

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import selectors
 import signal
-import subprocess
-import sys
 import threading
 from collections import Counter
 
@@ -26,42 +21,9 @@ from rlax_data.verify.registry import RoutingVerifier
 from rlax_protocol.transport import pack_request_id
 
 
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        if not sel.select(timeout_s):
-            raise TimeoutError("rlax-verifier did not print its address")
-        return proc.stdout.readline().strip()
-    finally:
-        sel.close()
-
-
 @pytest.fixture
-def service_address(tmp_path):
-    cfg = tmp_path / "verifier.yaml"
-    routes = msgspec.to_builtins(default_routes())
-    routes["routes"]["code"]["sandbox"] = {"workers": 2, "timeout_s": 5}
-    cfg.write_text(json.dumps(routes))  # JSON is YAML
-    exe = os.path.join(os.path.dirname(sys.executable), "rlax-verifier")
-    proc = subprocess.Popen(
-        [exe, "--bind", "tcp://127.0.0.1:*", "--config", str(cfg), "--poll-s", "0.05"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield _read_line(proc, 60), proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+def service(start_verifier):
+    return start_verifier(sandbox={"workers": 2, "timeout_s": 5})
 
 
 def _mixed_batch() -> list[tuple[str, Record]]:
@@ -88,8 +50,8 @@ def _mixed_batch() -> list[tuple[str, Record]]:
     ]
 
 
-def test_remote_verifier_matches_local(service_address):
-    address, _ = service_address
+def test_remote_verifier_matches_local(service):
+    address = service.address
     items = _mixed_batch()
     remote = RemoteVerifier(address, timeout_s=60)
     try:
@@ -108,8 +70,8 @@ def _raw_call(sock: zmq.Socket, parts: list[bytes], rid: int = 0) -> rp.Message:
     return rp.decode(frames[1].buffer)
 
 
-def test_malformed_requests_get_errors_and_service_keeps_serving(service_address):
-    address, proc = service_address
+def test_malformed_requests_get_errors_and_service_keeps_serving(service):
+    address, proc = service.address, service.process
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0

@@ -5,12 +5,7 @@ asks for is bounded by the service, not the client (issue 29)."""
 from __future__ import annotations
 
 import json
-import os
-import selectors
-import signal
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -20,7 +15,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import CodeTests, Record
-from rlax_data.service import default_routes, encode_batch
+from rlax_data.service import encode_batch
 from rlax_protocol.transport import pack_request_id, unpack_request_id
 
 MAX_S = 3.0
@@ -29,42 +24,11 @@ B_BOUND_S = 2.0
 """How long the other client's exact match may wait (the issue's bound)."""
 
 
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        if not sel.select(timeout_s):
-            raise TimeoutError("rlax-verifier did not print its address")
-        return proc.stdout.readline().strip()
-    finally:
-        sel.close()
-
-
 @pytest.fixture
-def verifier(tmp_path) -> Iterator[str]:
-    cfg = tmp_path / "verifier.yaml"
-    routes = msgspec.to_builtins(default_routes())
-    routes["routes"]["code"]["sandbox"] = {"workers": 2, "timeout_s": MAX_S}
-    cfg.write_text(json.dumps(routes))  # JSON is YAML
-    exe = os.path.join(os.path.dirname(sys.executable), "rlax-verifier")
-    proc = subprocess.Popen(
-        [exe, "--bind", "tcp://127.0.0.1:*", "--config", str(cfg), "--poll-s", "0.05"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        yield _read_line(proc, 60)
-        assert proc.poll() is None, "the service died"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.stdout.close()
+def verifier(start_verifier) -> Iterator[str]:
+    service = start_verifier(sandbox={"workers": 2, "timeout_s": MAX_S})
+    yield service.address
+    assert service.alive(), "the service died"
 
 
 def _sleeper(n: int, **tests: float) -> tuple[str, Record]:

@@ -30,6 +30,7 @@ from rlax_paramserver.persist import (
 )
 from rlax_paramserver.testing import running_server, running_server_process
 from rlax_protocol import PROTOCOL_VERSION, encode_tree
+from rlax_protocol.procfs import memory_mb
 
 
 def odd_tree(version: int) -> dict[str, Any]:
@@ -118,10 +119,9 @@ def test_a_file_of_another_version_with_the_same_bytes_is_refused(tmp_path) -> N
 
 
 def rss_anon_mb(pid: int, field: str = "RssAnon") -> float:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field} for {pid}")
+    mib = memory_mb(pid, field)
+    assert mib is not None, f"process {pid} is gone"
+    return mib
 
 
 @pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
 import pytest
 import zmq
@@ -12,17 +10,17 @@ import rlax_protocol as rp
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server_process
 from rlax_protocol.fuzzing import request_id_part
+from rlax_protocol.procfs import memory_mb
 
 CLIENTS = 10_000
 LIMIT_BYTES = 50 * 1024 * 1024
 
 
 def resident_bytes(pid: int) -> int:
-    """VmRSS of process `pid` from /proc (Linux)."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    """VmRSS of process `pid`."""
+    mib = memory_mb(pid, "VmRSS")
+    assert mib is not None, f"process {pid} is gone"
+    return int(mib * 1024 * 1024)
 
 
 def one_visit(context: zmq.Context, address: str, n: int, manifest: rp.TensorManifest) -> None:

@@ -21,6 +21,7 @@ from rlax_protocol.auth import (
     is_loopback,
     roles,
 )
+from rlax_protocol.procfs import memory_mb
 
 PERMISSIONS = {rp.VerifyRequest: roles("controller"), rp.LatestQuery: roles(ANY_ROLE)}
 
@@ -146,14 +147,6 @@ def test_a_credential_holds_only_its_own_roles_secret(mechanism: str) -> None:
         Credential.from_json("[1, 2]")
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.parametrize("keyed", [True, False])
 def test_twelve_messages_of_100_mb_are_never_buffered(keyed: bool) -> None:
     """Keyed: the sender never gets past the handshake. Open: ZeroMQ's MAXMSGSIZE drops it
@@ -163,7 +156,7 @@ def test_twelve_messages_of_100_mb_are_never_buffered(keyed: bool) -> None:
     with server(keys, max_request_bytes=32 * 1024 * 1024) as srv:
         context = zmq.Context()
         senders = []
-        before = _rss_mb()
+        before = memory_mb("self", "VmRSS") or 0.0
         for _ in range(12):
             sock = context.socket(zmq.DEALER)
             sock.linger = 0
@@ -174,7 +167,7 @@ def test_twelve_messages_of_100_mb_are_never_buffered(keyed: bool) -> None:
         threading.Timer(3.0, done.set).start()
         peak = before
         while not done.wait(0.05):
-            peak = max(peak, _rss_mb())
+            peak = max(peak, memory_mb("self", "VmRSS") or 0.0)
         for sock in senders:
             sock.close(0)
         context.term()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rlax_model
+from rlax_protocol.procfs import memory_mb
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, learner_config_from_dict, preset
 
 
@@ -215,8 +216,7 @@ def test_release_free_memory_returns_freed_pages_to_the_os() -> None:
     from rlax_trainer.memory import release_free_memory
 
     def rss_mb() -> float:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+        return memory_mb("self", "VmRSS") or 0.0
 
     # Many small blocks (below glibc's mmap threshold) freed: the heap keeps them until trimmed.
     libc = ctypes.CDLL(ctypes.util.find_library("c"))

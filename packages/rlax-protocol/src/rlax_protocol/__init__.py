@@ -3,7 +3,7 @@
 No JAX here: a parameter-server node installs only this package and `rlax-paramserver`.
 """
 
-from rlax_protocol import fuzzing
+from rlax_protocol import fuzzing, procfs
 from rlax_protocol.bounds import MAX_MESSAGE_BYTES, MAX_MESSAGE_DEPTH, check_msgpack_bounds
 from rlax_protocol.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -184,6 +184,7 @@ __all__ = [
     "flatten_tree",
     "frame_layout",
     "fuzzing",
+    "procfs",
     "generate_curve_keypair",
     "load_curve_keypair",
     "load_curve_public_key",
