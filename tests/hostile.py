@@ -19,6 +19,11 @@ from rlax_protocol.auth import CREDENTIAL_ENV, Credential, RunKeys
 from rlax_protocol.procfs import memory_mb
 
 ATTEMPT_TIMEOUT_S = 5.0
+"""How long a stranger's attempt waits: a refusal at connect is silence, so it waits all of it."""
+ANSWER_TIMEOUT_S = 30.0
+"""How long an attempt with the run's own credential waits for its (refusal) answer: the
+server is live and must answer, but on a loaded 2-core machine a worker that is compiling
+took more than 5 s (in the full suite it read as 'refused at connect')."""
 
 
 def credential_of(out: pathlib.Path, name: str) -> Credential:
@@ -52,18 +57,22 @@ def _closing_call(client: Any, message: Any) -> Any:
         client.close()
 
 
-def _controller(address: str, credential: Credential | None) -> ControlClient:
+def _timeout_s(credential: Credential | None, inside: Credential) -> float:
+    return ANSWER_TIMEOUT_S if credential is inside else ATTEMPT_TIMEOUT_S
+
+
+def _controller(address: str, credential: Credential | None, timeout_s: float) -> ControlClient:
     return ControlClient(
         address,
         encode=encode_control,
         decode=decode_control,
-        timeout_s=ATTEMPT_TIMEOUT_S,
+        timeout_s=timeout_s,
         credential=credential,
     )
 
 
-def _rpc(address: str, credential: Credential | None) -> rp.RpcClient:
-    return rp.RpcClient(address, timeout_s=ATTEMPT_TIMEOUT_S, retries=0, credential=credential)
+def _rpc(address: str, credential: Credential | None, timeout_s: float) -> rp.RpcClient:
+    return rp.RpcClient(address, timeout_s=timeout_s, retries=0, credential=credential)
 
 
 def attack_run(out: pathlib.Path) -> dict[str, str]:
@@ -82,14 +91,20 @@ def attack_run(out: pathlib.Path) -> dict[str, str]:
     )
     attempts = {
         "controller BatchRequest": lambda c: _outcome(
-            lambda: _closing_call(_controller(controller, c), rewind)
+            lambda: _closing_call(_controller(controller, c, _timeout_s(c, inside)), rewind)
         ),
         "paramserver PushBegin": lambda c: _outcome(
-            lambda: _closing_call(_rpc(paramserver, c), rp.PushBegin(version=10**6, manifest=manifest))
+            lambda: _closing_call(
+                _rpc(paramserver, c, _timeout_s(c, inside)), rp.PushBegin(version=10**6, manifest=manifest)
+            )
         ),
-        "worker GenerateRequest": lambda c: _outcome(lambda: _closing_call(_rpc(worker, c), generate)),
+        "worker GenerateRequest": lambda c: _outcome(
+            lambda: _closing_call(_rpc(worker, c, _timeout_s(c, inside)), generate)
+        ),
     }
-    status = lambda: _outcome(lambda: _closing_call(_controller(controller, inside), StatusQuery()))  # noqa: E731
+    status = lambda: _outcome(  # noqa: E731
+        lambda: _closing_call(_controller(controller, inside, ANSWER_TIMEOUT_S), StatusQuery())
+    )
     # The run's own (hostile) worker first: its answers are quick, and the run must still be
     # live for the strangers' attempts to mean anything, so all of them run at once and the
     # run is asked again afterwards ("refused at connect" from a server that is gone proves nothing).
