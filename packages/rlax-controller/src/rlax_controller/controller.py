@@ -270,19 +270,13 @@ class Controller:
                 self._count("malformed_requests")
                 self._reply(identity, 0, ErrorReply(code="malformed", message=_describe(error)))
                 continue
-            if isinstance(message, Hello):
-                welcome = welcome_for(message, server_id=self.server_id)
-                if welcome.accepted:
-                    self.peers.admit(identity, message.client_id)
-                self._reply(identity, request_id, welcome)
-                continue
-            screened: Message | None
-            if not self.peers.touch(identity):
-                screened = ErrorReply(
-                    code="handshake_required", message="say Hello (with the protocol version) first"
-                )
-            else:
-                screened = self.auth.refusal(ServerAuth.role_of(frames[1]), message)
+            screened = self.peers.screen(
+                identity,
+                message,
+                server_id=self.server_id,
+                auth=self.auth,
+                role=ServerAuth.role_of(frames[1]),
+            )
             if screened is not None:
                 # Not a scheduler counter: a restarted trainer's first request is screened too,
                 # and a run's counters must not depend on who restarted when.

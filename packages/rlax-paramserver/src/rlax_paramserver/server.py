@@ -59,7 +59,6 @@ from rlax_protocol import (
     Committed,
     ErrorReply,
     FetchChunks,
-    Hello,
     LatestQuery,
     LatestVersion,
     Message,
@@ -77,11 +76,9 @@ from rlax_protocol import (
     ServerStats,
     StatQuery,
     WaitNewer,
-    Welcome,
     encode,
     parse_request,
     start_curve_server,
-    welcome_for,
 )
 from rlax_protocol.auth import ANY_ROLE, InsecureBindError, Permissions, ServerAuth, roles
 from rlax_protocol.messages import Chunks
@@ -341,18 +338,11 @@ class ParamServer:
             self.store.count_malformed()
             return ErrorReply(code="malformed", message=str(request.error)), []
         try:
-            if isinstance(message, Hello):
-                welcome: Welcome = welcome_for(message, server_id=self.config.server_id)
-                if welcome.accepted:
-                    self.peers.admit(request.identity, message.client_id)
-                return welcome, []
-            if not self.peers.touch(request.identity):
-                return ErrorReply(
-                    code="handshake_required", message="say Hello (with the protocol version) first"
-                ), []
-            refused = self.auth.refusal(role, message)
-            if refused is not None:
-                return refused, []
+            screened = self.peers.screen(
+                request.identity, message, server_id=self.config.server_id, auth=self.auth, role=role
+            )
+            if screened is not None:
+                return screened, []
             return self._dispatch(socket, request, message)
         except StoreError as err:
             if err.code == "malformed":

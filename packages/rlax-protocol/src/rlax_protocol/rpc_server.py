@@ -41,7 +41,7 @@ import zmq
 
 from rlax_protocol.auth import Credential, Permissions, ServerAuth
 from rlax_protocol.errors import ProtocolError, RemoteError
-from rlax_protocol.messages import ErrorReply, Hello, Message
+from rlax_protocol.messages import ErrorReply, Message
 from rlax_protocol.transport import (
     CurveServerConfig,
     Deadline,
@@ -51,7 +51,6 @@ from rlax_protocol.transport import (
     reply_parts,
     start_curve_server,
     unpack_request_id,
-    welcome_for,
 )
 
 log = logging.getLogger(__name__)
@@ -251,26 +250,19 @@ class RpcServer:
 
     # -- answering
 
-    def screen(self, request: Request) -> ErrorReply | Message | None:
-        """The reply to a request the server answers itself (malformed, handshake), or
-        None when the request is for the handler."""
+    def screen(self, request: Request, role: str = "") -> ErrorReply | Message | None:
+        """The reply to a request the server answers itself (malformed, handshake, a role
+        not allowed to send it), or None when the request is for the handler."""
         message = request.message
         if request.error is not None or message is None:
             return ErrorReply(code="malformed", message=_bounded(str(request.error)))
-        if isinstance(message, Hello):
-            welcome = welcome_for(message, server_id=self.server_id)
-            if welcome.accepted:
-                self.peers.admit(request.identity, message.client_id)
-            return welcome
-        if not self.peers.touch(request.identity):
-            return ErrorReply(
-                code="handshake_required", message="say Hello (with the protocol version) first"
-            )
-        return None
+        return self.peers.screen(
+            request.identity, message, server_id=self.server_id, auth=self.auth, role=role
+        )
 
-    def answer(self, request: Request) -> tuple[Message, Frames]:
-        """The reply to one parsed request (handshake, errors and the handler)."""
-        early = self.screen(request)
+    def answer(self, request: Request, role: str = "") -> tuple[Message, Frames]:
+        """The reply to one parsed request (handshake, errors, permissions and the handler)."""
+        early = self.screen(request, role)
         if early is not None:
             return early, ()
         assert request.message is not None  # screen() answered every request without one
@@ -394,9 +386,7 @@ class RpcServer:
                 early = self._too_large(parts)
                 if early is None:
                     request = parse_request(parts)
-                    early = self.screen(request)
-                if early is None and request is not None and request.message is not None:
-                    early = self.auth.refusal(ServerAuth.role_of(parts[1]), request.message)
+                    early = self.screen(request, ServerAuth.role_of(parts[1]))
             except Exception as err:  # defence in depth: parsing must never stop the loop
                 log.exception("%s: could not read a request", self.server_id)
                 early = _internal(f"{type(err).__name__}: {err}")

@@ -32,7 +32,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from rlax_protocol.auth import Credential, client_credential
+from rlax_protocol.auth import Credential, ServerAuth, client_credential
 from rlax_protocol.errors import (
     MalformedMessageError,
     ProtocolTimeoutError,
@@ -240,6 +240,34 @@ class PeerRegistry:
             peer.last_seen = now
             self._seen.move_to_end(identity)
             return True
+
+    def screen(
+        self,
+        identity: bytes,
+        message: Message,
+        *,
+        server_id: str,
+        auth: ServerAuth | None = None,
+        role: str = "",
+    ) -> Message | None:
+        """What a server answers a well-formed request before serving it, or None to serve it.
+
+        A `Hello` gets its `Welcome` (and a client speaking this protocol is admitted); a
+        client that has not said Hello, or was forgotten since, gets ``handshake_required``
+        (`RpcClient` then says Hello again); a message `auth` does not accept from `role`
+        (the connection's authenticated role, `ServerAuth.role_of`) gets ``forbidden``.
+        One place for the handshake and the permission check of every server.
+        """
+        if isinstance(message, Hello):
+            welcome = welcome_for(message, server_id=server_id)
+            if welcome.accepted:
+                self.admit(identity, message.client_id)
+            return welcome
+        if not self.touch(identity):
+            return ErrorReply(
+                code="handshake_required", message="say Hello (with the protocol version) first"
+            )
+        return auth.refusal(role, message) if auth is not None else None
 
     def client_key(self, identity: bytes) -> bytes:
         """The key of the client behind `identity` (stable across its reconnections)."""
