@@ -19,19 +19,31 @@ clipping, no KL term, one optimizer step per generation batch.
 2. `LLMEngine` alone does the run's generation work in a process of its own: the same
    prompts, each step's samples to the lengths the run's samples had (warm): the tokens/s
    a worker could reach.
-3. TRL trains the same job in a process of its own (benchmarks/real_model_trl.py).
-4. bench_alignment.py (packages/rlax-inference) measures the bfloat16 engine-vs-trainer
+3. TRL trains the same job in a process of its own (benchmarks/real_model_trl.py), in
+   float32 (`bf16=False`: TRL's default would autocast the passes to bfloat16).
+4. Training on identical sequences: each side samples its own completions above, and a
+   batch's cost follows its lengths, so the per-token figures of 1 and 3 still compare different
+   work. The RLAX run journals every batch its trainer trained on (`rlax_trainer.journal`;
+   `trainer.checkpoint_keep` is raised so that no entry is pruned); RLAX's `Learner`
+   (benchmarks/real_model_rlax_replay.py) and TRL's `GRPOTrainer`
+   (benchmarks/real_model_trl_replay.py) then each train those very batches, step by step
+   from the same initial weights, in processes of their own one after the other, timing
+   only the update. Both must see the same real tokens (prompt + completion of every
+   rollout, no padding) at every step; the benchmark checks it.
+5. bench_alignment.py (packages/rlax-inference) measures the bfloat16 engine-vs-trainer
    |delta logprob| (RLAX_BENCH_ALIGNMENT=0 skips it); float32's comes from the run itself.
 
 RLAX_BENCH_JSON=FILE writes the headline figures there as one JSON object:
 step_seconds_ratio and train_seconds_per_1k_tokens_ratio (RLAX / TRL), trainer_peak_rss_mb,
 all_processes_peak_rss_mb, trl_peak_rss_mb, logprob_delta_p95_float32,
-logprob_delta_p95_bfloat16, train_token_efficiency (and more).
+logprob_delta_p95_bfloat16, train_token_efficiency,
+train_seconds_per_1k_tokens_same_sequences_ratio (RLAX / TRL on the journaled batches) with
+its two medians (and more).
 
 Seconds per step are medians over steps after the first two (both sides compile or warm
-up there); RLAX's steps that compiled a new shape are also shown left out (TRL runs
-eagerly and compiles nothing). Timing depends on the machine and its load: run it on a
-quiet machine.
+up there; `--steps 4` is a quick run, its medians over two steps); RLAX's steps that
+compiled a new shape are also shown left out (TRL runs eagerly and compiles nothing).
+Timing depends on the machine and its load: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -114,11 +126,21 @@ class MemorySampler:
         return sum(self.peak_rss_mb.values())
 
 
+def keep_journal(steps: int) -> str:
+    """The override that keeps every journaled batch of a `steps`-step run: a checkpoint (one
+    every `trainer.checkpoint_every` steps, and step 0's) prunes the entries older than the
+    oldest checkpoint kept, so keep them all, step 0's included. Only disk use changes."""
+    from rlax_core.config import load_config
+
+    trainer = load_config(CONFIG, OVERRIDES).trainer
+    return f"trainer.checkpoint_keep={max(trainer.checkpoint_keep, steps // trainer.checkpoint_every + 1)}"
+
+
 def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
     """Launch the run; sample every component's memory until it ends; per-step figures."""
     run_dir = out / "rlax"
     cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES,
+        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES, keep_journal(steps),
         f"run.steps={steps}", f"run.output_dir={run_dir}", "--overwrite",
     ]  # fmt: skip
     memory = MemorySampler()
@@ -178,17 +200,53 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
         "worker_tokens_per_s": tokens / busy if busy else float("nan"),
         "worker_compile_s": sum(r["compile_s"] for r in rows),
         "trainer_compile_s": sum(r["trainer_compile_s"] for r in rows),
+        "journal": str(run_dir / "checkpoints" / "journal"),
     }
 
 
-def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[str, Any]:
+def export_batches(journal_dir: str, steps: int, target: pathlib.Path) -> list[dict[str, Any]]:
+    """The batches the RLAX run trained on, read from its journal, as plain JSON for the TRL
+    replay: per step each rollout's prompt and completion token ids and reward (groups of
+    group_size contiguous, as the trainer collates them)."""
+    from rlax_core.control import TrainBatch, decode_control
+    from rlax_trainer.journal import BatchJournal
+
+    journal = BatchJournal(journal_dir)
+    if journal.steps() != list(range(steps)):
+        raise RuntimeError(f"{journal_dir}: entries for steps {journal.steps()}, expected 0..{steps - 1}")
+    batches = []
+    for step in range(steps):
+        batch = decode_control(journal.read(step) or b"")
+        assert isinstance(batch, TrainBatch) and batch.step == step, (journal_dir, step)
+        g = batch.group_size
+        groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
+        rows = [r for group in groups for r in sorted(group, key=lambda r: r.group_index)]
+        # A multi-turn rollout's environment tokens (completion_mask 0) would need TRL's tool_mask.
+        assert not any(r.completion_mask and min(r.completion_mask) == 0 for r in rows), step
+        batches.append(
+            {
+                "prompt_ids": [list(r.prompt_token_ids) for r in rows],
+                "completion_ids": [list(r.completion_token_ids) for r in rows],
+                "rewards": [float(r.reward) for r in rows],
+                "tokens": sum(len(r.prompt_token_ids) + len(r.completion_token_ids) for r in rows),
+            }
+        )
+    target.write_text(json.dumps(batches))
+    return batches
+
+
+def run_child(
+    script: str, out: pathlib.Path, steps: int, env: dict[str, str] | None = None, **extra: Any
+) -> dict[str, Any]:
     """Run one side in a process of its own; its result, with its sampled peak PSS added."""
-    spec = {"rlax_config": str(CONFIG), "overrides": OVERRIDES, "out": str(out), "steps": steps, **extra}
+    overrides = [*OVERRIDES, f"run.steps={steps}"]
+    spec = {"rlax_config": str(CONFIG), "overrides": overrides, "out": str(out), "steps": steps, **extra}
     spec_path = out / f"{script}.json"
     spec_path.write_text(json.dumps(spec))
     memory = MemorySampler()
     child = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), str(spec_path)], env=ENV
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), str(spec_path)],
+        env={**ENV, **(env or {})},
     )
     try:
         deadline = time.monotonic() + 3600
@@ -201,7 +259,7 @@ def run_child(script: str, out: pathlib.Path, steps: int, **extra: Any) -> dict[
             child.wait(60)
     if child.returncode != 0:
         raise RuntimeError(f"{script} failed ({child.returncode})")
-    name = {"real_model_trl": "trl.json", "real_model_engine": "engine.json"}[script]
+    name = script.removeprefix("real_model_") + ".json"
     return {**json.loads((out / name).read_text()), "peak_pss_mb": memory.peak_pss_mb}
 
 
@@ -243,6 +301,12 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         return statistics.median(1000 * r["train_s"] / r["tokens"] for r in rows[WARM_STEPS:])
 
     have_tokens = all(r.get("tokens") for r in rlax["steps"] + trl["steps"])
+    same_rlax, same_trl = results["rlax_replay"]["steps"], results["trl_replay"]["steps"]
+    # The run's own trainer on those batches (with the worker beside it, and checkpoints).
+    in_run = [
+        {"train_s": r["train_s"], "tokens": n}
+        for r, n in zip(rlax["steps"], results["batch_tokens"], strict=True)
+    ]
     alignment = results.get("alignment", {})
     step_ratio = median(rlax["steps"], "seconds") / median(trl["steps"], "seconds")
     ratios = {
@@ -269,6 +333,14 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         "logprob_delta_max_float32": max(r["logprob_mismatch_max"] for r in rlax["steps"]),
         "logprob_delta_p95_bfloat16": alignment.get("bfloat16_p95", float("nan")),
         "train_token_efficiency": median(rlax["steps"], "train_token_efficiency"),
+        # Training on identical sequences (the run's journaled batches, replayed on each side).
+        "train_seconds_per_1k_tokens_same_sequences_ratio": per_1k(same_rlax) / per_1k(same_trl),
+        "train_seconds_per_1k_tokens_same_sequences_rlax": per_1k(same_rlax),
+        "train_seconds_per_1k_tokens_same_sequences_trl": per_1k(same_trl),
+        "train_seconds_per_1k_tokens_same_sequences_rlax_in_run": per_1k(in_run),
+        "train_seconds_same_sequences_rlax": median(same_rlax, "train_s"),
+        "train_seconds_same_sequences_trl": median(same_trl, "train_s"),
+        "same_sequences_tokens_per_step": results["batch_tokens"],
         "train_compute_ratio": median(rlax["steps"], "train_compute_ratio"),
         "trainer_peak_rss_mb_per_step": [r["trainer_peak_rss_mb"] for r in rlax["steps"]],
     }
@@ -298,6 +370,16 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
     # different completions, and a batch's cost grows with its longest one.
     if have_tokens:
         row("  training s per 1k batch tokens", per_1k(rlax["steps"]), per_1k(trl["steps"]))
+    lines.append("training on identical sequences (the run's journaled batches, each side replaying them):")
+    row("  training s per 1k real tokens", per_1k(same_rlax), per_1k(same_trl))
+    row("  training s/step", median(same_rlax, "train_s"), median(same_trl, "train_s"))
+    # Positions each side's passes computed per real token: RLAX packs rows and computes a
+    # group's shared prompt once; TRL pads every row to the batch's longest prompt and completion.
+    computed = [
+        statistics.median(r["positions"] / r["tokens"] for r in rows[WARM_STEPS:])
+        for rows in (same_rlax, same_trl)
+    ]
+    row("  positions computed / real tokens", *computed)
     row(
         "trainer peak RSS (MiB)",
         rlax["peak_rss_mb"].get("trainer", float("nan")),
@@ -324,6 +406,14 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         f"trainer compile (new padded lengths, outside training s/step): {rlax['trainer_compile_s']:.1f} s"
     )
     lines.append(
+        f"identical sequences: median {statistics.median(results['batch_tokens'][WARM_STEPS:]):.0f} real tokens "
+        f"per step, the same on both sides at every step (checked); RLAX's run trainer on them "
+        f"{ratios['train_seconds_per_1k_tokens_same_sequences_rlax_in_run']:.3f} s per 1k tokens (beside its "
+        f"worker); replays: peak RSS RLAX {results['rlax_replay']['peak_rss_mb']:.0f} MiB, TRL "
+        f"{results['trl_replay']['peak_rss_mb']:.0f} MiB (gradient checkpointing "
+        f"{'on' if results['trl_replay']['gradient_checkpointing'] else 'off'})"
+    )
+    lines.append(
         f"trainer token efficiency (real / computed positions, median) {ratios['train_token_efficiency']:.2f}; "
         f"positions computed / rollout tokens {ratios['train_compute_ratio']:.2f}; trainer peak RSS by step (MiB): "
         + " ".join(f"{v:.0f}" for v in ratios["trainer_peak_rss_mb_per_step"])
@@ -343,7 +433,19 @@ def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
     results["engine"] = run_child(
         "real_model_engine", out, steps, lengths=lengths if all(lengths) else None, skip_steps=WARM_STEPS
     )
-    results["trl"] = run_child("real_model_trl", out, steps, hf_dir=str(export_hf(out)))
+    hf_dir = str(export_hf(out))
+    results["trl"] = run_child("real_model_trl", out, steps, hf_dir=hf_dir)
+    # Training on identical sequences: both sides replay the batches the run trained on.
+    journal = results["rlax"]["journal"]
+    results["batch_tokens"] = [b["tokens"] for b in export_batches(journal, steps, out / "batches.json")]
+    # MALLOC_ARENA_MAX=2: what `rlax launch` gives its trainer (rlax_controller.supervisor).
+    results["rlax_replay"] = run_child(
+        "real_model_rlax_replay", out, steps, env={"MALLOC_ARENA_MAX": "2"}, journal=journal
+    )
+    results["trl_replay"] = run_child(
+        "real_model_trl_replay", out, steps, hf_dir=hf_dir, batches=str(out / "batches.json")
+    )
+    check_same_tokens(results)
     if os.environ.get("RLAX_BENCH_ALIGNMENT", "1") != "0":
         results["alignment"] = run_alignment(out)
     # The same prompts in the same order on both sides: RLAX's batch tokens are the step's
@@ -352,6 +454,21 @@ def run_all(out: pathlib.Path, steps: int) -> dict[str, Any]:
         if mine.get("response_tokens") and "prompt_tokens" in theirs:
             mine["tokens"] = theirs["prompt_tokens"] + sum(mine["response_tokens"])
     return results
+
+
+def check_same_tokens(results: dict[str, Any]) -> None:
+    """Each replayed update ran on the journaled batch's real tokens, the same on both sides:
+    RLAX's collated batch (`valid`) and the attention mask of TRL's loss pass."""
+    want = results["batch_tokens"]
+    for side in ("rlax_replay", "trl_replay"):
+        got = [r["tokens"] for r in results[side]["steps"]]
+        if got != want:
+            raise AssertionError(f"{side} trained on {got} real tokens per step, the journal holds {want}")
+    completions = [
+        [r["completion_tokens"] for r in results[s]["steps"]] for s in ("rlax_replay", "trl_replay")
+    ]
+    if completions[0] != completions[1]:
+        raise AssertionError(f"completion tokens trained per step differ (RLAX, TRL): {completions}")
 
 
 def write_bench_json(figures: dict[str, Any]) -> None:
@@ -386,19 +503,20 @@ if __name__ == "__main__":
         "--rlax-only", action="store_true", help="only the RLAX run (no engine-alone or TRL side)"
     )
     args = parser.parse_args()
+    if args.steps <= WARM_STEPS:
+        parser.error(f"--steps must be > {WARM_STEPS}: the medians leave the first {WARM_STEPS} steps out")
     OVERRIDES.extend(args.set)
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(args.out or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        if args.rlax_only:
-            everything = {"rlax": run_rlax(folder, args.steps)}
-            print(json.dumps(everything["rlax"], indent=1))
-        else:
-            everything = run_all(folder, args.steps)
-            text, figures = report(everything)
-            print(text)
-            write_bench_json(figures)
-        if args.json:
+        everything = {"rlax": run_rlax(folder, args.steps)} if args.rlax_only else run_all(folder, args.steps)
+        if args.json:  # before the report: a run that took minutes is kept even if the report fails
             pathlib.Path(args.json).write_text(
                 json.dumps({"overrides": OVERRIDES, "results": everything}, indent=1)
             )
+        if args.rlax_only:
+            print(json.dumps(everything["rlax"], indent=1))
+        else:
+            text, figures = report(everything)
+            print(text)
+            write_bench_json(figures)

@@ -21,11 +21,33 @@ from typing import Any
 from child_result import write_result
 
 
+def grpo_args(config: Any, output_dir: pathlib.Path, steps: int) -> Any:
+    """The `GRPOConfig` of the job (shared with `real_model_trl_replay.py`): the run's optimiser
+    and sampling, one generation batch of one prompt x group_size completions per optimizer
+    step. `bf16=False`: TRL's default (`bf16=True`, even with `use_cpu`) would run the forward
+    passes under bfloat16 autocast, and both sides of this benchmark are float32."""
+    from trl import GRPOConfig
+
+    group = config.data.group_size
+    return GRPOConfig(
+        output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        logging_steps=steps,
+        learning_rate=config.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=config.trainer.max_grad_norm, weight_decay=config.trainer.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        num_generations=group, per_device_train_batch_size=config.data.prompts_per_step * group,
+        steps_per_generation=1, gradient_accumulation_steps=1, max_steps=steps, num_train_epochs=1,
+        max_completion_length=config.data.max_new_tokens, temperature=config.data.temperature,
+        top_p=config.data.top_p, top_k=config.data.top_k, beta=0.0, epsilon=0.2, loss_type="grpo",
+        shuffle_dataset=False, seed=config.run.seed, disable_tqdm=True,
+    )  # fmt: skip
+
+
 def main(spec_path: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlax_core.config import load_config
     from rlax_data.run_task import build_task
@@ -83,18 +105,7 @@ def main(spec_path: str) -> None:
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             clock["step"].append(time.perf_counter() - clock["begin"])
 
-    group = config.data.group_size
-    args = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, report_to="none", save_strategy="no", logging_steps=steps,
-        learning_rate=config.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=config.trainer.max_grad_norm, weight_decay=config.trainer.weight_decay,
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        num_generations=group, per_device_train_batch_size=config.data.prompts_per_step * group,
-        steps_per_generation=1, gradient_accumulation_steps=1, max_steps=steps, num_train_epochs=1,
-        max_completion_length=config.data.max_new_tokens, temperature=config.data.temperature,
-        top_p=config.data.top_p, top_k=config.data.top_k, beta=0.0, epsilon=0.2, loss_type="grpo",
-        shuffle_dataset=False, seed=config.run.seed, disable_tqdm=True,
-    )  # fmt: skip
+    args = grpo_args(config, out / "trl", steps)
     trainer = TimedGRPO(
         model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
         processing_class=tok, callbacks=[StepClock()],
