@@ -59,6 +59,8 @@ import tempfile
 import time
 from typing import Any
 
+from rlax_protocol.procfs import memory_mb
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-cpu.yaml"
 STEPS = 10
@@ -75,25 +77,14 @@ OVERRIDES = [
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
-def _proc_field_mb(path: str, field: str) -> float | None:
-    """A "Field:  N kB" line of a /proc file in MiB, None once the process is gone."""
-    try:
-        for line in pathlib.Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def peak_rss_mb(pid: int) -> float | None:
     """The process's peak resident set (VmHWM) in MiB."""
-    return _proc_field_mb(f"/proc/{pid}/status", "VmHWM")
+    return memory_mb(pid, "VmHWM")
 
 
 def pss_mb(pid: int) -> float | None:
     """The process's proportional set size in MiB (a page shared by n processes counts 1/n in each)."""
-    return _proc_field_mb(f"/proc/{pid}/smaps_rollup", "Pss")
+    return memory_mb(pid, "Pss")
 
 
 class MemorySampler:
