@@ -298,8 +298,11 @@ def trl_args(config: Any, out: pathlib.Path, steps: int) -> Any:
         if config.trainer.lr_schedule == "cosine"
         else {"lr_scheduler_type": "constant"}
     )  # fmt: skip
+    # bf16=False: GRPOConfig defaults to bf16=True, and with use_cpu the Trainer then runs
+    # under bfloat16 autocast; RLAX trains the demo in float32, so TRL does too.
     return GRPOConfig(
-        output_dir=str(out), use_cpu=True, report_to="none", save_strategy="no", logging_steps=steps * minibatches,
+        output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        logging_steps=steps * minibatches,
         learning_rate=config.trainer.lr, **schedule, warmup_steps=0,
         max_grad_norm=config.trainer.max_grad_norm, weight_decay=0.0,
         num_generations=group,
