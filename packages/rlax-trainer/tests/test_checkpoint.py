@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import pathlib
 import shutil
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import pytest
 from rlax_trainer import Learner, RolloutBuffer
 from rlax_trainer.checkpoint import CheckpointManager, state_fingerprint
 from rlax_trainer.learner import TrainState
+from rlax_trainer.memory import release_free_memory
 
 
 def leaves(state) -> list[np.ndarray]:
@@ -198,3 +202,71 @@ def test_fingerprint_is_the_documented_hash_of_the_raw_bits() -> None:
         h = int((bits * pos % 2**32).sum() % 2**32) ^ bits.size
         total = (total * 16777619 + h) % 2**32
     assert state_fingerprint(tree) == total
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_save_holds_no_second_copy_of_the_state_on_the_host(tmp_path) -> None:
+    """Issue 28: with orbax's default zstd the OCDBT store held every array's compressed
+    bytes until the step committed (+90% of the state at the save's peak), and the
+    fingerprint materialised a copy of the largest leaf (+100% here); together they were
+    the trainer's peak on SmolLM2-135M. Random values: no compressor could shrink them."""
+    rng = np.random.default_rng(0)
+    state = TrainState(
+        {"w": jnp.asarray(rng.normal(size=(8192, 4096)).astype(np.float32))},  # 128 MiB
+        {"m": jnp.asarray(rng.normal(size=(4096, 4096)).astype(np.float32))},  # 64 MiB
+        jnp.array(3),
+        jnp.zeros(2, jnp.uint32),
+    )
+    state_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.002)
+
+    with CheckpointManager(tmp_path / "c") as ckpt:
+        ckpt.save(small_state(1), version=1)  # orbax's and TensorStore's one-time set-up
+        ckpt.wait()
+        release_free_memory()
+        before = peak[0] = _rss_mb()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        ckpt.save(state, version=3)
+        ckpt.wait()
+        done.set()
+        sampler.join()
+        grew = peak[0] - before
+        restored, info = ckpt.restore(state)
+    assert grew < 0.3 * state_mb, f"the save grew the RSS by {grew:.0f} MiB for a {state_mb:.0f} MiB state"
+    assert info.step == 3 and state_fingerprint(restored) == state_fingerprint(state)
+
+
+def test_steps_written_compressed_still_restore(tmp_path) -> None:
+    """Checkpoints written before saves went uncompressed (orbax's default zstd) load."""
+    import orbax.checkpoint as ocp
+
+    state = small_state(2)._replace(params={"w": jnp.arange(2**19, dtype=jnp.float32) % 7})  # 2 MiB
+    meta = {
+        "step": 2,
+        "version": 2,
+        "buffer": None,
+        "extra": {"k": 1},
+        "fingerprint": state_fingerprint(state),
+    }
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path / "c", options=options) as old:
+        old.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    stored = sum(p.stat().st_size for p in (tmp_path / "c" / "2" / "state").rglob("*") if p.is_file())
+    assert stored < 2**20, f"{stored} bytes: the old format's zstd did not compress the 2 MiB array"
+    with CheckpointManager(tmp_path / "c") as ckpt:
+        restored, info = ckpt.restore(small_state(0)._replace(params=state.params))
+    assert info.step == 2 and info.extra == {"k": 1}
+    for a, b in zip(leaves(restored), leaves(state), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -87,6 +87,21 @@ def test_a_group_shares_one_prefix_per_row_and_the_best_length_wins():
         pack_minibatches(tokens, left, np.arange(8), 1, 8, 32)
 
 
+def test_a_tie_in_positions_goes_to_the_layout_with_fewer_rows():
+    """Two rows of 16 or one of 32 compute the same 32 positions; the one row wins: a
+    minibatch of several rows runs the accumulating program (a second gradient buffer)."""
+    tokens = np.zeros((8, 16), np.int32)
+    valid = np.zeros((8, 16), bool)
+    tokens[:, :4] = [5, 6, 7, 8]  # the group's prompt
+    tokens[:, 4:7] = np.arange(8)[:, None] * 3 + 10 + np.arange(3)  # 8 replies of 3, distinct
+    valid[:, :7] = True
+    for length in (16, 32):
+        alone = best_layout(tokens, valid, np.arange(8), 1, 8, [length])
+        assert alone.computed_tokens == 32 and int(alone.rows_used[0]) == 32 // length
+    layout = best_layout(tokens, valid, np.arange(8), 1, 8, candidate_lengths(16))
+    assert layout.tokens.shape == (1, 1, 32) and layout.computed_tokens == 32
+
+
 def flat(tree) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
 

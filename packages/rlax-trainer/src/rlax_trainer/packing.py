@@ -75,13 +75,18 @@ def best_layout(
     lengths: list[int],
 ) -> PackedLayout:  # fmt: skip
     """The layout, over the row `lengths` that hold the batch's longest rollout, that computes
-    the fewest positions (the shorter row on a tie: less attention)."""
+    the fewest positions; on a tie the one with the fewest rows per minibatch, then the
+    shorter row (less attention).
+
+    Fewer rows first: two rows of S compute as many positions as one of 2S, but a minibatch
+    of several rows runs the accumulating program, which holds a second buffer of gradients
+    (SmolLM2-135M: +356 MiB of XLA temporaries, 1,382 vs 1,026 MiB, the trainer's peak)."""
     longest = int(np.asarray(valid).sum(axis=1).max())
     fits = [n for n in sorted(lengths) if n >= longest]
     if not fits:
         raise ValueError(f"a rollout has {longest} tokens, more than the longest packed row {max(lengths)}")
     layouts = [pack_minibatches(tokens, valid, order, minibatches, group_size, n) for n in fits]
-    best = min(layouts, key=lambda lay: lay.computed_tokens)
+    best = min(layouts, key=lambda lay: (lay.computed_tokens, int(lay.rows_used.max())))  # first: shortest
     if best.rows_used.max() == 1:
         # Every minibatch fits one row: keep only it, so that the update runs one pass with
         # no gradient accumulator (a program of its own: one buffer of gradients, not two).
