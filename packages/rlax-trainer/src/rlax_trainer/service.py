@@ -397,6 +397,10 @@ class TrainerLoop:
         g = batch.group_size
         groups = [batch.rollouts[i : i + g] for i in range(0, len(batch.rollouts), g)]
         arrays = collate(groups, pad_id=self.pad_id, seq_len=self.seq_len)
+        # What the background compilations freed since the last trim, before the update maps
+        # its temporaries (SmolLM2, 64 new tokens: 230 MiB returned before step 1, whose
+        # update sets the trainer's peak). A compilation in the update itself: `Learner.update`.
+        self._trim_memory()
         started = time.monotonic()
         metrics = self.learner.update(arrays)
         metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
