@@ -72,14 +72,17 @@ MEMORY_STEPS = 100
 
 @pytest.mark.slow
 @pytest.mark.timeout(5400)
-def test_the_trainers_memory_rises_only_at_checkpoints_over_100_steps(tmp_path: pathlib.Path) -> None:
-    """Over 100 steps every update reuses the train state's buffers, the trainer's peak
-    resident memory rises only at checkpoint steps (every 5th), and at step 100 it is within
-    5% of step 5's (issue 28). Issue 28 found it growing by a copy of the weights (513 MB) at
-    a time, at any step, while the pushed weights' views blocked the update's buffer
-    donation; then by 10-100 MiB at checkpoint steps (3,339 -> 3,523 MiB, +5.5%), where
-    orbax's zstd held a compressed copy of the 1.5 GB state until the step committed.
-    Measured 2026-12-03 with uncompressed checkpoints: 3,271 MiB at every step, 1 to 100."""
+def test_the_trainers_peak_memory_stays_flat_over_100_steps(tmp_path: pathlib.Path) -> None:
+    """Over 100 steps (a checkpoint every 5th) every update reuses the train state's buffers,
+    no step raises the trainer's peak resident memory by more than 16 MiB, and at step 100
+    it is within 5% of step 5's (issue 28). Issue 28 found it growing by a copy of the
+    weights (513 MB) at a time, at any step, while the pushed weights' views blocked the
+    update's buffer donation; then by 10-100 MiB at checkpoint steps (3,339 -> 3,523 MiB,
+    +5.5%), where orbax's zstd held a compressed copy of the 1.5 GB state until the step
+    committed. Measured 2026-12-03 with uncompressed checkpoints: 3,271 MiB at every step
+    1-100 (step 1's update beside a compilation); with the trims before an update, 30 steps:
+    3,065 -> 3,070 MiB, in rises of 0.1-2.5 MiB at any step (the update's own peak varies by
+    ~9 MiB from step to step, so a rise is not tied to checkpoint steps any more)."""
     train = launch(
         tmp_path / "run",
         f"run.steps={MEMORY_STEPS}",
@@ -90,7 +93,6 @@ def test_the_trainers_memory_rises_only_at_checkpoints_over_100_steps(tmp_path: 
     undonated = [r["step"] for r in train if r.get("trainer_undonated_mb", 0.0) > 0]
     assert not undonated, f"steps whose update could not reuse the weights' buffers: {undonated}"
     peak = {r["step"]: float(r["trainer_peak_rss_mb"]) for r in train}
-    every = 5  # configs/smollm2-cpu.yaml: trainer.checkpoint_every
-    rose = [s for s in range(2, MEMORY_STEPS + 1) if peak[s] > peak[s - 1] and s % every]
-    assert not rose, f"the peak rose at steps without a checkpoint: {rose}; by step (MiB): {peak}"
+    rose = {s: peak[s] - peak[s - 1] for s in range(2, MEMORY_STEPS + 1) if peak[s] - peak[s - 1] > 16.0}
+    assert not rose, f"steps that raised the peak by over 16 MiB: {rose}; by step (MiB): {peak}"
     assert peak[MEMORY_STEPS] <= 1.05 * peak[5], f"step 5 -> {MEMORY_STEPS}: by step (MiB): {peak}"
