@@ -40,14 +40,21 @@ def grouped_batch(
     }
 
 
-@pytest.mark.parametrize("minibatches,length", [(1, 16), (2, 16), (1, 32), (2, 64)])
-def test_every_rollout_sees_exactly_its_own_tokens(minibatches, length):
+@pytest.mark.parametrize(
+    "minibatches,length,align", [(1, 16, 1), (2, 16, 1), (1, 32, 1), (2, 64, 1), (1, 64, 4), (2, 48, 8)]
+)
+def test_every_rollout_sees_exactly_its_own_tokens(minibatches, length, align):
     """For every position t of every rollout, the packed query that predicts token t+1 sits at
-    position t, holds token t, and attends to exactly the rollout's tokens 0..t."""
+    position t, holds token t, and attends to exactly the rollout's tokens 0..t; aligned
+    packing (`batch_invariant`) puts every real token at an index equal to its position
+    modulo `align`."""
     batch = grouped_batch(0)
     b = batch["tokens"].shape[0]
     order = np.random.default_rng(1).permutation(b)
-    layout = pack_minibatches(batch["tokens"], batch["valid"], order, minibatches, 4, length)
+    layout = pack_minibatches(batch["tokens"], batch["valid"], order, minibatches, 4, length, align)
+    real = layout.segment > 0
+    index = np.broadcast_to(np.arange(length), layout.tokens.shape)
+    np.testing.assert_array_equal((index % align)[real], (layout.positions % align)[real])
     assert layout.tokens.shape == (minibatches, b // minibatches, length)
     lengths = batch["valid"].sum(1)
     for m in range(minibatches):

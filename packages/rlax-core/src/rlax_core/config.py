@@ -286,7 +286,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `pack_length` tokens (0: twice `model.max_seq_len`), a prompt's shared prefix once per
     row, one forward/backward pass per row used, one compiled program for the run; false:
     rows padded to the batch's length bucket, `micro_batch` rollouts per pass (a mesh of
-    several devices always runs this way).
+    several devices always runs this way). `batch_invariant`: a rollout's float32 log-probs
+    bitwise the same whatever it is padded to, batched or packed with (blocked attention,
+    aligned packed rows; costs time and memory: `rlax_trainer.LearnerConfig`).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
     `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
     `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:
@@ -314,6 +316,7 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     remat: Literal["none", "full", "nothing_saveable"] = "none"
     packing: bool = True
     pack_length: int = 0
+    batch_invariant: bool = False
     platform: str = "cpu"
     hosts: int = 1
     coordinator: str = AUTO

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from rlax_model.layers import MIN_MATMUL_ROWS
+
 
 class AttentionFn(Protocol):
     """A per-layer attention function; see the module docstring for the shapes."""
@@ -104,7 +106,14 @@ def causal_valid_mask(valid: jax.Array, sliding_window: int | None = None) -> ja
     return causal[None, None, :, :] & valid[:, None, None, :]
 
 
-def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+# The key block of batch-invariant attention (`dense_attention_reference(key_block=...)`);
+# `rlax_trainer.packing` aligns segments to it when it packs batch-invariantly.
+KEY_BLOCK = 16
+
+
+def dense_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, key_block: int | None = None
+) -> jax.Array:
     """Masked multi-head attention with grouped-query heads, softmax in float32.
 
     q: [batch, seq_q, num_heads, head_dim]; k, v: [batch, seq_k, num_kv_heads, head_dim];
@@ -112,20 +121,60 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
     weighted sum of V are float32.
     Returns [batch, seq_q, num_heads, head_dim] in q.dtype. A query with no visible key
     gets the mean of v instead of NaN (its output is padding and must stay finite).
+
+    key_block: None (one matmul over all the keys), or batch-invariant attention: a query's
+    output then depends only on its visible keys and their places in the key axis's blocks
+    of `key_block` (index modulo the block), not on how many keys, queries or rows there
+    are. XLA:CPU picks a matmul's kernel, and so its rounding, by the whole operand shapes
+    (measured: a query's scores moved by 2.9e-6 between 40 and 64 keys; a 100-token
+    sequence's outputs by 3.6e-7 between 103 and 256 keys), so the scores and the weights
+    times values run as one matmul per block of exactly `key_block` keys (the key axis
+    zero-padded to a multiple of it), the blocks' partial sums are added in key order, and
+    fewer than `layers.MIN_MATMUL_ROWS` query rows are padded to it (except one query:
+    decoding). Its cost: the update's temporary memory 107 -> 343 MB on 512-token packed
+    rows of a 2-layer SmolLM2-wide model (the per-block matmuls' operands and partial sums).
     """
     b, sq, nh, d = q.shape
     nkv = k.shape[2]
     group = nh // nkv
-    qg = q.reshape(b, sq, nkv, group, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / float(d) ** 0.5)
-    mask = jnp.broadcast_to(mask, (b, nh, sq, k.shape[1])).reshape(b, nkv, group, sq, k.shape[1])
+    mask = jnp.broadcast_to(mask, (b, nh, sq, k.shape[1]))
+    block = key_block or k.shape[1]
+    small = key_block is not None and 1 < sq and sq * group < MIN_MATMUL_ROWS
+    rows = -(-MIN_MATMUL_ROWS // group) if small else sq
+    nblk = -(-k.shape[1] // block)
+    sk = nblk * block
+    q = jnp.pad(q, ((0, 0), (0, rows - sq), (0, 0), (0, 0)))
+    k = jnp.pad(k, ((0, 0), (0, sk - k.shape[1]), (0, 0), (0, 0))).reshape(b, nblk, block, nkv, d)
+    v = jnp.pad(v, ((0, 0), (0, sk - v.shape[1]), (0, 0), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, rows - sq), (0, sk - mask.shape[-1])))
+    # One matmul per key block ([queries, head_dim] x [head_dim, block]), unrolled: a
+    # batched matmul over the blocks would need the queries broadcast over them (and saved
+    # for the backward pass: 12x the update's temporary memory on 512-token rows).
+    qg = q.reshape(b, rows, nkv, group, d)
+    blocks = [
+        jnp.einsum("bqkgd,bckd->bkgqc", qg, k[:, i], preferred_element_type=jnp.float32) for i in range(nblk)
+    ]
+    scores = jnp.concatenate(blocks, axis=-1) * (1.0 / float(d) ** 0.5)
     # A large finite negative (not -inf) keeps fully masked rows finite.
-    scores = jnp.where(mask, scores, jnp.float32(-1e30))
-    probs = jax.nn.softmax(scores, axis=-1)
-    # float32 probabilities times float32 values (V upcast exactly), as the engine's decode
-    # kernels compute: rounding the probabilities to a 16-bit V dtype would misalign them.
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    scores = jnp.where(mask.reshape(b, nkv, group, rows, sk), scores, jnp.float32(-1e30))
+    # The max is exact in any order; stop_gradient as in jax.nn.softmax (it cancels).
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    weights = jnp.exp(scores - top)  # masked keys: exactly 0
+    # float32 weights times float32 values (V upcast exactly), as the engine's decode
+    # kernels compute: rounding the weights to a 16-bit V dtype would misalign them. The
+    # softmax's denominator is the same product's extra column of ones: the same reduction
+    # over the keys for both (a `sum` over the keys is ordered by XLA from the whole length,
+    # and a sequence's denominator moved with its padding and its packed neighbours).
+    v1 = jnp.concatenate([v.astype(jnp.float32), jnp.ones((*v.shape[:-1], 1), jnp.float32)], axis=-1)
+    weights = weights.reshape(b, nkv, group, rows, nblk, block)
+    v1 = v1.reshape(b, nblk, block, nkv, d + 1)
+    acc = None
+    for i in range(nblk):  # in key order; a block no key of the query is in adds zeros
+        part = jnp.einsum(
+            "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
+        )
+        acc = part if acc is None else acc + part
+    out = acc[:, :sq, ..., :d] / acc[:, :sq, ..., d:]
     return out.reshape(b, sq, nh, d).astype(q.dtype)
 
 
@@ -137,12 +186,14 @@ def dense_causal_attention(
     attention_context: Any,
     *,
     sliding_window: int | None = None,
+    key_block: int | None = None,
 ) -> tuple[jax.Array, None]:
     """Default `AttentionFn`: causal attention over the current sequence, no KV cache.
 
     attention_context: a `DenseContext` (padding mask), a `PackedContext` (packed
     sequences) or None (every token valid).
-    sliding_window: `forward` binds `config.sliding_window` here.
+    sliding_window: `forward` binds `config.sliding_window` here. key_block: see
+    `dense_attention_reference` (batch-invariant attention; None: one matmul).
     layer_cache must be None. Returns (out [batch, seq, num_heads, head_dim], None).
     """
     if layer_cache is not None:
@@ -156,7 +207,8 @@ def dense_causal_attention(
             raise ValueError(
                 f"PackedContext.segment has shape {attention_context.segment.shape}, expected {(b, s)}"
             )
-        return dense_attention_reference(q, k, v, packed_mask(attention_context, sliding_window)), None
+        mask = packed_mask(attention_context, sliding_window)
+        return dense_attention_reference(q, k, v, mask, key_block=key_block), None
     if attention_context is None:
         valid = jnp.ones((b, s), dtype=bool)
     elif isinstance(attention_context, DenseContext):
@@ -167,4 +219,5 @@ def dense_causal_attention(
         raise TypeError(
             f"dense_causal_attention needs a DenseContext, a PackedContext or None, got {type(attention_context).__name__}"
         )
-    return dense_attention_reference(q, k, v, causal_valid_mask(valid, sliding_window)), None
+    mask = causal_valid_mask(valid, sliding_window)
+    return dense_attention_reference(q, k, v, mask, key_block=key_block), None

@@ -12,13 +12,32 @@ import numpy as np
 from rlax_model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig
 
 
+def ordered_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in one fixed order: [..., n] -> [..., 1].
+
+    Pairwise halving (element i plus element i + n/2, an odd last element carried along),
+    written as elementwise adds, which XLA never reassociates. `jnp.sum` leaves the order to
+    the compiler, and XLA:CPU picks it by the whole array's shape: a row's sum then changes
+    with how many other rows are reduced with it (measured: RMSNorm over 64 features, a row
+    differed by 4.8e-7 between 48 and 96 rows), which breaks batch invariance.
+    """
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        head = x[..., :half] + x[..., half : 2 * half]
+        x = jnp.concatenate([head, x[..., 2 * half :]], axis=-1) if n % 2 else head
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, dtype: Any = None) -> jax.Array:
     """RMSNorm over the last axis: statistics and scale in float32, one rounding to `dtype`.
 
     x: [..., dim]; weight: [dim]. Returns [..., dim] in `dtype` (default x.dtype).
+    The mean square is an `ordered_sum`: a token's norm does not depend on its batch.
     """
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_square = ordered_sum(x32 * x32) / jnp.float32(x.shape[-1])
+    normed = x32 * jax.lax.rsqrt(mean_square + eps)
     return (normed * weight.astype(jnp.float32)).astype(dtype or x.dtype)
 
 
@@ -72,12 +91,32 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+# XLA:CPU multiplies a matrix of few rows with another kernel than a tall one, and the two
+# round differently (measured on [rows, in] @ [in, out] float32: every row count up to 32
+# differs from 300 rows for SmolLM2's widths, up to 50 for 32-64 wide ones; none from 51
+# on). Matmuls with fewer rows are padded to this many, so that a token's projection does
+# not depend on how many tokens share the matmul (batch invariance).
+MIN_MATMUL_ROWS = 64
+
+
+def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] float32 (operands as given), over at least
+    `MIN_MATMUL_ROWS` rows (zero rows added and dropped)."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n < MIN_MATMUL_ROWS:
+        rows = jnp.pad(rows, ((0, MIN_MATMUL_ROWS - n), (0, 0)))
+    y = jnp.einsum("ri,io->ro", rows, w, preferred_element_type=jnp.float32)[:n]
+    return y.reshape(*lead, w.shape[-1])
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, dtype: Any = None) -> jax.Array:
     """x @ w (+ b): operands in x.dtype, float32 accumulation, result in `dtype` (default x.dtype).
 
     x: [..., in]; w: [in, out].
     """
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = row_matmul(x, w.astype(x.dtype))
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(dtype or x.dtype)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from rlax_model.attention import AttentionFn, DenseContext, positions_from_valid
 from rlax_model.config import ModelConfig
+from rlax_model.layers import ordered_sum, row_matmul
 from rlax_model.transformer import Params, Remat, hidden_states, lm_head_weight
 
 
@@ -19,21 +20,25 @@ def token_logprobs_from_logits(
 
     logits: [..., vocab] (any float dtype; computed in float32); targets: [...] int.
     Returns (logprobs [...] float32, entropy [...] float32).
+    The sums over the vocabulary are `ordered_sum`s, so a token's values do not depend on
+    how many other tokens are computed with it (batch invariance).
     """
     z = logits.astype(jnp.float32)
     if temperature != 1.0:
         z = z / jnp.float32(temperature)
-    lse = jax.nn.logsumexp(z, axis=-1)
+    # The max is exact in any order; stop_gradient as in jax.nn.logsumexp (it cancels).
+    top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse = (jnp.log(ordered_sum(jnp.exp(z - top))) + top)[..., 0]
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     probs = jnp.exp(z - lse[..., None])
-    entropy = lse - jnp.sum(probs * z, axis=-1)
+    entropy = lse - ordered_sum(probs * z)[..., 0]
     return picked - lse, entropy
 
 
 def _head_logprobs(
     hidden: jax.Array, targets: jax.Array, w: jax.Array, temperature: float
 ) -> tuple[jax.Array, jax.Array]:
-    logits = jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    logits = row_matmul(hidden, w)
     return token_logprobs_from_logits(logits, targets, temperature=temperature)
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from rlax_model.attention import AttentionFn, dense_causal_attention
 from rlax_model.config import ModelConfig
-from rlax_model.layers import apply_rope, linear, rms_norm, rope_tables, swiglu_mlp
+from rlax_model.layers import apply_rope, linear, rms_norm, rope_tables, row_matmul, swiglu_mlp
 
 Params = dict[str, Any]
 Remat = Literal["full", "nothing_saveable", "dots_saveable"] | None
@@ -177,7 +177,7 @@ def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
 def project_logits(hidden: jax.Array, params: Params, config: ModelConfig) -> jax.Array:
     """hidden [..., hidden_size] (compute dtype) -> logits [..., vocab_size] float32."""
     w = lm_head_weight(params, config).astype(hidden.dtype)
-    return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return row_matmul(hidden, w)
 
 
 def forward(

@@ -120,6 +120,13 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       padded to the batch's length bucket, `micro_batch` rollouts per pass.
     - `pack_length`: tokens per packed row (0: `packing.auto_pack_length` of the batch's
       padded length, twice it); memory per pass grows with it, attention quadratically.
+    - `batch_invariant`: a rollout's float32 log-probs are bitwise the same whatever it is
+      padded to, batched with or packed with: every pass runs the attention over blocks of
+      `rlax_model.attention.KEY_BLOCK` keys, and packed rows align their segments to them
+      (`rlax_trainer.packing`). Measured on a 2-layer SmolLM2-wide model, 16 rollouts of
+      47-token prompts: the packed update 1.4x the time (1.5x the computed positions), and
+      3.2x the temporary memory on 512-token rows. Off, a rollout's log-probs move with its
+      padding, batch and row by up to ~3e-6 (the attention's one matmul over all keys).
     """
 
     objective: ObjectiveConfig | None = None
@@ -135,6 +142,7 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trim_padding: bool = True
     packing: bool = True
     pack_length: int = 0
+    batch_invariant: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

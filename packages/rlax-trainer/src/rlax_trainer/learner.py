@@ -108,6 +108,18 @@ def _dtype(cfg: LearnerConfig) -> jnp.dtype:
 DENSE_LOGITS_ELEMENTS = 1 << 22
 
 
+def _attention(spec: _Spec) -> Any:
+    """The passes' attention function: blocked (batch-invariant) when the config asks for it,
+    else None (the model's default)."""
+    if not spec.config.batch_invariant:
+        return None
+    return functools.partial(
+        rlax_model.dense_causal_attention,
+        sliding_window=spec.model.sliding_window,
+        key_block=rlax_model.attention.KEY_BLOCK,
+    )
+
+
 def _chunk_size(spec: _Spec, tokens: jax.Array) -> int | None:
     """`logprob_chunk_size`, or None (dense) when the micro-batch's full logits are small."""
     rows, seq = tokens.shape
@@ -130,6 +142,7 @@ def _policy_outputs(
             policy,
             tokens,
             config=mc,
+            attention=_attention(spec),
             attention_context=ctx,
             temperature=cfg.temperature,
             return_entropy=True,
@@ -140,7 +153,13 @@ def _policy_outputs(
         return lp, ent, None
     positions = rlax_model.positions_from_valid(valid)
     hidden, _ = rlax_model.hidden_states(
-        policy, tokens, positions, config=mc, attention_context=ctx, remat=remat_mode
+        policy,
+        tokens,
+        positions,
+        config=mc,
+        attention=_attention(spec),
+        attention_context=ctx,
+        remat=remat_mode,
     )
     hidden = hidden[:, :-1]
     w = rlax_model.lm_head_weight(policy, mc).astype(hidden.dtype)
@@ -191,7 +210,9 @@ def _sampler_old_logprobs(spec: _Spec, params: Any, tokens: jax.Array, valid: ja
     policy = jax.tree.map(lambda x: x.astype(_dtype(cfg)), params["policy"])
     ctx = rlax_model.DenseContext(valid=valid)
     positions = rlax_model.positions_from_valid(valid)
-    hidden, _ = rlax_model.hidden_states(policy, tokens, positions, config=mc, attention_context=ctx)
+    hidden, _ = rlax_model.hidden_states(
+        policy, tokens, positions, config=mc, attention=_attention(spec), attention_context=ctx
+    )
     return _sampler_logprobs_of_hidden(spec, policy, hidden[:, :-1], tokens[:, 1:])
 
 
@@ -224,6 +245,7 @@ def _reference_logprobs(
         ref,
         tokens,
         config=spec.model,
+        attention=_attention(spec),
         attention_context=ctx,
         temperature=spec.config.temperature,
         chunk_size=_chunk_size(spec, tokens),
@@ -295,8 +317,8 @@ def _packed_hidden(spec: _Spec, params: Any, row: dict[str, jax.Array], *, remat
     )
     remat_mode = None if (cfg.remat == "none" or not remat) else cfg.remat
     hidden, _ = rlax_model.hidden_states(
-        params, row["tokens"][None], row["positions"][None], config=spec.model, attention_context=ctx,
-        remat=remat_mode,
+        params, row["tokens"][None], row["positions"][None], config=spec.model, attention=_attention(spec),
+        attention_context=ctx, remat=remat_mode,
     )  # fmt: skip
     return hidden[0]
 
@@ -735,8 +757,9 @@ class Learner:
             b, s = tokens.shape
             order = self._row_order(b)
             lengths = pack_lengths or self.pack_lengths(s)
+            align = rlax_model.attention.KEY_BLOCK if cfg.batch_invariant else 1
             layout = best_layout(
-                tokens, np.asarray(arrays["valid"]), order, cfg.minibatches, cfg.group_size, lengths
+                tokens, np.asarray(arrays["valid"]), order, cfg.minibatches, cfg.group_size, lengths, align
             )
             arrays = {**arrays, **layout.arrays(), "order": order.astype(np.int32)}
             computed, real = layout.computed_tokens, int((layout.segment > 0).sum())

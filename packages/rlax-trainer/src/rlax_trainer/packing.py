@@ -31,6 +31,15 @@ minibatch never needs more than b rows, one per sample):
 
 `segment` is 0 on padding and a positive id per prefix copy or sample segment; `parent` is
 the prefix copy a segment token may also attend to (itself for prefix tokens).
+
+Batch-invariant packing (`align` = `rlax_model.attention.KEY_BLOCK`): the attention reduces
+its keys in blocks of that many, aligned to the row's start, and adds the blocks in order
+(`rlax_model.dense_attention_reference`). A rollout's keys then meet the same blocks, with
+the same contents, as in its own padded row exactly when every key's row index equals its
+position modulo the block: each prefix copy and segment starts at a multiple of `align`
+and the shared prefix is cut to a multiple of it (its remainder is computed in each
+sample's segment). Its log-probs are then bitwise those of the padded pass, whatever else
+is packed with it; the cost is the alignment's padding and the shorter shared prefix.
 """
 
 from __future__ import annotations
@@ -72,11 +81,11 @@ def candidate_lengths(seq_len: int) -> list[int]:
 
 def best_layout(
     tokens: np.ndarray, valid: np.ndarray, order: np.ndarray, minibatches: int, group_size: int,
-    lengths: list[int],
+    lengths: list[int], align: int = 1,
 ) -> PackedLayout:  # fmt: skip
     """The layout, over the row `lengths` that hold the batch's longest rollout, that computes
     the fewest positions; on a tie the one with the fewest rows per minibatch, then the
-    shorter row (less attention).
+    shorter row (less attention). `align`: see the module docstring (1: no alignment).
 
     Fewer rows first: two rows of S compute as many positions as one of 2S, but a minibatch
     of several rows runs the accumulating program, which holds a second buffer of gradients
@@ -85,7 +94,7 @@ def best_layout(
     fits = [n for n in sorted(lengths) if n >= longest]
     if not fits:
         raise ValueError(f"a rollout has {longest} tokens, more than the longest packed row {max(lengths)}")
-    layouts = [pack_minibatches(tokens, valid, order, minibatches, group_size, n) for n in fits]
+    layouts = [pack_minibatches(tokens, valid, order, minibatches, group_size, n, align) for n in fits]
     best = min(layouts, key=lambda lay: (lay.computed_tokens, int(lay.rows_used.max())))  # first: shortest
     if best.rows_used.max() == 1:
         # Every minibatch fits one row: keep only it, so that the update runs one pass with
@@ -104,7 +113,7 @@ def _common_prefix(rows: list[np.ndarray]) -> int:
 
 
 def _pack_one(
-    tokens: np.ndarray, lengths: np.ndarray, group_of: np.ndarray, length: int
+    tokens: np.ndarray, lengths: np.ndarray, group_of: np.ndarray, length: int, align: int
 ) -> tuple[np.ndarray, ...]:
     """One minibatch: tokens [b, S], lengths [b], group_of [b] -> its layout arrays."""
     b, s = tokens.shape
@@ -119,10 +128,13 @@ def _pack_one(
     fill: list[int] = []  # tokens used in each open row
     next_id: list[int] = []  # next segment id in each row
 
+    def first_free(r: int) -> int:
+        return -(-fill[r] // align) * align
+
     def place(n: int) -> int:
         """The first row with room for n tokens (a new one if none)."""
-        for r, used in enumerate(fill):
-            if used + n <= length:
+        for r in range(len(fill)):
+            if first_free(r) + n <= length:
                 return r
         fill.append(0)
         next_id.append(1)
@@ -130,7 +142,7 @@ def _pack_one(
 
     def put(r: int, toks: np.ndarray, first_pos: int, parent: int | None) -> tuple[int, int]:
         """Write a segment into row r; -> (its start index, its id)."""
-        start, sid = fill[r], next_id[r]
+        start, sid = first_free(r), next_id[r]
         end = start + len(toks)
         out_tok[r, start:end] = toks
         out_seg[r, start:end] = sid
@@ -144,11 +156,11 @@ def _pack_one(
         groups.setdefault(int(group_of[j]), []).append(j)
     for members in groups.values():
         seqs = [tokens[j, : lengths[j]] for j in members]
-        p = _common_prefix(seqs)
+        p = _common_prefix(seqs) // align * align
         row, prefix_start, prefix_id = -1, 0, 0
         for j, seq in zip(members, seqs, strict=True):
             own = seq[p:]
-            if row < 0 or fill[row] + len(own) > length:
+            if row < 0 or first_free(row) + len(own) > length:
                 row = place(p + len(own))
                 if p:
                     prefix_start, prefix_id = put(row, seq[:p], 0, None)
@@ -162,11 +174,14 @@ def _pack_one(
 
 
 def pack_minibatches(
-    tokens: np.ndarray, valid: np.ndarray, order: np.ndarray, minibatches: int, group_size: int, length: int
-) -> PackedLayout:
+    tokens: np.ndarray, valid: np.ndarray, order: np.ndarray, minibatches: int, group_size: int, length: int,
+    align: int = 1,
+) -> PackedLayout:  # fmt: skip
     """tokens [B, S] int, valid [B, S] bool (each row's real tokens a prefix of it), order [B]
     (row r of the batch goes to position r of the minibatch sequence: minibatch m takes
-    order[m*b:(m+1)*b]) -> the PackedLayout of every minibatch, samples in `order`."""
+    order[m*b:(m+1)*b]) -> the PackedLayout of every minibatch, samples in `order`.
+    align: every prefix copy and segment starts at a multiple of it, and shared prefixes
+    are cut to a multiple of it (see the module docstring; 1: none)."""
     b_total, _ = tokens.shape
     b = b_total // minibatches
     lengths = valid.sum(axis=1).astype(np.int64)
@@ -177,5 +192,5 @@ def pack_minibatches(
     parts = []
     for m in range(minibatches):
         rows = np.asarray(order[m * b : (m + 1) * b])
-        parts.append(_pack_one(tokens[rows], lengths[rows], rows // group_size, length))
+        parts.append(_pack_one(tokens[rows], lengths[rows], rows // group_size, length, align))
     return PackedLayout(*(np.stack([p[i] for p in parts]) for i in range(7)))

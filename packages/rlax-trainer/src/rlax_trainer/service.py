@@ -90,6 +90,7 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
             "remat": t.remat,
             "packing": t.packing,
             "pack_length": t.pack_length,
+            "batch_invariant": t.batch_invariant,
             "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
             # The workers' logprobs are on the top-p/top-k truncated distribution: the
             # trainer recomputes pi_old on the same support (greedy ignores the filters).
