@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -94,19 +97,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # XLA:CPU multiplies a matrix of few rows with another kernel than a tall one, and the two
 # round differently (measured on [rows, in] @ [in, out] float32: every row count up to 32
 # differs from 300 rows for SmolLM2's widths, up to 50 for 32-64 wide ones; none from 51
-# on). Matmuls with fewer rows are padded to this many, so that a token's projection does
-# not depend on how many tokens share the matmul (batch invariance).
+# on). Under `padded_matmul_rows(MIN_MATMUL_ROWS)` matmuls with fewer rows are padded to this
+# many, so that a token's projection does not depend on how many tokens share the matmul
+# (the trainer's `batch_invariant` option). Not by default: the engine decodes a handful of
+# rows, and padding 8 rows to 64 made SmolLM2's projections 1.8-2.3x slower (measured).
 MIN_MATMUL_ROWS = 64
+_trace_settings = threading.local()
+
+
+@contextlib.contextmanager
+def padded_matmul_rows(rows: int) -> Iterator[None]:
+    """While tracing inside this block (this thread), `row_matmul` pads to `rows` rows (0: never)."""
+    previous = getattr(_trace_settings, "min_rows", 0)
+    _trace_settings.min_rows = rows
+    try:
+        yield
+    finally:
+        _trace_settings.min_rows = previous
 
 
 def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] float32 (operands as given), over at least
-    `MIN_MATMUL_ROWS` rows (zero rows added and dropped)."""
+    """x [..., in] @ w [in, out] -> [..., out] float32 (operands as given); inside
+    `padded_matmul_rows(n)`, over at least n rows (zero rows added and dropped)."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if n < MIN_MATMUL_ROWS:
-        rows = jnp.pad(rows, ((0, MIN_MATMUL_ROWS - n), (0, 0)))
+    min_rows = getattr(_trace_settings, "min_rows", 0)
+    if n < min_rows:
+        rows = jnp.pad(rows, ((0, min_rows - n), (0, 0)))
     y = jnp.einsum("ri,io->ro", rows, w, preferred_element_type=jnp.float32)[:n]
     return y.reshape(*lead, w.shape[-1])
 

@@ -108,6 +108,19 @@ def _dtype(cfg: LearnerConfig) -> jnp.dtype:
 DENSE_LOGITS_ELEMENTS = 1 << 22
 
 
+def _invariant_rows(fn: Any) -> Any:
+    """Trace `fn(spec, ...)` with small matmuls padded to `MIN_MATMUL_ROWS` rows when the
+    config asks for batch invariance (the spec is static: each setting compiles apart)."""
+
+    @functools.wraps(fn)
+    def traced(spec: _Spec, *args: Any, **kwargs: Any) -> Any:
+        rows = rlax_model.layers.MIN_MATMUL_ROWS if spec.config.batch_invariant else 0
+        with rlax_model.layers.padded_matmul_rows(rows):
+            return fn(spec, *args, **kwargs)
+
+    return traced
+
+
 def _attention(spec: _Spec) -> Any:
     """The passes' attention function: blocked (batch-invariant) when the config asks for it,
     else None (the model's default)."""
@@ -128,6 +141,7 @@ def _chunk_size(spec: _Spec, tokens: jax.Array) -> int | None:
     return spec.config.logprob_chunk_size
 
 
+@_invariant_rows
 def _policy_outputs(
     spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array, scored: jax.Array, *, remat: bool = True
 ):
@@ -203,6 +217,7 @@ def sampler_logprobs(
     return jnp.take_along_axis(kept, pos[:, None], axis=-1)[:, 0] - log_norm
 
 
+@_invariant_rows
 def _sampler_old_logprobs(spec: _Spec, params: Any, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """pi_old's log-probs [b, S-1] on the sampler's top-p/top-k support (see `sampler_logprobs`),
     over chunks of `logprob_chunk_size` tokens (a [chunk, V] sort each); no gradient."""
@@ -237,6 +252,7 @@ def _sampler_logprobs_of_hidden(spec: _Spec, policy: Any, hidden: jax.Array, tar
     return jax.lax.map(one, (hid, tgt)).reshape(-1)[:total].reshape(lead)
 
 
+@_invariant_rows
 def _reference_logprobs(
     spec: _Spec, ref: Any, tokens: jax.Array, valid: jax.Array, scored: jax.Array
 ) -> jax.Array:
@@ -323,6 +339,7 @@ def _packed_hidden(spec: _Spec, params: Any, row: dict[str, jax.Array], *, remat
     return hidden[0]
 
 
+@_invariant_rows
 def _packed_outputs(
     spec: _Spec,
     params: Any,
@@ -511,6 +528,7 @@ def _minibatch_step(spec: _Spec, carry, mb: dict[str, jax.Array]):
     return _apply_gradients(cfg, params, opt_state, grads, merged, logprobs)
 
 
+@_invariant_rows
 def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array]):
     cfg = spec.config
     b = batch["tokens"].shape[0]
