@@ -108,7 +108,10 @@ def test_blocks_running_out_preempts_and_still_matches():
         ref = naive_greedy(PARAMS, p, 24)
         for c in out.outputs:
             assert c.tokens == ref
-            np.testing.assert_allclose(c.logprobs, teacher_forced_logprobs(PARAMS, p, c.tokens), atol=1e-5)
+            # float32 rounding of a cached (preempted, recomputed) vs a full pass, as above:
+            # 1.1e-5 at logprob -1.37 once the reference's sums became ordered sums.
+            tf = teacher_forced_logprobs(PARAMS, p, c.tokens)
+            np.testing.assert_allclose(c.logprobs, tf, rtol=1e-5, atol=1e-5)
     assert engine.num_free_blocks == 96
 
 
