@@ -307,13 +307,13 @@ def write_staged(
     """The pusher's side: write a version's frames (manifest frame order, as `encode_tree`
     makes them) into a staging file the server created. Opens without creating: a path
     that does not exist here (the server is on another host) raises `FileNotFoundError`."""
-    starts, _ = tensor_starts(manifest)
+    starts, data_bytes = tensor_starts(manifest)
     slots = frame_layout(manifest)
     if len(frames) != len(slots):
         raise ValueError(f"{len(frames)} frames for a manifest of {len(slots)}")
     fd = os.open(staging_file, os.O_WRONLY | os.O_NOFOLLOW)
     try:
-        if os.fstat(fd).st_size != data_offset + tensor_starts(manifest)[1]:
+        if os.fstat(fd).st_size != data_offset + data_bytes:
             raise OSError(f"{staging_file} does not have the size of a staging file for this manifest")
         for slot, frame in zip(slots, frames, strict=True):
             view = memoryview(frame).cast("B")
