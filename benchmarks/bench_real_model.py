@@ -30,11 +30,19 @@ clipping, no KL term, one optimizer step per generation batch.
    from the same initial weights, in processes of their own one after the other, timing
    only the update. Both must see the same real tokens (prompt + completion of every
    rollout, no padding) at every step; the benchmark checks it.
+   TRL's replay also generates, as TRL does, each step's prompt to the lengths the run's
+   samples had (its `_generate_single_turn`, each sample held to its journaled length), so a
+   replayed TRL step is TRL's step on exactly the run's work: `step_seconds_ratio` is the
+   run's median step against it. A step's cost follows its samples' lengths, and each side's
+   own samples (1 and 3) differ in length by chance (one sample of 8 running to 64 tokens
+   keeps the whole decode batch going: ~3.5% of this model's samples do, on both engines).
 5. bench_alignment.py (packages/rlax-inference) measures the bfloat16 engine-vs-trainer
    |delta logprob| (RLAX_BENCH_ALIGNMENT=0 skips it); float32's comes from the run itself.
 
 RLAX_BENCH_JSON=FILE writes the headline figures there as one JSON object:
-step_seconds_ratio and train_seconds_per_1k_tokens_ratio (RLAX / TRL), trainer_peak_rss_mb,
+step_seconds_ratio (RLAX / TRL on the same work; step_seconds_ratio_own_samples beside it)
+and train_seconds_per_1k_tokens_ratio (RLAX / TRL), trainer_peak_rss_mb (against
+trl_peak_rss_mb_same_work, TRL's process on the same work, per step beside it),
 all_processes_peak_rss_mb, trl_peak_rss_mb, logprob_delta_p95_float32,
 logprob_delta_p95_bfloat16, train_token_efficiency,
 train_seconds_per_1k_tokens_same_sequences_ratio (RLAX / TRL on the journaled batches) with
@@ -299,26 +307,39 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         for r, n in zip(rlax["steps"], results["batch_tokens"], strict=True)
     ]
     alignment = results.get("alignment", {})
-    step_ratio = median(rlax["steps"], "seconds") / median(trl["steps"], "seconds")
+    # The same work: TRL generating the run's prompts to the run's sample lengths and training
+    # on the run's sequences (real_model_trl_replay.py), against the run's own steps.
+    same_work_ratio = median(rlax["steps"], "seconds") / median(same_trl, "seconds")
+    own_samples_ratio = median(rlax["steps"], "seconds") / median(trl["steps"], "seconds")
+    trainer_peak = rlax["peak_rss_mb"].get("trainer", float("nan"))
+    trl_peak_same_work = max(r["peak_rss_mb"] for r in same_trl)
     ratios = {
-        "seconds_per_step_rlax_over_trl": step_ratio,
-        "trainer_peak_rss_rlax_over_trl": rlax["peak_rss_mb"].get("trainer", float("nan"))
-        / trl["peak_rss_mb"],
+        "trainer_peak_rss_rlax_over_trl": trainer_peak / trl_peak_same_work,
         "run_gen_over_engine_alone": rlax["worker_tokens_per_s"] / engine["tokens_per_s"],
         # The keys issue 28 names (RLAX_BENCH_JSON).
-        "step_seconds_ratio": step_ratio,
+        "step_seconds_ratio": same_work_ratio,
+        "step_seconds_rlax": median(rlax["steps"], "seconds"),
+        "step_seconds_trl_same_work": median(same_trl, "seconds"),
+        "generation_seconds_ratio_same_work": median(rlax["steps"], "generation_s")
+        / median(same_trl, "generation_s"),
+        # Each side sampling its own completions (real_model_trl.py): lengths differ by chance.
+        "step_seconds_ratio_own_samples": own_samples_ratio,
         "train_seconds_per_1k_tokens_ratio": per_1k(rlax["steps"]) / per_1k(trl["steps"])
         if have_tokens
         else float("nan"),
-        "trainer_peak_rss_mb": rlax["peak_rss_mb"].get("trainer", float("nan")),
+        "trainer_peak_rss_mb": trainer_peak,
+        "trl_peak_rss_mb_same_work": trl_peak_same_work,
+        "trl_peak_rss_mb_same_work_per_step": [r["peak_rss_mb"] for r in same_trl],
         # The job on the machine at its fullest moment: every process's PSS at once (pages the
         # worker maps from the parameter server's file counted once), against TRL's one process
         # sampled the same way. The sum of per-process VmHWM peaks is the upper bound beside it.
         "all_processes_peak_rss_mb": rlax["peak_pss_mb"],
         "all_processes_sum_of_peaks_rss_mb": sum(rlax["peak_rss_mb"].values()),
         "trl_peak_rss_mb": trl["peak_rss_mb"],
+        "trl_peak_rss_mb_own_samples": trl["peak_rss_mb"],
         "trl_peak_pss_mb": trl["peak_pss_mb"],
         "all_processes_over_trl": rlax["peak_pss_mb"] / trl["peak_pss_mb"],
+        "all_processes_over_trl_same_work": rlax["peak_pss_mb"] / results["trl_replay"]["peak_pss_mb"],
         "worker_shared_weight_mb": median(rlax["steps"], "worker_shared_weight_mb"),
         "logprob_delta_p95_float32": median(rlax["steps"], "logprob_mismatch_p95"),
         "logprob_delta_max_float32": max(r["logprob_mismatch_max"] for r in rlax["steps"]),
@@ -343,7 +364,15 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
     def row(label: str, a: float, b: float, fmt: str = "{:>12.2f}") -> None:
         lines.append(f"{label:34} {fmt.format(a)} {fmt.format(b)} {a / b:>9.2f}")
 
-    row("seconds per step (median)", median(rlax["steps"], "seconds"), median(trl["steps"], "seconds"))
+    lines.append(
+        "the same work (TRL generates the run's prompts to its samples' lengths, trains on its sequences):"
+    )
+    row("  seconds per step (median)", median(rlax["steps"], "seconds"), median(same_trl, "seconds"))
+    row("  generation s/step", median(rlax["steps"], "generation_s"), median(same_trl, "generation_s"))
+    row("  training s/step", median(rlax["steps"], "train_s"), median(same_trl, "train_s"))
+    row("  trainer peak RSS (MiB)", trainer_peak, trl_peak_same_work, "{:>12.0f}")
+    lines.append("each side sampling its own completions (their lengths differ by chance):")
+    row("  seconds per step (median)", median(rlax["steps"], "seconds"), median(trl["steps"], "seconds"))
     # A step that compiled a new padded length (RLAX's XLA programs; TRL runs eagerly).
     uncompiled = [
         r for r in rlax["steps"][WARM_STEPS:] if r["trainer_compile_s"] == 0 and r["compile_s"] == 0
@@ -371,13 +400,9 @@ def report(results: dict[str, Any]) -> tuple[str, dict[str, float]]:
         for rows in (same_rlax, same_trl)
     ]
     row("  positions computed / real tokens", *computed)
-    row(
-        "trainer peak RSS (MiB)",
-        rlax["peak_rss_mb"].get("trainer", float("nan")),
-        trl["peak_rss_mb"],
-        "{:>12.0f}",
-    )
+    row("trainer peak RSS, TRL sampling its own", trainer_peak, trl["peak_rss_mb"], "{:>12.0f}")
     row("all processes peak PSS (MiB)", rlax["peak_pss_mb"], trl["peak_pss_mb"], "{:>12.0f}")
+    row("  TRL on the same work", rlax["peak_pss_mb"], results["trl_replay"]["peak_pss_mb"], "{:>12.0f}")
     row("  sum of per-process peak RSS", sum(rlax["peak_rss_mb"].values()), trl["peak_rss_mb"], "{:>12.0f}")
     row("wall seconds (whole job)", rlax["wall_s"], trl["wall_s"], "{:>12.1f}")
     lines.append(
