@@ -151,6 +151,46 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
         assert not alive(grandchild_pid), "grandchild survived: the process group was not killed"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_killed_with_sigkill_leaves_no_component_running(tmp_path: pathlib.Path) -> None:
+    # SIGKILL gives the supervisor no chance to stop anything: the components must notice on
+    # their own (they used to run on as orphans, a SmolLM2 run's trainer and worker included).
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    child = (
+        f"import os, pathlib, time; pathlib.Path({str(pids)!r}, str(os.getpid())).touch(); time.sleep(120)"
+    )
+    script = tmp_path / "launch.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            from rlax_core.config import SupervisorConfig
+            from rlax_controller.supervisor import ProcessSpec, Supervisor
+            specs = [ProcessSpec(f'p{{i}}', 'worker', [sys.executable, '-c', {child!r}]) for i in range(3)]
+            Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
+            """
+        )
+    )
+    launcher = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = [int(p.name) for p in pids.iterdir()]
+        assert len(children) == 3 and all(alive(pid) for pid in children)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [pid for pid in children if alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"components outlived their SIGKILLed launcher: {survivors}"
+
+
 def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) -> None:
     starts = tmp_path / "starts"
     starts.mkdir()
