@@ -201,6 +201,30 @@ def test_resolve_addresses_and_process_specs(tmp_path: pathlib.Path) -> None:
     assert fixed.controller.address == "tcp://10.0.0.5:7000"
 
 
+def test_a_parameter_server_in_memory_serves_from_dev_shm_and_rests_in_the_run(
+    tmp_path: pathlib.Path,
+) -> None:
+    def argv(*overrides: str) -> list[str]:
+        config = resolve_addresses(load_config(None, [f"run.output_dir={tmp_path / 'run'}", *overrides]))
+        (spec,) = [s for s in build_specs(config, tmp_path / "config.yaml", None) if s.role == "paramserver"]
+        return spec.argv
+
+    def flag(args: list[str], name: str) -> str | None:
+        return args[args.index(name) + 1] if name in args else None
+
+    on_disk = argv()
+    assert flag(on_disk, "--state-dir") == str(tmp_path / "run" / "paramserver")
+    assert flag(on_disk, "--rest-dir") is None
+    in_memory = argv("paramserver.storage=memory")
+    live = flag(in_memory, "--state-dir")
+    assert live is not None and live.startswith("/dev/shm/rlax-paramserver-")
+    assert flag(in_memory, "--rest-dir") == str(tmp_path / "run" / "paramserver")
+    # The same run finds its folder again; another run gets its own.
+    assert flag(argv("paramserver.storage=memory"), "--state-dir") == live
+    other = argv("paramserver.storage=memory", f"paramserver.state_dir={tmp_path / 'elsewhere'}")
+    assert flag(other, "--state-dir") != live
+
+
 def test_unreachable_controller_gives_a_timeout_error_naming_peer_and_operation() -> None:
     client = ControlClient("tcp://127.0.0.1:9", encode=encode_control, decode=decode_control, timeout_s=0.5)
     started = time.monotonic()

@@ -83,3 +83,25 @@ def test_dump_and_reload_round_trip(tmp_path: pathlib.Path) -> None:
     config = load_config(None, ["run.name=rt", "workers.j=4", "trainer.k=8"])
     path = dump_config(config, tmp_path / "resolved.yaml")
     assert load_config(path) == config
+
+
+def test_a_reader_finds_a_live_runs_versions_in_memory_and_a_stopped_runs_in_its_state_dir(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rlax_core.config as config_module
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(config_module, "MEMORY_ROOT", shm)
+    config = load_config(None, [f"run.output_dir={tmp_path / 'run'}", "paramserver.storage=memory"])
+    live, rest = config_module.paramserver_dirs(config)
+    assert live.parent == shm and rest == tmp_path / "run" / "paramserver"
+    assert config_module.published_state_dir(config) == rest  # stopped: nothing in memory
+    live.mkdir()
+    (live / "weights-v000000000007.rlaxw").write_bytes(b"")
+    assert config_module.published_state_dir(config) == live
+    on_disk = load_config(None, [f"run.output_dir={tmp_path / 'run'}"])
+    assert config_module.paramserver_dirs(on_disk) == (rest, None)
+    assert config_module.published_state_dir(on_disk) == rest
+    monkeypatch.setattr(config_module, "MEMORY_ROOT", tmp_path / "no-such-folder")  # macOS: no /dev/shm
+    assert config_module.paramserver_dirs(config) == (rest, None)

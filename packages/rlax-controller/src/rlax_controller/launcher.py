@@ -17,7 +17,7 @@ from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, sum
 from rlax_controller.preflight import validate_components
 from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
 from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
-from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config
+from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config, paramserver_dirs
 from rlax_protocol.auth import INSECURE_ENV, RunKeys
 
 __all__ = ["build_specs", "launch", "resolve_addresses", "run_keys"]
@@ -64,11 +64,13 @@ def _rlax(config: RunConfig, role: str, *args: str) -> list[str]:
 
 def _paramserver_command(config: RunConfig) -> list[str]:
     # A parameter-server node installs rlax-paramserver alone: its own entry point, no run config.
-    state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
+    state_dir, rest_dir = paramserver_dirs(config)
     flags = ["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep)]
     if not config.paramserver.fsync:
         flags.append("--no-fsync")
-    return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", state_dir]
+    if rest_dir is not None:
+        flags += ["--rest-dir", str(rest_dir)]
+    return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", str(state_dir)]
 
 
 def run_keys(config: RunConfig) -> RunKeys | None:

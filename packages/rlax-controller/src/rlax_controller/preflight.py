@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_core.config import ConfigError, RunConfig, dump_config, rejected_by
+from rlax_core.config import ConfigError, RunConfig, dump_config, paramserver_dirs, rejected_by
 
 __all__ = [
     "check_components",
@@ -44,11 +44,14 @@ def paramserver_config(config: RunConfig) -> Any:
     """The parameter server's `rlax_paramserver.ServerConfig` as the launcher runs it."""
     from rlax_paramserver.config import ServerConfig
 
-    state_dir = config.paramserver.state_dir or str(config.output_dir / "paramserver")
+    state_dir, rest_dir = paramserver_dirs(config)
     return rejected_by(
         "the parameter server (paramserver.*)",
         lambda: ServerConfig(
-            bind=config.paramserver.address, keep=config.paramserver.keep, state_dir=pathlib.Path(state_dir)
+            bind=config.paramserver.address,
+            keep=config.paramserver.keep,
+            state_dir=state_dir,
+            rest_dir=rest_dir,
         ),
     )
 

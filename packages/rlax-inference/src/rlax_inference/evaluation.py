@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlax_core.cli import component_main, select_platform
-from rlax_core.config import RunConfig, load_config
+from rlax_core.config import RunConfig, load_config, published_state_dir
 
 __all__ = ["EngineSampler", "engine_sampler", "load_run_params", "main", "run"]
 
@@ -23,7 +23,8 @@ def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> 
 
     `weights`: an HF checkpoint folder (e.g. one written by `rlax convert to-hf`); by default
     the run's newest published version, read from the parameter server's state folder
-    (`paramserver.state_dir`, default `<run>/paramserver`) — the same bytes the workers
+    (`paramserver.state_dir`, default `<run>/paramserver`, or its folder in memory while the
+    run is live with `paramserver.storage: memory`) — the same bytes the workers
     pulled; the initial weights when nothing was published yet. A trainer checkpoint of an
     earlier step is read by the trainer's package: `rlax convert to-hf --step N` first.
     """
@@ -38,8 +39,7 @@ def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> 
     if weights:
         model_config, params = load_hf_checkpoint(weights, param_dtype=config.model.param_dtype)
         return dtype_policy(model_config), params, f"weights {weights}"
-    state_dir = pathlib.Path(config.paramserver.state_dir or config.output_dir / "paramserver")
-    state, error = load_newest(state_dir)
+    state, error = load_newest(published_state_dir(config))
     if error:
         log.warning("newer published versions are corrupt: %s", error)
     if state is None:

@@ -45,6 +45,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
         help="persist the newest --keep versions here (and load them at start)",
     )
     parser.add_argument(
+        "--rest-dir",
+        type=pathlib.Path,
+        default=None,
+        help="with a --state-dir in memory (e.g. under /dev/shm): where the versions rest while "
+        "the server is stopped (copied back on start when --state-dir is empty)",
+    )
+    parser.add_argument(
         "--no-fsync",
         action="store_true",
         help="persist without fsync: a version survives a SIGKILL, not a crash of the machine",
@@ -92,6 +99,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ServerConfig, pathlib.P
             bind=args.bind,
             keep=args.keep,
             state_dir=args.state_dir,
+            rest_dir=args.rest_dir,
             fsync=not args.no_fsync,
             workers=args.workers,
             io_threads=args.io_threads,

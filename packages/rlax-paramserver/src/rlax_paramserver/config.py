@@ -25,6 +25,10 @@ class ServerConfig:
         None keeps everything in memory only.
     fsync: flush each persisted version to the disk (it then survives a machine crash);
         False: written and renamed only (it survives a SIGKILL of any process).
+    rest_dir: where the versions rest while the server is stopped, for a `state_dir` in
+        memory (a tmpfs such as /dev/shm): a start with an empty `state_dir` copies the
+        newest `keep` from here, a stop copies them back and clears `state_dir`. None: the
+        versions stay in `state_dir`.
     workers: request-handling threads; io_threads: ZeroMQ I/O threads.
     lease_ttl_s: a pull lease not renewed for this long expires (its client is presumed dead).
     push_idle_timeout_s: a pending push with no chunk for this long is dropped.
@@ -48,6 +52,7 @@ class ServerConfig:
     keep: int = 3
     state_dir: pathlib.Path | None = None
     fsync: bool = True
+    rest_dir: pathlib.Path | None = None
     workers: int = 4
     io_threads: int = 2
     lease_ttl_s: float = 30.0
@@ -98,4 +103,15 @@ class ServerConfig:
                 "state_dir",
                 str(self.state_dir),
                 "is a file, expected a directory",
+            )
+        if self.rest_dir is not None:
+            _check(self.state_dir is not None, "rest_dir", str(self.rest_dir), "needs a state_dir")
+            _check(
+                not self.rest_dir.is_file(), "rest_dir", str(self.rest_dir), "is a file, expected a directory"
+            )
+            _check(
+                self.state_dir is None or self.rest_dir.resolve() != self.state_dir.resolve(),
+                "rest_dir",
+                str(self.rest_dir),
+                "must differ from state_dir",
             )

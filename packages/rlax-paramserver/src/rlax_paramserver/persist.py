@@ -25,6 +25,12 @@ push can guess); on commit the server verifies every tensor of that file, rename
 into place and serves its mapping (`install_staged`): the version crosses no socket and
 no process holds an anonymous copy of it.
 
+A server may serve from a folder in memory (a tmpfs such as /dev/shm) and keep its versions
+on disk only while it is stopped (`spill_states` when it stops, `unspill_states` when it
+starts): a version in memory survives a SIGKILL of any process as one in the page cache
+does, without the disk's cost per push (SmolLM2's 540 MB: 1.3-1.7 s of kernel time in the
+pusher's writes on this machine's ext4, 0.35 s on tmpfs).
+
 A file is written under a temporary name, fsynced, renamed into place and the
 directory fsynced, so a crash leaves either the old files or the new one too; only then
 are files older than the newest `keep` removed. On load (up to `keep` files) every
@@ -36,12 +42,14 @@ and loading fails with that error, rather than falling back to an older version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import pathlib
 import re
 import secrets
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -399,6 +407,70 @@ def map_state(
     # Frames are slices of the mapped tensors, in frame order, so pulls need no copy.
     frames = [tensors[s.tensor][s.offset : s.offset + s.nbytes] for s in frame_layout(header.manifest)]
     return LoadedState(header.version, header.manifest, dict(header.metadata), frames, path, tensors)
+
+
+def _state_files(state_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    """(version, path) of every state file in `state_dir`, oldest first."""
+    if not state_dir.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in state_dir.iterdir() if (m := _NAME.match(p.name)) is not None)
+
+
+def _copy_state_file(source: pathlib.Path, target_dir: pathlib.Path, *, fsync: bool) -> None:
+    """`source` into `target_dir` under its own name: written under a temporary name (the
+    pattern an owner clears at start) and renamed, so the target is whole or absent."""
+    target_dir.mkdir(parents=True, exist_ok=True)
+    final = target_dir / source.name
+    tmp = target_dir / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        shutil.copyfile(source, tmp)
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            _fsync_dir(target_dir)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def spill_states(
+    live_dir: pathlib.Path, rest_dir: pathlib.Path, keep: int, *, fsync: bool = True
+) -> list[int]:
+    """A stopping server's versions, from its folder in memory to where they rest: the newest
+    `keep` state files of `live_dir` are copied into `rest_dir` (a file of the same name
+    and size already there is not copied again), `rest_dir`'s older state files removed,
+    and only then `live_dir`'s files and the folder itself. Returns the versions copied.
+    An error leaves `live_dir` as it was (it is the only complete copy)."""
+    newest = _state_files(live_dir)[-keep:]
+    for leftover in rest_dir.glob(".weights-v*.tmp-*") if rest_dir.is_dir() else ():
+        leftover.unlink(missing_ok=True)  # an earlier spill cut short (this server owns rest_dir)
+    for _, path in newest:
+        there = rest_dir / path.name
+        if not (there.exists() and there.stat().st_size == path.stat().st_size):
+            _copy_state_file(path, rest_dir, fsync=fsync)
+    if newest:
+        _prune(rest_dir, newest[-1][0], keep)
+    for leftover in live_dir.iterdir() if live_dir.is_dir() else ():
+        if _NAME.match(leftover.name) or leftover.name.startswith(".weights-v"):
+            leftover.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: something else lives there, leave it
+        live_dir.rmdir()
+    return [version for version, _ in newest]
+
+
+def unspill_states(rest_dir: pathlib.Path, live_dir: pathlib.Path, keep: int) -> list[int]:
+    """A starting server's versions, back into its folder in memory: when `live_dir` holds no
+    state file (a first start, or after the machine restarted), the newest `keep` of
+    `rest_dir` are copied in (verified when the server loads them, as any state file).
+    A `live_dir` that has state files is the newer copy and is left alone."""
+    if _state_files(live_dir):
+        return []
+    newest = _state_files(rest_dir)[-keep:]
+    for _, path in newest:
+        _copy_state_file(path, live_dir, fsync=False)
+    return [version for version, _ in newest]
 
 
 def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None]:

@@ -51,6 +51,8 @@ from rlax_paramserver.persist import (
     install_staged,
     load_states,
     map_state,
+    spill_states,
+    unspill_states,
     write_state,
 )
 from rlax_paramserver.store import PendingPush, StoredVersion, StoreError, VersionStore, Waiter, Wakeup
@@ -141,12 +143,20 @@ class ParamServer:
         self._persist_jobs: queue.Queue[_PersistJob] = queue.Queue()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self._serving = False  # started: a stop then moves the versions to config.rest_dir
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> str:
+        if self.config.state_dir is not None and self.config.rest_dir is not None:
+            copied = unspill_states(self.config.rest_dir, self.config.state_dir, self.config.keep)
+            if copied:
+                log.info(
+                    "versions %s copied from %s into %s", copied, self.config.rest_dir, self.config.state_dir
+                )
         if self.config.state_dir is not None:
             self._restore()
+        self._serving = True
         self._context = zmq.Context(io_threads=self.config.io_threads)
         broker = threading.Thread(target=self._broker, name="paramserver-broker", daemon=True)
         broker.start()
@@ -178,6 +188,14 @@ class ParamServer:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._serving and self.config.state_dir is not None and self.config.rest_dir is not None:
+            self._serving = False
+            copied = spill_states(
+                self.config.state_dir, self.config.rest_dir, self.config.keep, fsync=self.config.fsync
+            )
+            log.info(
+                "versions %s copied to %s; %s cleared", copied, self.config.rest_dir, self.config.state_dir
+            )
 
     def __enter__(self) -> ParamServer:
         self.start()
