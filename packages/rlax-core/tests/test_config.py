@@ -103,5 +103,11 @@ def test_a_reader_finds_a_live_runs_versions_in_memory_and_a_stopped_runs_in_its
     on_disk = load_config(None, [f"run.output_dir={tmp_path / 'run'}"])
     assert config_module.paramserver_dirs(on_disk) == (rest, None)
     assert config_module.published_state_dir(on_disk) == rest
+    monkeypatch.setattr(config_module, "MEMORY_MIN_FREE_BYTES", 1 << 60)  # a container's 64 MB /dev/shm
+    assert config_module.paramserver_dirs(config) == (live, rest), "a live run's folder is always used"
+    (live / "weights-v000000000007.rlaxw").unlink()
+    live.rmdir()
+    assert config_module.paramserver_dirs(config) == (rest, None)
+    monkeypatch.setattr(config_module, "MEMORY_MIN_FREE_BYTES", 0)
     monkeypatch.setattr(config_module, "MEMORY_ROOT", tmp_path / "no-such-folder")  # macOS: no /dev/shm
     assert config_module.paramserver_dirs(config) == (rest, None)
