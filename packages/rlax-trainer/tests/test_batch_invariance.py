@@ -29,9 +29,15 @@ def setup():
     params = {"policy": rlax_model.init_params(config, jax.random.key(0), std=0.3)}
     cfg = LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=4, batch_invariant=True)
     spec = learner_mod._Spec(config, cfg)
-    padded = jax.jit(lambda p, t, v, s: learner_mod._policy_outputs(spec, p, t, v, s, remat=False)[0])
+    # The update's compiler options under batch_invariant (`learner._update_jit_aligned`).
+    options = rlax_model.layers.ALIGNED_COMPILER_OPTIONS
+    padded = jax.jit(
+        lambda p, t, v, s: learner_mod._policy_outputs(spec, p, t, v, s, remat=False)[0],
+        compiler_options=options,
+    )
     packed = jax.jit(
-        lambda p, row, src, tg, s: learner_mod._packed_outputs(spec, p, row, src, tg, s, remat=False)[0]
+        lambda p, row, src, tg, s: learner_mod._packed_outputs(spec, p, row, src, tg, s, remat=False)[0],
+        compiler_options=options,
     )
     return params, padded, packed
 

@@ -291,7 +291,9 @@ class TrainerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     rows padded to the batch's length bucket, `micro_batch` rollouts per pass (a mesh of
     several devices always runs this way). `batch_invariant`: a rollout's float32 log-probs
     bitwise the same whatever it is padded to, batched or packed with (blocked attention,
-    aligned packed rows; costs time and memory: `rlax_trainer.LearnerConfig`).
+    aligned packed rows; costs time and memory: `rlax_trainer.LearnerConfig`), and bitwise
+    the workers' behaviour log-probs: it also turns on the engines' aligned mode
+    (`rlax_inference.EngineConfig.aligned`; slower decoding).
     `hosts`: trainer processes (one per host) joined by `jax.distributed` into one gang;
     `coordinator`: the gang's coordinator HOST:PORT (`auto`: process 0's host, a free port);
     `mesh`: axis sizes over all devices of the gang, of `data`, `fsdp`, `tensor` (empty:

@@ -69,6 +69,9 @@ class EngineConfig:
       weights drop every key.
     seed: seeds the stream of seeds given to requests without one (`SamplingParams.seed=None`):
       distinct per request, and the same for the same engine seed and order of requests.
+    aligned: compute as the trainer does under `trainer.batch_invariant`, so that a sampled
+      token's float32 log-prob equals the trainer's recomputation to the bit (`ModelRunner`;
+      decode attention then runs in XLA, not on the `attention` backend's kernel: slower).
     """
 
     block_size: int = 16
@@ -87,6 +90,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    aligned: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
@@ -180,6 +184,7 @@ class LLMEngine:
             max_prefill_rows=config.max_prefill_rows,
             attention=config.attention,
             interpret=config.attention_interpret,
+            aligned=config.aligned,
         )
         self.weight_version = weight_version
         self.detokenize = detokenize

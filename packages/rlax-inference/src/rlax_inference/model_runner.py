@@ -27,6 +27,10 @@ starts at 0): the chunk attends to the row's tokens already in the cache -- earl
 prefix-cached or shared blocks -- gathered through its block table from the read-only cache,
 and causally to itself, in one exact float32 softmax; its K/V leave the scan like decode's.
 
+`ModelRunner(aligned=True)` (`EngineConfig.aligned`) computes as the trainer's
+batch-invariant pass does, so that a sampled token's float32 log-prob is the trainer's to
+the bit: see `ModelRunner`.
+
 A model with `ModelConfig.sliding_window` (Mistral-style) sees only that many tokens in
 prefill (the causal mask) and in decode, on every backend (the decode paths skip the
 pages before the window).
@@ -52,6 +56,8 @@ from rlax_model import (
     hidden_states,
     project_logits,
 )
+from rlax_model.attention import KEY_BLOCK
+from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_MIN_ROWS, padded_matmul_rows
 
 AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
 # Backends that keep a float32 cache (see `ModelRunner.cache_dtype`).
@@ -133,6 +139,78 @@ def _prefill_attention(q, k, v, layer, ctx: _PrefillContext):  # type: ignore[no
     return dense_attention_reference(q, keys, values, mask[:, None]), {"k": k, "v": v}
 
 
+def _positioned(
+    pages: jax.Array, layer: jax.Array, tables: jax.Array, new: jax.Array, starts: jax.Array
+) -> jax.Array:
+    """A row's cached tokens and its new ones, each at the index of its position.
+
+    pages: one 5-D cache tensor; tables: [rows, width]; new: [rows, n, kv_heads, head_dim],
+    the tokens at positions starts..starts+n-1. Returns [rows, width * page_size + n,
+    kv_heads, head_dim] in new.dtype: index i < starts holds cached position i, starts <= i
+    < starts + n the new tokens, the rest whatever the pages or the new tokens hold there
+    (the caller masks it).
+    """
+    rows, n, kv_heads, head_dim = new.shape
+    width, (layers, _, num_pages, page_size, _) = tables.shape[1], pages.shape
+    # Whole pages as rows of one flat table: XLA:CPU copies each as one contiguous slice
+    # (indexing the 5-D cache with the tables took 22 ms instead of 14 ms for 30 layers of
+    # 8 rows x 8 pages, measured on a loaded CPU).
+    flat = pages.reshape(layers * kv_heads * num_pages, page_size * head_dim)
+    heads = (layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * num_pages
+    got = jnp.take(flat, heads[None, :, None] + tables[:, None, :], axis=0, mode="clip")
+    got = got.reshape(rows, kv_heads, width * page_size, head_dim).transpose(0, 2, 1, 3).astype(new.dtype)
+    got = jnp.pad(got, ((0, 0), (0, n), (0, 0), (0, 0)))
+    rel = jnp.arange(width * page_size + n, dtype=jnp.int32)[None, :] - starts[:, None]  # [rows, keys]
+    if n == 1:  # decode: a broadcast, not a gather
+        fresh = new
+    else:
+        fresh = jnp.take_along_axis(new, jnp.clip(rel, 0, n - 1)[:, :, None, None], axis=1)
+    return jnp.where(((rel >= 0) & (rel < n))[:, :, None, None], fresh, got)
+
+
+def _aligned_prefill_attention(q, k, v, layer, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
+    """`_prefill_attention` as the trainer's batch-invariant pass computes it.
+
+    Every key sits at the index of its position (cached tokens first, then the chunk) and
+    the attention is `dense_attention_reference(key_block=KEY_BLOCK)`, the trainer's under
+    `trainer.batch_invariant`: a query's output depends only on its visible keys and their
+    positions, so (with `ALIGNED_COMPILER_OPTIONS`) it is bitwise the trainer's for the
+    same tokens, whatever the chunking, padding or batch.
+    """
+    chunk = q.shape[1]
+    keys = _positioned(ctx.cache["k"], layer, ctx.block_tables, k, ctx.starts)
+    values = _positioned(ctx.cache["v"], layer, ctx.block_tables, v, ctx.starts)
+    q_pos = ctx.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [rows, chunk]
+    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, None, :]
+    mask = (key_pos <= q_pos[:, :, None]) & (key_pos < (ctx.starts + ctx.lengths)[:, None, None])
+    if ctx.sliding_window is not None:
+        mask &= q_pos[:, :, None] - key_pos < ctx.sliding_window
+    out = dense_attention_reference(q, keys, values, mask[:, None], key_block=KEY_BLOCK)
+    return out, {"k": k, "v": v}
+
+
+def _make_aligned_decode_attention(sliding_window: int | None) -> Callable[..., Any]:
+    """Decode attention as the trainer's batch-invariant pass computes it (see
+    `_aligned_prefill_attention`): the cached pages gathered through the block tables, the
+    current token at its position, `dense_attention_reference(key_block=KEY_BLOCK)`.
+    Slower than the decode kernels (XLA gathers every page of the table width)."""
+
+    def attention(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
+        current = ctx.lengths - 1  # [batch] the token's position
+        keys = _positioned(ctx.cache["k"], layer, ctx.block_tables, k, current)
+        values = _positioned(ctx.cache["v"], layer, ctx.block_tables, v, current)
+        key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
+        mask = key_pos <= current[:, None]
+        if sliding_window is not None:
+            mask &= current[:, None] - key_pos < sliding_window
+        out = dense_attention_reference(
+            q, keys, values, mask[:, None, None, :], key_block=KEY_BLOCK, batched_blocks=True
+        )
+        return out, {"k": k[:, 0], "v": v[:, 0]}
+
+    return attention
+
+
 def _decode_attend(backend: str, interpret: bool) -> Callable[..., jax.Array]:
     """The decode attention of `backend`: `paged_attention_cpu`/`_xla` or the Pallas kernel of
     `rlax_kernels.paged_attention`; each takes the 5-D cache, a layer index and the new K/V."""
@@ -188,12 +266,15 @@ def _counted(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
-_STEP_STATICS = ("config", "use_filters", "num_top")
+_STEP_STATICS = ("config", "use_filters", "num_top", "aligned")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATICS, donate_argnums=(1,))
-@_counted("prefill")
-def _prefill_step(
+def _jits(fn: Callable[..., Any], **jit_kwargs: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`fn` jitted as is, and jitted with `ALIGNED_COMPILER_OPTIONS` (called with aligned=True)."""
+    return jax.jit(fn, **jit_kwargs), jax.jit(fn, compiler_options=ALIGNED_COMPILER_OPTIONS, **jit_kwargs)
+
+
+def _prefill_impl(
     params,
     cache,
     tokens,
@@ -207,25 +288,33 @@ def _prefill_step(
     config,
     use_filters,
     num_top,
+    aligned=False,
 ):  # type: ignore[no-untyped-def]
     """Prefill one chunk per row: row i's `lengths[i]` tokens sit at positions `starts[i]`... and
-    attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other."""
+    attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other.
+    aligned: the trainer's batch-invariant formulation (`ModelRunner`'s `aligned`)."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    hidden, new = hidden_states(
-        params,
-        tokens,
-        positions,
-        config=config,
-        attention=_prefill_attention,
-        attention_context=_PrefillContext(cache, starts, lengths, block_tables, config.sliding_window),
-        kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
-    )
-    layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
-    flat = {n: a.reshape(layers, rows * length, *a.shape[3:]) for n, a in new.items()}
-    cache = _write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
-    last = hidden[jnp.arange(rows), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
-    logits = project_logits(last[row_of_sample], params, config)
-    return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
+    with padded_matmul_rows(ALIGNED_MIN_ROWS if aligned else 0):
+        hidden, new = hidden_states(
+            params,
+            tokens,
+            positions,
+            config=config,
+            attention=_aligned_prefill_attention if aligned else _prefill_attention,
+            attention_context=_PrefillContext(cache, starts, lengths, block_tables, config.sliding_window),
+            kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
+        )
+        layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
+        flat = {n: a.reshape(layers, rows * length, *a.shape[3:]) for n, a in new.items()}
+        cache = _write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
+        last = hidden[jnp.arange(rows), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
+        logits = project_logits(last[row_of_sample], params, config)
+    return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned), cache
+
+
+_prefill_step, _prefill_step_aligned = _jits(
+    _counted("prefill")(_prefill_impl), static_argnames=_STEP_STATICS, donate_argnums=(1,)
+)
 
 
 def _decode_one(
@@ -242,26 +331,30 @@ def _decode_one(
     interpret,
     use_filters,
     num_top,
+    aligned,
 ):  # type: ignore[no-untyped-def]
     """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
-    hidden, new = hidden_states(
-        params,
-        tokens[:, None],
-        positions,
-        config=config,
-        attention=_make_fused_decode_attention(_decode_attend(attention, interpret), config.sliding_window),
-        attention_context=_FusedDecodeContext(cache, lengths, block_tables),
-        kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
-    )
-    cache = _write_all_layers(cache, new["k"], new["v"], slots)
-    logits = project_logits(hidden[:, 0], params, config)
-    return sample(logits, sampling, use_filters=use_filters, num_top=num_top), cache
+    if aligned:
+        attend = _make_aligned_decode_attention(config.sliding_window)
+    else:
+        attend = _make_fused_decode_attention(_decode_attend(attention, interpret), config.sliding_window)
+    with padded_matmul_rows(ALIGNED_MIN_ROWS if aligned else 0):
+        hidden, new = hidden_states(
+            params,
+            tokens[:, None],
+            positions,
+            config=config,
+            attention=attend,
+            attention_context=_FusedDecodeContext(cache, lengths, block_tables),
+            kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
+        )
+        cache = _write_all_layers(cache, new["k"], new["v"], slots)
+        logits = project_logits(hidden[:, 0], params, config)
+    return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned), cache
 
 
-@functools.partial(jax.jit, static_argnames=(*_STEP_STATICS, "attention", "interpret"), donate_argnums=(1,))
-@_counted("decode")
-def _decode_steps(
+def _decode_impl(
     params,
     cache,
     tokens,
@@ -275,6 +368,7 @@ def _decode_steps(
     interpret,
     use_filters,
     num_top,
+    aligned=False,
 ):  # type: ignore[no-untyped-def]
     """`num_steps = slots.shape[0]` decode steps in one program, each step's token fed to the next.
 
@@ -284,7 +378,12 @@ def _decode_steps(
     so the tokens equal those of `num_steps` single steps. Returns outputs stacked [num_steps, rows, ...].
     """
     statics = dict(
-        config=config, attention=attention, interpret=interpret, use_filters=use_filters, num_top=num_top
+        config=config,
+        attention=attention,
+        interpret=interpret,
+        use_filters=use_filters,
+        num_top=num_top,
+        aligned=aligned,
     )
     num_steps = slots.shape[0]
     if num_steps == 1:
@@ -305,6 +404,13 @@ def _decode_steps(
 
     (cache, _), outs = jax.lax.scan(one, (cache, tokens), (jnp.arange(num_steps), slots))
     return outs, cache
+
+
+_decode_steps, _decode_steps_aligned = _jits(
+    _counted("decode")(_decode_impl),
+    static_argnames=(*_STEP_STATICS, "attention", "interpret"),
+    donate_argnums=(1,),
+)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -332,7 +438,19 @@ class StepResult(NamedTuple):
 
 
 class ModelRunner:
-    """Holds the weights and the paged cache; runs bucketed prefill/decode+sample steps."""
+    """Holds the weights and the paged cache; runs bucketed prefill/decode+sample steps.
+
+    aligned: compute as the trainer's batch-invariant pass does (`trainer.batch_invariant`),
+    so that a sampled token's float32 log-prob is bitwise the trainer's recomputation:
+    prefill and decode attention are `dense_attention_reference(key_block=KEY_BLOCK)` over
+    the gathered pages with every key at its position's index (decode does not use the
+    `attention` backend's kernel), matmuls have at least `ALIGNED_MIN_ROWS` rows, the
+    programs compile with `ALIGNED_COMPILER_OPTIONS` (row-count invariant matmuls on
+    XLA:CPU), and the sampler's log-prob is the trainer's formula. A tied output projection
+    is then held as its own transposed copy (`embed.T` laid out [hidden, vocab], one more
+    copy of the embedding): with the option, XLA:CPU's matmul against the embedding as
+    stored ran 3x slower at 8 rows (49 vs 16 ms; the copy 20 ms) and gives the same bits.
+    """
 
     def __init__(
         self,
@@ -347,8 +465,12 @@ class ModelRunner:
         min_len_bucket: int = 16,
         attention: AttentionBackend = "auto",
         interpret: bool = False,
+        aligned: bool = False,
     ) -> None:
         self.config = config
+        self.aligned = aligned
+        # The programs' model config: an aligned runner's tied output projection is a copy.
+        self.step_config = config.replace(tie_word_embeddings=False) if aligned else config
         self.params = params
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -366,6 +488,19 @@ class ModelRunner:
             "k": jnp.zeros(shape, self.cache_dtype),
             "v": jnp.zeros(shape, self.cache_dtype),
         }
+
+    @property
+    def params(self) -> Params:
+        """The weights (assigning new ones also refreshes the aligned mode's output projection)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Params) -> None:
+        self._params = params
+        self._step_params = params
+        if self.aligned and self.config.tie_word_embeddings:
+            # A materialised transpose: jnp's transpose of a concrete array is laid out anew.
+            self._step_params = {**params, "lm_head": jnp.transpose(jnp.asarray(params["embed"]))}
 
     @property
     def cache_dtype(self) -> jnp.dtype:
@@ -443,9 +578,10 @@ class ModelRunner:
         row_of_sample = np.zeros(sample_rows, np.int32)
         row_of_sample[:n] = [r for r, _ in samples]
         batch = self._sampling_batch([s for _, s in samples], sample_rows)
-        out, self.cache = _prefill_step(
-            self.params, self.cache, tokens, starts, lengths, slot_arr, tables, row_of_sample, batch,
-            config=self.config, use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
+        out, self.cache = (_prefill_step_aligned if self.aligned else _prefill_step)(
+            self._step_params, self.cache, tokens, starts, lengths, slot_arr, tables, row_of_sample, batch,
+            config=self.step_config, use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
+            aligned=self.aligned,
         )  # fmt: skip
         return self._host(out, n, num_top)
 
@@ -479,9 +615,9 @@ class ModelRunner:
             tables[i, : len(t)] = t
             slot_arr[: len(s), i] = s
         batch = self._sampling_batch(sampling, rows)
-        out, self.cache = _decode_steps(
-            self.params, self.cache, tok, slot_arr, tables, lens, batch, config=self.config, attention=self.attention, interpret=self.interpret,
-            use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top),
+        out, self.cache = (_decode_steps_aligned if self.aligned else _decode_steps)(
+            self._step_params, self.cache, tok, slot_arr, tables, lens, batch, config=self.step_config, attention=self.attention, interpret=self.interpret,
+            use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top), aligned=self.aligned,
         )  # fmt: skip
         return self._host(out, n, num_top, stacked=True)
 

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_model import token_logprobs_from_logits
+
 
 class SamplingBatch(NamedTuple):
     """Per-row sampling settings of one step (all `[batch]`)."""
@@ -153,13 +155,22 @@ def inverse_cdf_draw(weights: jax.Array, target: jax.Array) -> jax.Array:
 
 
 def sample(
-    logits: jax.Array, batch: SamplingBatch, *, use_filters: bool = True, num_top: int = 0
+    logits: jax.Array,
+    batch: SamplingBatch,
+    *,
+    use_filters: bool = True,
+    num_top: int = 0,
+    aligned: bool = False,
 ) -> SamplerOutput:
     """Draw one token per row.
 
     logits: [batch, vocab] float32. `use_filters=False` skips the per-row sort (exact only
     when no row uses top-k or top-p). `num_top`: how many top logprobs to return per row
     (`top_ids, top_logprobs: [batch, num_top]`; past the vocabulary, ids 0 with logprob -inf).
+    `aligned`: the sampled token's log-prob is the trainer's formula
+    (`rlax_model.token_logprobs_from_logits`: ordered sums over the vocabulary), so that it
+    equals the trainer's recomputation to the bit when the logits do; otherwise it comes
+    from the draw's block sums (a few 1e-7 apart, relatively).
 
     The draw is an inverse CDF (a Gumbel per vocabulary entry, as `jax.random.categorical`
     draws, costs more than the model's matmuls at large batch) in two stages over blocks of
@@ -217,7 +228,10 @@ def sample(
     argmax = best_block * block + jnp.argmax(best_x, axis=-1)
     tokens = jnp.where(greedy, argmax, drawn).astype(jnp.int32)
 
-    logprobs = jnp.take_along_axis(dist, tokens[:, None], axis=1)[:, 0] / scale - log_norm
+    if aligned:
+        logprobs, _ = token_logprobs_from_logits(dist / scale[:, None], tokens)
+    else:
+        logprobs = jnp.take_along_axis(dist, tokens[:, None], axis=1)[:, 0] / scale - log_norm
     if num_top:
         # The runner rounds num_top up to a compile bucket, which can pass a small vocabulary:
         # the entries past it are padded (logprob -inf) and never reach a request.
@@ -233,4 +247,4 @@ def sample(
     return SamplerOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
 
 
-sample_jit = jax.jit(sample, static_argnames=("use_filters", "num_top"))
+sample_jit = jax.jit(sample, static_argnames=("use_filters", "num_top", "aligned"))

@@ -220,7 +220,8 @@ class WorkerConfig:
 def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
     """`rlax_inference.EngineConfig` fields sized for the run: every running sequence can
     hold `model.max_seq_len` tokens. Unseeded requests draw from a stream seeded by the run
-    and the worker's index (distinct across workers)."""
+    and the worker's index (distinct across workers). `trainer.batch_invariant` turns on
+    the engine's aligned mode: the workers' log-probs then equal the trainer's to the bit."""
     max_len = config.model.max_seq_len
     seqs = config.workers.max_batch_seqs
     block = 16
@@ -234,6 +235,7 @@ def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
         "attention": config.workers.attention,
         "num_decode_steps": config.workers.decode_steps,
         "seed": (config.run.seed * 1_000_003 + index) % 2**31,
+        "aligned": config.trainer.batch_invariant,
     }
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from rlax_model.layers import MIN_MATMUL_ROWS
+from rlax_model.layers import ALIGNED_MIN_ROWS, MIN_MATMUL_ROWS
 
 
 class AttentionFn(Protocol):
@@ -112,7 +112,13 @@ KEY_BLOCK = 16
 
 
 def dense_attention_reference(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, key_block: int | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    key_block: int | None = None,
+    batched_blocks: bool = False,
 ) -> jax.Array:
     """Masked multi-head attention with grouped-query heads, softmax in float32.
 
@@ -131,8 +137,16 @@ def dense_attention_reference(
     times values run as one matmul per block of exactly `key_block` keys (the key axis
     zero-padded to a multiple of it), the blocks' partial sums are added in key order, and
     fewer than `layers.MIN_MATMUL_ROWS` query rows are padded to it (except one query:
-    decoding). Its cost: the update's temporary memory 107 -> 343 MB on 512-token packed
+    decoding, padded only to `layers.ALIGNED_MIN_ROWS` matmul rows when the model has one
+    query head per KV head). Bitwise agreement between programs of different query counts
+    (the engine's decode and prefill against the trainer's pass) also needs
+    `layers.ALIGNED_COMPILER_OPTIONS`: XLA:CPU's default matmul rounds by the query count.
+    Its cost: the update's temporary memory 107 -> 343 MB on 512-token packed
     rows of a 2-layer SmolLM2-wide model (the per-block matmuls' operands and partial sums).
+    batched_blocks (with key_block): the per-block matmuls as one matmul batched over the
+    blocks, the same products and the same key-order sum of the blocks' partial sums: for
+    the engine's decode (one query, no gradient), where the unrolled matmuls' overhead
+    dominates; with `layers.ALIGNED_COMPILER_OPTIONS` it gives the unrolled form's bits.
     """
     b, sq, nh, d = q.shape
     nkv = k.shape[2]
@@ -141,6 +155,8 @@ def dense_attention_reference(
     block = key_block or k.shape[1]
     small = key_block is not None and 1 < sq and sq * group < MIN_MATMUL_ROWS
     rows = -(-MIN_MATMUL_ROWS // group) if small else sq
+    if key_block is not None and rows * group < ALIGNED_MIN_ROWS:  # one decoded query, one head per KV head
+        rows = -(-ALIGNED_MIN_ROWS // group)
     nblk = -(-k.shape[1] // block)
     sk = nblk * block
     q = jnp.pad(q, ((0, 0), (0, rows - sq), (0, 0), (0, 0)))
@@ -151,10 +167,15 @@ def dense_attention_reference(
     # batched matmul over the blocks would need the queries broadcast over them (and saved
     # for the backward pass: 12x the update's temporary memory on 512-token rows).
     qg = q.reshape(b, rows, nkv, group, d)
-    blocks = [
-        jnp.einsum("bqkgd,bckd->bkgqc", qg, k[:, i], preferred_element_type=jnp.float32) for i in range(nblk)
-    ]
-    scores = jnp.concatenate(blocks, axis=-1) * (1.0 / float(d) ** 0.5)
+    if batched_blocks:
+        scores = jnp.einsum("bqkgd,bnckd->bkgqnc", qg, k, preferred_element_type=jnp.float32)
+        scores = scores.reshape(b, nkv, group, rows, sk) * (1.0 / float(d) ** 0.5)
+    else:
+        blocks = [
+            jnp.einsum("bqkgd,bckd->bkgqc", qg, k[:, i], preferred_element_type=jnp.float32)
+            for i in range(nblk)
+        ]
+        scores = jnp.concatenate(blocks, axis=-1) * (1.0 / float(d) ** 0.5)
     # A large finite negative (not -inf) keeps fully masked rows finite.
     scores = jnp.where(mask.reshape(b, nkv, group, rows, sk), scores, jnp.float32(-1e30))
     # The max is exact in any order; stop_gradient as in jax.nn.softmax (it cancels).
@@ -168,11 +189,16 @@ def dense_attention_reference(
     v1 = jnp.concatenate([v.astype(jnp.float32), jnp.ones((*v.shape[:-1], 1), jnp.float32)], axis=-1)
     weights = weights.reshape(b, nkv, group, rows, nblk, block)
     v1 = v1.reshape(b, nblk, block, nkv, d + 1)
+    if batched_blocks:
+        parts = jnp.einsum("bkgqnc,bnckd->nbqkgd", weights, v1, preferred_element_type=jnp.float32)
     acc = None
     for i in range(nblk):  # in key order; a block no key of the query is in adds zeros
-        part = jnp.einsum(
-            "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
-        )
+        if batched_blocks:
+            part = parts[i]
+        else:
+            part = jnp.einsum(
+                "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
+            )
         acc = part if acc is None else acc + part
     out = acc[:, :sq, ..., :d] / acc[:, :sq, ..., d:]
     return out.reshape(b, sq, nh, d).astype(q.dtype)

@@ -98,10 +98,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # round differently (measured on [rows, in] @ [in, out] float32: every row count up to 32
 # differs from 300 rows for SmolLM2's widths, up to 50 for 32-64 wide ones; none from 51
 # on). Under `padded_matmul_rows(MIN_MATMUL_ROWS)` matmuls with fewer rows are padded to this
-# many, so that a token's projection does not depend on how many tokens share the matmul
-# (the trainer's `batch_invariant` option). Not by default: the engine decodes a handful of
-# rows, and padding 8 rows to 64 made SmolLM2's projections 1.8-2.3x slower (measured).
+# many, so that a token's projection does not depend on how many tokens share the matmul.
+# The trainer's `batch_invariant` used to; it now compiles with `ALIGNED_COMPILER_OPTIONS`
+# instead (no kernel switch from 2 rows on) and pads only to `ALIGNED_MIN_ROWS`. Not by
+# default: the engine decodes a handful of rows, and padding 8 rows to 64 made SmolLM2's
+# projections 1.8-2.3x slower (measured).
 MIN_MATMUL_ROWS = 64
+
+# The compiler options of programs whose float32 results must agree to the bit with other
+# programs' (the engine's and the trainer's in aligned mode: `rlax_inference.EngineConfig.aligned`,
+# `trainer.batch_invariant`). XLA:CPU (jax 0.10) lowers float32 and bfloat16 matmuls to a
+# YNNPACK fusion whose rounding of a row depends on the row count (measured on
+# [rows, 576] @ [576, 1536]: up to 7.6e-5 apart for 1-32 rows against 33 or more) and, for
+# attention's batched matmuls, on the query count at every size; with YNNPACK off, XLA's
+# Eigen dot gives every row the same bits for any row count from 2 on (one row takes a
+# matrix-vector path that rounds otherwise: `row_matmul` then pads to 2 rows, see
+# `ALIGNED_MIN_ROWS`). Other backends ignore the option.
+ALIGNED_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+ALIGNED_MIN_ROWS = 2
 _trace_settings = threading.local()
 
 

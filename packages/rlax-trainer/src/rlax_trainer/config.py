@@ -122,10 +122,14 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       padded length, twice it); memory per pass grows with it, attention quadratically.
     - `batch_invariant`: a rollout's float32 log-probs are bitwise the same whatever it is
       padded to, batched with or packed with: every pass runs the attention over blocks of
-      `rlax_model.attention.KEY_BLOCK` keys, and packed rows align their segments to them
-      (`rlax_trainer.packing`). Measured on a 2-layer SmolLM2-wide model, 16 rollouts of
-      47-token prompts: the packed update 1.4x the time (1.5x the computed positions), and
-      3.2x the temporary memory on 512-token rows. Off, a rollout's log-probs move with its
+      `rlax_model.attention.KEY_BLOCK` keys, packed rows align their segments to them
+      (`rlax_trainer.packing`), and the update compiles with
+      `rlax_model.layers.ALIGNED_COMPILER_OPTIONS` (row-count invariant matmuls), as the
+      engine does in its aligned mode (`rlax_inference.EngineConfig.aligned`, which a run
+      turns on with this): a sampled token's log-prob is then the trainer's to the bit.
+      Measured on a 2-layer SmolLM2-wide model, 16 rollouts of 47-token prompts: the packed
+      update 1.4x the time (1.5x the computed positions), and 3.2x the temporary memory on
+      512-token rows. Off, a rollout's log-probs move with its
       padding, batch and row by up to ~3e-6 (the attention's one matmul over all keys).
     """
 

@@ -109,12 +109,15 @@ DENSE_LOGITS_ELEMENTS = 1 << 22
 
 
 def _invariant_rows(fn: Any) -> Any:
-    """Trace `fn(spec, ...)` with small matmuls padded to `MIN_MATMUL_ROWS` rows when the
-    config asks for batch invariance (the spec is static: each setting compiles apart)."""
+    """Trace `fn(spec, ...)` with one-row matmuls padded to `ALIGNED_MIN_ROWS` rows when the
+    config asks for batch invariance (the spec is static: each setting compiles apart); the
+    update then compiles with `ALIGNED_COMPILER_OPTIONS`, whose matmuls round a row alike
+    for any row count from 2 on (XLA:CPU's default rounded rows of up to 32 otherwise, and
+    needed them padded to `MIN_MATMUL_ROWS`)."""
 
     @functools.wraps(fn)
     def traced(spec: _Spec, *args: Any, **kwargs: Any) -> Any:
-        rows = rlax_model.layers.MIN_MATMUL_ROWS if spec.config.batch_invariant else 0
+        rows = rlax_model.layers.ALIGNED_MIN_ROWS if spec.config.batch_invariant else 0
         with rlax_model.layers.padded_matmul_rows(rows):
             return fn(spec, *args, **kwargs)
 
@@ -626,6 +629,14 @@ def _update(spec: _Spec, state: TrainState, ref: Any, batch: dict[str, jax.Array
 
 
 _update_jit = jax.jit(_update, static_argnums=(0,), donate_argnums=(1,))
+# `batch_invariant`'s update: the compiler options of the engine's aligned mode, so that the
+# trainer's log-probs are bitwise those of `rlax_inference.EngineConfig(aligned=True)`.
+_update_jit_aligned = jax.jit(
+    _update,
+    static_argnums=(0,),
+    donate_argnums=(1,),
+    compiler_options=rlax_model.layers.ALIGNED_COMPILER_OPTIONS,
+)
 
 
 class Learner:
@@ -708,14 +719,16 @@ class Learner:
 
     def _compile_update(self):
         spec = _Spec(self.model_config, self.config)
+        aligned = self.config.batch_invariant
         if self.mesh is None:
-            return functools.partial(_update_jit, spec)
+            return functools.partial(_update_jit_aligned if aligned else _update_jit, spec)
         rep = replicated(self.mesh)
         return jax.jit(
             functools.partial(_update, spec),
             in_shardings=(self._state_sh, self._ref_sh, batch_sharding(self.mesh)),
             out_shardings=(self._state_sh, rep),
             donate_argnums=(0,),
+            compiler_options=rlax_model.layers.ALIGNED_COMPILER_OPTIONS if aligned else None,
         )
 
     # ------------------------------------------------------------------ public
@@ -816,8 +829,8 @@ class Learner:
         state = self.state if state is None else state
         reference = self.reference_params if reference is None else reference
         fn = self._update_fn
-        if isinstance(fn, functools.partial) and fn.func is _update_jit:
-            return _update_jit.lower(fn.args[0], state, reference, arrays)
+        if isinstance(fn, functools.partial) and fn.func in (_update_jit, _update_jit_aligned):
+            return fn.func.lower(fn.args[0], state, reference, arrays)
         return fn.lower(state, reference, arrays)
 
     @staticmethod
