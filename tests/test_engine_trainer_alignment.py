@@ -97,3 +97,61 @@ def test_trainer_batch_invariant_turns_on_the_workers_aligned_mode() -> None:
         config = load_config(None, overrides)
         assert EngineConfig(**engine_config_fields(config, 1)).aligned is want
         assert learner_config(config, mode="rl").batch_invariant is want
+
+
+def test_a_multi_turn_rollout_agrees_to_the_bit_across_its_turns() -> None:
+    """Two model turns with environment tokens between them, as an agent loop makes them: the
+    second turn's prompt (first prompt + first reply + tool output) is prefilled on top of the
+    first turn's cached blocks (prefix cache, a partial last block), and the trainer scores
+    both turns' tokens in one row, the environment's masked out."""
+    config = rlax_model.ModelConfig.tiny(vocab_size=256, num_heads=4, num_kv_heads=2)
+    params = rlax_model.init_params(config, jax.random.key(2), std=0.3)
+    rng = np.random.default_rng(1)
+    engine = LLMEngine(
+        config, params,
+        EngineConfig(
+            block_size=16, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160,
+            eos_token_ids=(), aligned=True,
+        ),
+    )  # fmt: skip
+    turn = SamplingParams(n=1, temperature=1.0, max_tokens=13, seed=7, ignore_eos=True)
+    rows = []  # per rollout: tokens, per-position model mask, per-position engine log-prob
+    for i, n in enumerate((29, 18, 40, 23)):
+        prompt = rng.integers(3, config.vocab_size, n).tolist()
+        (first,) = engine.generate([prompt], turn)[0].outputs
+        tool = rng.integers(3, config.vocab_size, 5 + i).tolist()
+        context = [*prompt, *first.tokens, *tool]
+        (second,) = engine.generate([context], turn)[0].outputs
+        tokens = [*context, *second.tokens]
+        mask = np.zeros(len(tokens) - 1, np.float32)
+        logprobs = np.zeros(len(tokens) - 1, np.float32)
+        for start, sample in ((len(prompt), first), (len(context), second)):
+            mask[start - 1 : start - 1 + len(sample.tokens)] = 1.0
+            logprobs[start - 1 : start - 1 + len(sample.tokens)] = sample.logprobs
+        rows.append((tokens, mask, logprobs))
+    assert engine.num_prefix_cache_hit_tokens > 0  # the second turns reused the first turns' blocks
+    width = max(len(t) for t, _, _ in rows)
+    b = len(rows)
+    batch = {
+        "tokens": np.zeros((b, width), np.int32),
+        "valid": np.zeros((b, width), bool),
+        "mask": np.zeros((b, width - 1), np.float32),
+        "worker_logprobs": np.zeros((b, width - 1), np.float32),
+        "rewards": rng.random(b).astype(np.float32),
+        "versions": np.zeros(b, np.int32),
+    }
+    for i, (tokens, mask, logprobs) in enumerate(rows):
+        batch["tokens"][i, : len(tokens)] = tokens
+        batch["valid"][i, : len(tokens)] = True
+        batch["mask"][i, : len(mask)] = mask
+        batch["worker_logprobs"][i, : len(mask)] = logprobs
+    learner = Learner(
+        config,
+        LearnerConfig(
+            objective=preset("grpo"), group_size=b, global_batch=b, packing=True, batch_invariant=True
+        ),
+        params,
+    )
+    metrics = learner.update(batch)
+    assert metrics["on_policy_tokens"] == batch["mask"].sum() == b * 2 * 13
+    assert metrics["logprob_mismatch_max"] == 0.0, metrics["logprob_mismatch_max"]
