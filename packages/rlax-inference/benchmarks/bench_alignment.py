@@ -25,6 +25,10 @@ Measured 2026-12 on the shared 2-core CPU under another job's load (load average
   bfloat16          p50 4.9e-3  p95 3.6e-2  max 0.40    (1% equal)             ratio 0.94..1.49
   aligned float32   p50 0       p95 0       max 0       (100% equal)           ratio 1 exactly
   aligned bfloat16  p50 0       p95 0       max 0       (100% equal)           ratio 1 exactly
+  multi-turn (2 prompts x 8 x two 32-token replies with a tool turn between them, the second
+  reply's prompt prefilled on the first's cached blocks: 1,040 tokens from the prefix cache),
+  2026-12-03: float32 p95 1.34e-5 (30% equal) -> aligned 0 (100%); bfloat16 p95 0.045 ->
+  aligned 0 (100%); keys *_multi_turn_p95.
   engine alone, warm, 1x8x64, tok/s (best of 3, alternating): float32 79.3, float32 aligned 66.5
   (0.84x), bfloat16 forced 25.1, bfloat16 forced aligned 19.8 (0.79x); bfloat16 by the CPU
   policy (float32, the same program as float32) 100.5: the load moved equal programs by 27%.
@@ -200,6 +204,47 @@ def measure_alignment(
     }
 
 
+def measure_multi_turn_alignment(
+    config: ModelConfig, params, prompts: list[list[int]], tool_text: str, *, aligned: bool = False
+) -> dict[str, float]:
+    """Two model turns per sample with a tool turn between them, as an agent loop makes them:
+    each prompt's SAMPLES first replies (NEW_TOKENS // 2 tokens), then per reply a second
+    request whose prompt is prompt + reply + the chat-formatted tool turn, prefilled on top of
+    the first turn's cached blocks (prefix cache); the trainer's function then scores both
+    replies' tokens in one row (the tool turn's tokens are not compared)."""
+    tok = Tokenizer.from_gguf(find_smollm2_gguf())
+    tool = tok.encode(f"<|im_end|>\n<|im_start|>tool\n{tool_text}<|im_end|>\n<|im_start|>assistant\n")
+    params = cast(config, params)
+    engine = make_engine(config, params, SAMPLES, aligned=aligned)
+    half = NEW_TOKENS // 2
+    rows, behaviour, spans = [], [], []
+    for i, prompt in enumerate(prompts):
+        first = engine.generate(
+            [prompt], SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=half, seed=i, ignore_eos=True)
+        )[0].outputs
+        contexts = [[*prompt, *reply.tokens, *tool] for reply in first]
+        second = engine.generate(
+            contexts, SamplingParams(n=1, temperature=1.0, max_tokens=half, seed=100 + i, ignore_eos=True)
+        )
+        for reply, context, out in zip(first, contexts, second, strict=True):
+            (answer,) = out.outputs
+            rows.append([*context, *answer.tokens])
+            behaviour += [np.asarray(reply.logprobs, np.float64), np.asarray(answer.logprobs, np.float64)]
+            spans.append(
+                [(len(prompt) - 1, len(prompt) - 1 + half), (len(context) - 1, len(context) - 1 + half)]
+            )
+    recomputed = trainer_logprobs(config, params, rows, aligned=aligned)
+    trainer = np.concatenate([recomputed[i, a:b] for i, pair in enumerate(spans) for a, b in pair])
+    delta = np.abs(trainer.astype(np.float64) - np.concatenate(behaviour))
+    return {
+        "tokens": float(delta.size),
+        "equal": float(np.mean(delta == 0)),
+        "p95": float(np.quantile(delta, 0.95)),
+        "max": float(delta.max()),
+        "prefix_cache_hit_tokens": float(engine.num_prefix_cache_hit_tokens),
+    }
+
+
 def engine_tokens_per_s(
     configs: dict[str, tuple[ModelConfig, bool]], params, prompt: list[int], *, rounds: int = 3
 ) -> dict[str, float]:
@@ -240,6 +285,13 @@ def run(say=print) -> dict[str, float]:
                 f"{m['ratio_max']:.4f}; engine call {m['engine_s']:.2f} s, trainer call {m['trainer_s']:.2f} s"
             )
             info.update({f"{prefix}{name}_{k}": v for k, v in m.items()})
+            m = measure_multi_turn_alignment(config, params, prompts, "Result: 391", aligned=aligned)
+            say(
+                f"  {prefix + name:16s} multi-turn: p95 {m['p95']:.2e}  max {m['max']:.2e} over "
+                f"{int(m['tokens'])} tokens of two replies ({m['equal']:.0%} equal; "
+                f"{int(m['prefix_cache_hit_tokens'])} prompt tokens from the prefix cache)"
+            )
+            info.update({f"{prefix}{name}_multi_turn_{k}": v for k, v in m.items()})
     speed = engine_tokens_per_s(
         {
             "float32": (f32, False),
