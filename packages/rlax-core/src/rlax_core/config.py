@@ -368,7 +368,7 @@ class ParamServerConfig(_Section, frozen=True, forbid_unknown_fields=True, kw_on
     version to the disk so it survives a machine crash (false: it survives a SIGKILL of
     any process, which exact resumption needs, and a step saves ~20 ms on a laptop disk).
     `storage: memory`: while the parameter server runs, its versions live in a folder in
-    memory (`memory_state_dir`, on /dev/shm) and rest in `state_dir` only while it is
+    memory (`paramserver_dirs`: a folder on /dev/shm) and rest in `state_dir` only while it is
     stopped (copied there when it stops, back when it starts). A version in memory survives
     a SIGKILL of any process as one in the page cache does, without the disk's cost per
     push: SmolLM2's 540 MB took 1.3-1.7 s of the trainer's step on this machine's ext4
@@ -392,6 +392,10 @@ MEMORY_ROOT = pathlib.Path("/dev/shm")
 MEMORY_MIN_FREE_BYTES = 4 << 30
 
 
+def _rest_state_dir(config: RunConfig) -> pathlib.Path:
+    return pathlib.Path(config.paramserver.state_dir or config.output_dir / "paramserver")
+
+
 def _memory_state_dir(rest: pathlib.Path) -> pathlib.Path:
     digest = hashlib.sha256(str(rest.resolve()).encode()).hexdigest()[:16]
     return MEMORY_ROOT / f"rlax-paramserver-{digest}"
@@ -403,7 +407,7 @@ def paramserver_dirs(config: RunConfig) -> tuple[pathlib.Path, pathlib.Path | No
     /dev/shm named after `state_dir` (a relaunch of the same run finds it again), and
     `state_dir`; disk where /dev/shm is missing or has less than 4 GiB free (and the run's
     folder is not there already)."""
-    rest = pathlib.Path(config.paramserver.state_dir or config.output_dir / "paramserver")
+    rest = _rest_state_dir(config)
     if config.paramserver.storage == "memory" and MEMORY_ROOT.is_dir():
         live = _memory_state_dir(rest)
         if live.is_dir() or shutil.disk_usage(MEMORY_ROOT).free >= MEMORY_MIN_FREE_BYTES:
@@ -420,7 +424,7 @@ def paramserver_dirs(config: RunConfig) -> tuple[pathlib.Path, pathlib.Path | No
 def published_state_dir(config: RunConfig) -> pathlib.Path:
     """Where a reader (`rlax eval`) finds a run's newest published version: the parameter
     server's folder in memory while it has state files (the run is live), else `state_dir`."""
-    rest = pathlib.Path(config.paramserver.state_dir or config.output_dir / "paramserver")
+    rest = _rest_state_dir(config)
     if config.paramserver.storage == "memory":
         live = _memory_state_dir(rest)
         if any(live.glob("weights-v*.rlaxw")):

@@ -504,9 +504,7 @@ def load_states(
     for leftover in state_dir.glob(".weights-v*.tmp-*") if owner else ():
         log.warning("removing %s left by an interrupted write", leftover)
         leftover.unlink(missing_ok=True)
-    candidates = sorted(
-        (int(m.group(1)), p) for p in state_dir.iterdir() if (m := _NAME.match(p.name)) is not None
-    )
+    candidates = _state_files(state_dir)
     states: list[LoadedState] = []
     errors: list[str] = []
     for _, path in reversed(candidates):
