@@ -207,7 +207,7 @@ def export_batches(journal_dir: str, steps: int, target: pathlib.Path) -> list[d
     """The batches the RLAX run trained on, read from its journal, as plain JSON for the TRL
     replay: per step each rollout's prompt and completion token ids and reward (groups of
     group_size contiguous, as the trainer collates them)."""
-    from rlax_core.control import TrainBatch, decode_control
+    from rlax_protocol.control_messages import TrainBatch, decode_control
     from rlax_trainer.journal import BatchJournal
 
     journal = BatchJournal(journal_dir)

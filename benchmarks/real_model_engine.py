@@ -2,7 +2,7 @@
 
     python benchmarks/real_model_engine.py CONFIG.json
 
-Same config (engine sizes from `rlax_inference.worker.engine_config_fields`),
+Same config (engine sizes from `rlax_inference.worker_process.engine_config_fields`),
 same initial weights, the run's prompts in stream order, one request of `group_size`
 samples per prompt, as the controller sends them. One warm-up request first (compilation
 is not generation), then every prompt's request timed on its own. Writes
@@ -59,10 +59,10 @@ class SameLengthEngine(LLMEngine):
 
 def main(spec_path: str) -> None:
     from rlax_core.config import load_config
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
     from rlax_inference import EngineConfig, SamplingParams
-    from rlax_inference.worker import engine_config_fields
-    from rlax_model.run_model import initial_params
+    from rlax_inference.worker_process import engine_config_fields
+    from rlax_model.model_from_config import initial_params
 
     spec = json.loads(pathlib.Path(spec_path).read_text())
     config = load_config(spec["rlax_config"], spec["overrides"])

@@ -5,7 +5,7 @@ own (beside `real_model_trl_replay.py`, which gives TRL the same batches).
     python benchmarks/real_model_rlax_replay.py CONFIG.json
 
 CONFIG.json: {"rlax_config": path, "overrides": [...], "out": path, "steps": N, "journal": path}.
-The trainer's own path (`rlax_trainer.service`): the same initial weights and `Learner`
+The trainer's own path (`rlax_trainer.trainer_process`): the same initial weights and `Learner`
 config, each journaled `TrainBatch` collated to `model.max_seq_len` and passed to
 `Learner.update`, whose seconds are timed as the run times them (`train_seconds`: the update
 without compiling a new program). Unlike the run's trainer, nothing else runs beside it: no
@@ -27,13 +27,13 @@ from child_result import write_result
 
 def main(spec_path: str) -> None:
     from rlax_core.config import load_config
-    from rlax_core.control import TrainBatch, decode_control
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
     from rlax_model import dtype_policy
-    from rlax_model.run_model import initial_params
+    from rlax_model.model_from_config import initial_params
+    from rlax_protocol.control_messages import TrainBatch, decode_control
     from rlax_trainer import Learner, collate
     from rlax_trainer.journal import BatchJournal
-    from rlax_trainer.service import learner_config
+    from rlax_trainer.trainer_process import learner_config
 
     spec = json.loads(pathlib.Path(spec_path).read_text())
     config = load_config(spec["rlax_config"], spec["overrides"])

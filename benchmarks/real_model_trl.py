@@ -50,7 +50,7 @@ def main(spec_path: str) -> None:
     from trl import GRPOTrainer
 
     from rlax_core.config import load_config
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     spec = json.loads(pathlib.Path(spec_path).read_text())
     config = load_config(spec["rlax_config"], spec["overrides"])

@@ -13,10 +13,10 @@ from typing import Any
 import yaml
 
 import rlax_protocol as rp
-from rlax_core.control import BatchRequest, StatusQuery, decode_control, encode_control
-from rlax_core.links import ControlClient
 from rlax_protocol.auth import CREDENTIAL_ENV, Credential, RunKeys
+from rlax_protocol.control_messages import BatchRequest, StatusQuery, decode_control, encode_control
 from rlax_protocol.procfs import memory_mb
+from rlax_protocol.request_links import ControlClient
 
 ATTEMPT_TIMEOUT_S = 5.0
 """How long a stranger's attempt waits: a refusal at connect is silence, so it waits all of it."""

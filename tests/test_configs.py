@@ -8,7 +8,7 @@ import pytest
 
 from rlax_core.config import load_config
 from rlax_trainer import PRESET_NAMES
-from rlax_trainer.service import learner_config
+from rlax_trainer.trainer_process import learner_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 FILES = sorted(CONFIGS.rglob("*.yaml"))

@@ -371,7 +371,7 @@ def test_pass_rate_prefilter_with_the_trained_tiny_model(
     exactly the prompts whose recounted pass rate lies strictly between the bounds."""
     from rlax_data.curation import PassRateConfig, prefilter_by_pass_rate
     from rlax_data.datasets import load_jsonl
-    from rlax_inference.evaluation import engine_sampler
+    from rlax_inference.eval_process import engine_sampler
 
     config = runs["root"] / "calm" / "config.yaml"
     # The 10-step run's model rarely answers right; one token at a high temperature spreads

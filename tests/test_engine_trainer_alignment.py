@@ -90,8 +90,8 @@ def test_trainer_batch_invariant_turns_on_the_workers_aligned_mode() -> None:
     """One run-config switch: `trainer.batch_invariant` sets both the learner's option and
     the aligned mode of every worker's engine; off by default on both."""
     from rlax_core.config import load_config
-    from rlax_inference.worker import engine_config_fields
-    from rlax_trainer.service import learner_config
+    from rlax_inference.worker_process import engine_config_fields
+    from rlax_trainer.trainer_process import learner_config
 
     for overrides, want in (([], False), (["trainer.batch_invariant=true"], True)):
         config = load_config(None, overrides)

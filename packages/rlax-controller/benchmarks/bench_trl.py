@@ -156,7 +156,7 @@ def progress(message: str) -> None:
 def rlax_semantics(config: Any) -> dict[str, Any]:
     """The update rule the trainer builds from a run config (`rlax trainer` builds its
     `LearnerConfig` with this same function from the run's written config.yaml)."""
-    from rlax_trainer.service import learner_config
+    from rlax_trainer.trainer_process import learner_config
 
     learner = learner_config(config, mode="rl")
     objective = learner.objective
@@ -337,7 +337,7 @@ def run_trl(
     from trl import GRPOTrainer
 
     from rlax_core.config import load_config
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     started = time.perf_counter()
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from rlax_controller.scheduling import PromptItem
+from rlax_controller.rollout_scheduler import PromptItem
 from rlax_core.testing import LoopThread
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
 from rlax_protocol.transport import parse_request, reply_parts, welcome_for

@@ -13,9 +13,9 @@ import zmq
 from rlax_controller import controller as controller_module
 from rlax_controller.controller import Controller
 from rlax_controller.metrics import latest_per_step, read_metrics
-from rlax_controller.scheduling import PromptItem
+from rlax_controller.rollout_scheduler import PromptItem
 from rlax_core.config import ConfigError, load_config
-from rlax_core.control import (
+from rlax_protocol.control_messages import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -25,7 +25,6 @@ from rlax_core.control import (
     decode_control,
     encode_control,
 )
-from rlax_core.links import ControlClient, PeerLink
 from rlax_protocol.errors import MalformedMessageError, ProtocolTimeoutError, RemoteError
 from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests
 from rlax_protocol.messages import (
@@ -38,6 +37,7 @@ from rlax_protocol.messages import (
     Sample,
     Welcome,
 )
+from rlax_protocol.request_links import ControlClient, PeerLink
 from rlax_protocol.transport import pack_request_id, parse_request, reply_parts, welcome_for
 
 

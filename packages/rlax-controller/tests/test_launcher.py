@@ -13,9 +13,9 @@ from rlax_controller.launcher import build_specs, resolve_addresses, run_keys
 from rlax_controller.supervisor import SupervisorReport
 from rlax_core.cli import main as rlax_main
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
-from rlax_core.control import BatchRequest, decode_control, encode_control
-from rlax_core.links import ControlClient
+from rlax_protocol.control_messages import BatchRequest, decode_control, encode_control
 from rlax_protocol.errors import ProtocolTimeoutError
+from rlax_protocol.request_links import ControlClient
 
 DEMO = pathlib.Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 

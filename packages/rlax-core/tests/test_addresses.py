@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from rlax_core.addresses import AddressBook, resolver, write_address_book
-from rlax_core.control import RunStatus, StatusQuery, decode_control, encode_control
-from rlax_core.links import ControlClient
+from rlax_protocol.control_messages import RunStatus, StatusQuery, decode_control, encode_control
 from rlax_protocol.errors import ProtocolTimeoutError
 from rlax_protocol.messages import Hello
+from rlax_protocol.request_links import ControlClient
 from rlax_protocol.transport import welcome_for
 
 

@@ -2,7 +2,7 @@
 
 Both run in the same test, interleaved round by round so that they share the machine's
 load; the ratio is of their medians. The service runs as it is deployed, in a process
-of its own (`python -m rlax_data.service --bind tcp://127.0.0.1:*`, its start outside
+of its own (`python -m rlax_data.verifier_process --bind tcp://127.0.0.1:*`, its start outside
 the timing), and `RemoteVerifier` sends the items as batch messages. Exact match is
 the cheapest verifier (a few microseconds an item), so this is where the cost of
 going over ZeroMQ (encode, two socket hops, decode) shows most. Peak memory (max RSS)
@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 
-from rlax_data.service import RemoteVerifier, default_routes
 from rlax_data.tasks import ArithmeticTask
+from rlax_data.verifier_process import RemoteVerifier, default_routes
 from rlax_data.verify import build_verifier
 from rlax_protocol.procfs import memory_mb
 
@@ -49,7 +49,15 @@ def test_service_vs_in_process(benchmark):
     items = [(r.answer if i % 2 else "0", r) for i, r in enumerate(recs)]
     local = build_verifier(default_routes())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlax_data.service", "--bind", "tcp://127.0.0.1:*", "--poll-s", "0.05"],
+        [
+            sys.executable,
+            "-m",
+            "rlax_data.verifier_process",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--poll-s",
+            "0.05",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

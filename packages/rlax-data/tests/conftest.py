@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from rlax_data.service import default_routes
+from rlax_data.verifier_process import default_routes
 from rlax_data.verify import Sandbox, SandboxConfig
 
 

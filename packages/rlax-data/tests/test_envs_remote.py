@@ -12,7 +12,7 @@ import rlax_protocol as rp
 from rlax_data import Record
 from rlax_data.envs import EnvStep, make_environment
 from rlax_data.envs.remote import EnvOptions, RemoteEnvironments
-from rlax_data.service import VerifierService, default_routes
+from rlax_data.verifier_process import VerifierService, default_routes
 from rlax_data.verify import build_verifier
 
 RECORD = Record(id="r1", prompt="123*45=", answer="5535", task="tool_arithmetic")

@@ -19,8 +19,8 @@ import pytest
 
 import rlax_protocol as rp
 from rlax_data import CallCase, CodeTests, Record
-from rlax_data.service import RemoteVerifier, default_routes
 from rlax_data.tasks import ArithmeticTask
+from rlax_data.verifier_process import RemoteVerifier, default_routes
 from rlax_data.verify import ExecJob, Sandbox, SandboxConfig, build_verifier
 
 # A uid range of this module's own, so that jobs of other tests (or other test runs on

@@ -12,8 +12,8 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import CallCase, CodeTests, Record
-from rlax_data.service import RemoteVerifier, VerifierService, default_routes
 from rlax_data.tasks import TASK_NAMES, ArithmeticTask, CountdownTask, make_task
+from rlax_data.verifier_process import RemoteVerifier, VerifierService, default_routes
 from rlax_data.verify import build_verifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier

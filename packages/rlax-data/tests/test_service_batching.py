@@ -13,9 +13,10 @@ import pytest
 import zmq
 
 import rlax_protocol as rp
-from rlax_data import Record, service
-from rlax_data.service import RemoteVerifier, VerifierService, encode_batch
+from rlax_data import Record
+from rlax_data import verifier_process as service
 from rlax_data.tasks import ArithmeticTask
+from rlax_data.verifier_process import RemoteVerifier, VerifierService, encode_batch
 from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier

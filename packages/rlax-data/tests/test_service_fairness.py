@@ -15,7 +15,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import CodeTests, Record
-from rlax_data.service import encode_batch
+from rlax_data.verifier_process import encode_batch
 from rlax_protocol.transport import pack_request_id, unpack_request_id
 
 MAX_S = 3.0

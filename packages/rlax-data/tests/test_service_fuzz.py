@@ -21,7 +21,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import Record
-from rlax_data.service import RemoteVerifier, VerifierService
+from rlax_data.verifier_process import RemoteVerifier, VerifierService
 from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.base import VerifyResult
 from rlax_data.verify.countdown import CountdownVerifier

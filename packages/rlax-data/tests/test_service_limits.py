@@ -15,8 +15,8 @@ import pytest
 
 import rlax_protocol as rp
 from rlax_data import Record
-from rlax_data.service import RemoteVerifier, VerifierService
 from rlax_data.tasks import ArithmeticTask
+from rlax_data.verifier_process import RemoteVerifier, VerifierService
 from rlax_data.verify.answers import ExactMatchVerifier
 from rlax_data.verify.registry import RoutingVerifier
 

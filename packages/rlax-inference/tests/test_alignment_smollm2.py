@@ -28,7 +28,7 @@ from tiny_model import teacher_forced_logprobs
 import rlax_protocol as rp
 from rlax_core.tokenizer import Tokenizer
 from rlax_inference import EngineConfig, LLMEngine, SamplingParams
-from rlax_inference.worker import Worker, WorkerConfig
+from rlax_inference.worker_process import Worker, WorkerConfig
 from rlax_model import (
     BF16_ON_CPU_ENV,
     DenseContext,
@@ -171,7 +171,7 @@ def test_worker_and_learner_follow_the_same_dtype_policy(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("forced", [False, True], ids=["default", "RLAX_BF16_ON_CPU=1"])
 def test_trainer_process_learner_config_follows_the_policy(monkeypatch, forced):
     from rlax_core.config import load_config
-    from rlax_trainer.service import learner_config
+    from rlax_trainer.trainer_process import learner_config
 
     if forced:
         monkeypatch.setenv(BF16_ON_CPU_ENV, "1")

@@ -17,7 +17,7 @@ from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
 import rlax_protocol as rp
 from rlax_inference.admission import RequestLimits
 from rlax_inference.engine import EngineConfig
-from rlax_inference.worker import Worker, WorkerConfig
+from rlax_inference.worker_process import Worker, WorkerConfig
 from rlax_model import init_params
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server

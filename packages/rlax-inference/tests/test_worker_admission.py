@@ -29,8 +29,8 @@ from tiny_model import naive_greedy
 import rlax_protocol as rp
 from rlax_core.config import load_config
 from rlax_inference.admission import AdmissionQueue, RequestLimits
-from rlax_inference.worker import Worker, WorkerConfig
 from rlax_inference.worker_io import Job
+from rlax_inference.worker_process import Worker, WorkerConfig
 from rlax_paramserver.testing import running_server
 
 

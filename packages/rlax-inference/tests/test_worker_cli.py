@@ -14,10 +14,10 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_core.config import EXIT_CONFIG_ERROR, load_config
-from rlax_data.run_task import build_task
-from rlax_inference.worker import main
+from rlax_data.task_from_config import build_task
+from rlax_inference.worker_process import main
 from rlax_model import init_params
-from rlax_model.run_model import build_model_config
+from rlax_model.model_from_config import build_model_config
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 
@@ -43,7 +43,7 @@ def test_rlax_worker_process(tmp_path: pathlib.Path, free_tcp_port: int):
             client.push(jax.tree.map(np.asarray, init_params(model_config, jax.random.key(0))), 4)
         log = open(tmp_path / "worker.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlax_inference.worker", "--config", str(path), "--index", "0", "workers.j=2"],
+            [sys.executable, "-m", "rlax_inference.worker_process", "--config", str(path), "--index", "0", "workers.j=2"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
         )  # fmt: skip
         try:

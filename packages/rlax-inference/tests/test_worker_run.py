@@ -21,10 +21,10 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_core.config import load_config
-from rlax_data.run_task import build_task
-from rlax_inference.worker import Worker
+from rlax_data.task_from_config import build_task
+from rlax_inference.worker_process import Worker
 from rlax_model import init_params
-from rlax_model.run_model import build_model_config
+from rlax_model.model_from_config import build_model_config
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 from rlax_protocol.fuzzing import blast, deep_nesting, hostile_requests

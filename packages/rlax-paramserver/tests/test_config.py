@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from rlax_paramserver import ServerConfig
-from rlax_paramserver.cli import parse_config
+from rlax_paramserver.paramserver_process import parse_config
 
 
 @pytest.mark.parametrize(

@@ -42,11 +42,11 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 @pytest.mark.slow  # ~30-60 s on 2 shared cores: trainer state, orbax restore, two model loads
 def test_to_hf_exports_a_run_checkpoint_with_its_tokenizer(tmp_path):
     from rlax_core.config import load_config
-    from rlax_data.run_task import build_task
-    from rlax_model.run_model import initial_params
+    from rlax_data.task_from_config import build_task
+    from rlax_model.model_from_config import initial_params
     from rlax_trainer import Learner
     from rlax_trainer.checkpoint import CheckpointManager
-    from rlax_trainer.service import learner_config
+    from rlax_trainer.trainer_process import learner_config
 
     overrides = [f"run.output_dir={tmp_path / 'run'}"]
     config = load_config(ROOT / "configs" / "demo.yaml", overrides)

@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from rlax_core.control import TrainBatch, decode_control, encode_control
 from rlax_protocol import Rollout
+from rlax_protocol.control_messages import TrainBatch, decode_control, encode_control
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
 
 

@@ -3,19 +3,19 @@
 The run config (`RunConfig`, `load_config`), the controller (`Controller`,
 `RolloutScheduler`), run snapshots, the local launcher and supervisor, metrics and the
 run summary. Importing this package imports no JAX; the trainer and worker processes
-(`rlax_trainer.service`, `rlax_inference.worker`) live in their own packages.
+(`rlax_trainer.trainer_process`, `rlax_inference.worker_process`) live in their own packages.
 """
 
 from rlax_controller.controller import Controller, RolloutScorer
 from rlax_controller.launcher import build_specs, launch, resolve_addresses
 from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
-from rlax_controller.scheduling import (
+from rlax_controller.rollout_scheduler import (
     Batch,
     BatchNotReady,
     PromptItem,
     PromptSource,
     RolloutScheduler,
-    SchedulerConfig,
+    RolloutSchedulerConfig,
     ScoredSample,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotError, SnapshotStore
@@ -28,7 +28,14 @@ from rlax_core.config import (
     load_config,
     parse_config,
 )
-from rlax_core.control import BatchRequest, NoBatchYet, RunComplete, RunStatus, StatusQuery, TrainBatch
+from rlax_protocol.control_messages import (
+    BatchRequest,
+    NoBatchYet,
+    RunComplete,
+    RunStatus,
+    StatusQuery,
+    TrainBatch,
+)
 
 __all__ = [
     "Batch",
@@ -48,7 +55,7 @@ __all__ = [
     "RunConfig",
     "RunSnapshot",
     "RunStatus",
-    "SchedulerConfig",
+    "RolloutSchedulerConfig",
     "ScoredSample",
     "SnapshotError",
     "SnapshotStore",

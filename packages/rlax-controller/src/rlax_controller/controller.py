@@ -2,7 +2,7 @@
 
 One event loop over ZeroMQ sockets (no threads): a ROUTER where the trainer asks for
 batches, one DEALER link per inference worker carrying `GenerateRequest`s, and the run
-snapshot on disk. The decisions themselves live in `scheduling.RolloutScheduler`.
+snapshot on disk. The decisions themselves live in `rollout_scheduler.RolloutScheduler`.
 
 Weight boundaries. The trainer asks for the batch of step s (`BatchRequest(s)`); before
 that batch leaves, the snapshot of step s+1 (the stream state after the batch, counters,
@@ -35,21 +35,24 @@ from rlax_controller.metrics import (
     summary_rows,
     trajectory_record,
 )
-from rlax_controller.scheduling import (
+from rlax_controller.rollout_scheduler import (
     Batch,
     BatchNotReady,
     GroupStatus,
     PromptItem,
     PromptSource,
     RolloutScheduler,
-    SchedulerConfig,
+    RolloutSchedulerConfig,
     ScoredSample,
     stable_seed,
 )
 from rlax_controller.snapshot import RunSnapshot, SnapshotStore, checkpoint_name
 from rlax_core.addresses import AddressBook
 from rlax_core.config import ConfigError, RunConfig
-from rlax_core.control import (
+from rlax_data.agent_turns import last_model_turn
+from rlax_data.pass_at_k import pass_at_k
+from rlax_protocol.auth import ANY_ROLE, Permissions, ServerAuth, roles
+from rlax_protocol.control_messages import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -59,10 +62,6 @@ from rlax_core.control import (
     decode_control,
     encode_control,
 )
-from rlax_core.links import PeerLink
-from rlax_data.agent_turns import last_model_turn
-from rlax_data.evaluation import pass_at_k
-from rlax_protocol.auth import ANY_ROLE, Permissions, ServerAuth, roles
 from rlax_protocol.errors import MalformedMessageError, ProtocolError, RemoteError
 from rlax_protocol.messages import (
     AgentSpec,
@@ -79,6 +78,7 @@ from rlax_protocol.messages import (
 )
 from rlax_protocol.messages import decode as decode_protocol
 from rlax_protocol.messages import encode as encode_protocol
+from rlax_protocol.request_links import PeerLink
 from rlax_protocol.transport import PeerRegistry, pack_request_id, unpack_request_id, welcome_for
 
 __all__ = ["Controller", "RolloutScorer"]
@@ -179,7 +179,7 @@ class Controller:
         self.metrics = MetricsWriter(self.output)
         self.scheduler = RolloutScheduler(
             source,
-            SchedulerConfig(
+            RolloutSchedulerConfig(
                 group_size=config.data.group_size,
                 prompts_per_step=config.data.prompts_per_step,
                 k=config.trainer.k,

@@ -35,7 +35,7 @@ CHECK_TIMEOUT_S = 300.0
 
 def run_task(config: RunConfig) -> Any:
     """The run's `rlax_data.RunTask` (prompts, tokenizer, verifier) from `data.*`."""
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     return rejected_by("the task (data.*)", lambda: build_task(config))
 

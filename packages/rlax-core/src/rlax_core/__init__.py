@@ -1,8 +1,8 @@
 """rlax_core: what every RLAX node shares, without JAX.
 
 The run config (`RunConfig`, `load_config`), tokenizers and chat templates
-(`Tokenizer`, `CharTokenizer`, `ChatTemplate`), GGUF metadata (`GGUFFile`), the
-controller's control messages and peer links, crash-safe file writes, and the `rlax`
+(`Tokenizer`, `CharTokenizer`, `ChatTemplate`), GGUF metadata (`GGUFFile`), crash-safe
+file writes, and the `rlax`
 front door (`rlax_core.cli`), which runs whichever component is installed on the node.
 """
 

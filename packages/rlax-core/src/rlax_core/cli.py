@@ -65,14 +65,19 @@ COMMANDS: dict[str, Command] = {
         "run every component as a supervised local process",
     ),
     "controller": Command(
-        "rlax_controller.components", "controller_main", "rlax-controller", "the controller"
+        "rlax_controller.controller_process", "controller_main", "rlax-controller", "the controller"
     ),
-    "trainer": Command("rlax_trainer.service", "main", "rlax-trainer", "the trainer process"),
-    "worker": Command("rlax_inference.worker", "main", "rlax-inference", "one inference worker"),
-    "paramserver": Command("rlax_paramserver.cli", "main", "rlax-paramserver", "the parameter server"),
-    "verifier": Command("rlax_data.service", "main", "rlax-data", "the verifier service"),
+    "trainer": Command("rlax_trainer.trainer_process", "main", "rlax-trainer", "the trainer process"),
+    "worker": Command("rlax_inference.worker_process", "main", "rlax-inference", "one inference worker"),
+    "paramserver": Command(
+        "rlax_paramserver.paramserver_process", "main", "rlax-paramserver", "the parameter server"
+    ),
+    "verifier": Command("rlax_data.verifier_process", "main", "rlax-data", "the verifier service"),
     "eval": Command(
-        "rlax_inference.evaluation", "main", "rlax-inference", "pass@k of a run's weights on its eval prompts"
+        "rlax_inference.eval_process",
+        "main",
+        "rlax-inference",
+        "pass@k of a run's weights on its eval prompts",
     ),
     "curate": Command(
         "rlax_data.curation.cli", "main", "rlax-data", "data curation (pass-rate filter, dedup)"

@@ -25,8 +25,8 @@ from rlax_data.envs import (
     make_environment,
     register_environment,
 )
-from rlax_data.evaluation import EvalReport, avg_at_k, evaluate, maj_at_k, pass_at_k
 from rlax_data.filtering import DynamicFilter
+from rlax_data.pass_at_k import EvalReport, avg_at_k, evaluate, maj_at_k, pass_at_k
 from rlax_data.sampling import Sampler, render_prompts
 from rlax_data.stream import PromptStream, StreamSource
 from rlax_data.tasks import (

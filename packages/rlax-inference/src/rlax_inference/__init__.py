@@ -11,7 +11,7 @@ from rlax_inference.model_runner import ModelRunner
 from rlax_inference.sampler import SamplerOutput, SamplingBatch, filtered_logits, row_key, sample
 from rlax_inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rlax_inference.sequence import FinishReason, SamplingParams
-from rlax_inference.worker import Worker, WorkerConfig
+from rlax_inference.worker_process import Worker, WorkerConfig
 
 __all__ = [
     "NULL_BLOCK",

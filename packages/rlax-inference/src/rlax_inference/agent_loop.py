@@ -84,7 +84,7 @@ _MAX_ERROR_KIND_CHARS = 40
 
 
 class TurnCodec(Protocol):
-    """What the loop needs from the run's task (`rlax_data.run_task.AgentTurns`)."""
+    """What the loop needs from the run's task (`rlax_data.task_from_config.AgentTurns`)."""
 
     def new_environment(self, name: str, record_json: str) -> Any:
         """A fresh environment `name` for one trajectory, already `reset` with the record

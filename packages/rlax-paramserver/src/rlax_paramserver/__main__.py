@@ -1,5 +1,5 @@
 import sys
 
-from rlax_paramserver.cli import main
+from rlax_paramserver.paramserver_process import main
 
 sys.exit(main())

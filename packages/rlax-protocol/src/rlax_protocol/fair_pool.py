@@ -6,7 +6,7 @@ everyone behind it wait. `FairPool` keeps one queue per client and takes the cli
 turn (round-robin), and no client may run more than `max_running_per_client` jobs at once,
 so a free thread always goes to the client that has waited longest for its turn and one
 client can never hold every thread. How much a client may queue is the server's decision
-(see `rlax_data.service`): the pool itself queues what it is given. `FairQueue` is the
+(see `rlax_data.verifier_process`): the pool itself queues what it is given. `FairQueue` is the
 same turn-taking without threads, for work a server does on its own thread in slices.
 """
 

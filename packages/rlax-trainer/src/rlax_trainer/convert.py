@@ -29,10 +29,10 @@ def load_checkpoint_params(
 ) -> tuple[Any, Any, int]:
     """(model config, policy params, step) of the run's newest RL checkpoint (or `step`);
     the initial weights (step -1) when the run has no checkpoint yet."""
-    from rlax_model.run_model import initial_params
+    from rlax_model.model_from_config import initial_params
     from rlax_trainer import Learner
     from rlax_trainer.checkpoint import CheckpointManager
-    from rlax_trainer.service import learner_config
+    from rlax_trainer.trainer_process import learner_config
 
     model_config, init = initial_params(config, tokenizer)
     folder = config.output_dir / "checkpoints" / "rl"
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out} ({model_config.num_params():,} parameters)")
         return 0
     from rlax_core.config import load_config
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     config = load_config(args.config, list(args.overrides))
     task = build_task(config)

@@ -99,7 +99,7 @@ def _pairs(items: Sequence[str]) -> dict[str, str]:
 
 def _verifier(path: str | None) -> Verifier:
     if path is None:
-        from rlax_data.service import default_routes
+        from rlax_data.verifier_process import default_routes
 
         return build_verifier(default_routes())
     data = yaml.safe_load(Path(path).read_text())

@@ -75,7 +75,7 @@ from rlax_protocol.rpc_server import BatchResult
 
 __all__ = ["RemoteVerifier", "VerifierService", "default_routes", "main"]
 
-log = logging.getLogger("rlax_data.service")
+log = logging.getLogger("rlax_data.verifier_process")
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5599"
 """The `VerifyRequest.verifier` of a batch header (never a route name: routes may not start with @)."""

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlax_data.run_task import PromptItem
+from rlax_data.task_from_config import PromptItem
 
 __all__ = [
     "Batch",
@@ -40,7 +40,7 @@ __all__ = [
     "PromptItem",
     "PromptSource",
     "RolloutScheduler",
-    "SchedulerConfig",
+    "RolloutSchedulerConfig",
     "ScoredSample",
 ]
 
@@ -106,7 +106,7 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
+class RolloutSchedulerConfig:
     group_size: int
     prompts_per_step: int
     k: int
@@ -155,7 +155,7 @@ def _seed_from(rng: np.random.Generator) -> int:
 class RolloutScheduler:
     """Holds drawn-but-untrained groups and decides dispatch and batches (no I/O)."""
 
-    def __init__(self, source: PromptSource, config: SchedulerConfig) -> None:
+    def __init__(self, source: PromptSource, config: RolloutSchedulerConfig) -> None:
         self.source = source
         self.config = config
         self.rng = np.random.Generator(np.random.PCG64(config.seed))

@@ -1,6 +1,6 @@
 """`rlax eval`: pass@k of a run's weights on its task's evaluation prompts, with the
 inference engine in this process; and `engine_sampler`, the sampler factory that
-`rlax curate prefilter --sampler rlax_inference.evaluation:engine_sampler` uses."""
+`rlax curate prefilter --sampler rlax_inference.eval_process:engine_sampler` uses."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> 
     import jax.numpy as jnp
 
     from rlax_model import dtype_policy, load_hf_checkpoint
-    from rlax_model.run_model import build_model_config, initial_params
+    from rlax_model.model_from_config import build_model_config, initial_params
     from rlax_paramserver.persist import load_newest
     from rlax_protocol.codec import decode_tree
 
@@ -102,10 +102,10 @@ class EngineSampler:
 
 
 def engine_sampler(config: str, weights: str = "", **overrides: str) -> EngineSampler:
-    """Factory for `rlax curate prefilter --sampler rlax_inference.evaluation:engine_sampler
+    """Factory for `rlax curate prefilter --sampler rlax_inference.eval_process:engine_sampler
     --sampler-arg config=RUN.yaml [--sampler-arg weights=HF_FOLDER]`: the run's newest
     published weights by default."""
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     run_config = load_config(config, [f"{k}={v}" for k, v in overrides.items()])
     task = build_task(run_config)
@@ -117,7 +117,7 @@ def run(config: RunConfig, *, weights: str = "", out: str = "") -> int:
     from rich.console import Console
 
     from rlax_data import evaluate
-    from rlax_data.run_task import build_task
+    from rlax_data.task_from_config import build_task
 
     task = build_task(config)
     records = task.eval_records()

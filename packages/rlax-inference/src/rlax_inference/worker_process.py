@@ -363,8 +363,8 @@ class Worker:
     def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> Worker:
         """Worker `index` of the run: its address, the run's model, tokenizer, engine sizes
         and warm-up (`overrides`: `WorkerConfig` fields)."""
-        from rlax_data.run_task import build_task
-        from rlax_model.run_model import build_model_config
+        from rlax_data.task_from_config import build_task
+        from rlax_model.model_from_config import build_model_config
 
         task = build_task(config)
         return cls(
@@ -939,8 +939,8 @@ def _model_config_from(metadata: dict[str, Any]) -> ModelConfig:
 def check(config: RunConfig, index: int) -> None:
     """Build the worker's typed configs (`EngineConfig`, `WorkerConfig`, the task's tokenizer,
     the model's shapes); a `ConfigError` names the component that rejects the config."""
-    from rlax_data.run_task import build_task
-    from rlax_model.run_model import checked_model_config
+    from rlax_data.task_from_config import build_task
+    from rlax_model.model_from_config import checked_model_config
 
     if not 0 <= index < len(config.workers.addresses):
         raise ConfigError(f"--index {index}: the config has {len(config.workers.addresses)} worker addresses")
@@ -960,7 +960,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--index", type=int, required=True, help="which of workers.addresses to serve")
 
     def start(config: RunConfig, args: argparse.Namespace) -> int:
-        from rlax_model.run_model import require_platform, use_compile_cache
+        from rlax_model.model_from_config import require_platform, use_compile_cache
 
         # Here, not in `check`: `rlax launch` runs the trainer's and a worker's checks at
         # once, and two processes must not both open one host's accelerator.

@@ -38,7 +38,8 @@ import numpy as np
 from rlax_core.addresses import resolver
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import RunConfig, rejected_by
-from rlax_core.control import (
+from rlax_core.fsutil import append_line
+from rlax_protocol.control_messages import (
     BatchRequest,
     NoBatchYet,
     RunComplete,
@@ -46,8 +47,7 @@ from rlax_core.control import (
     decode_control,
     encode_control,
 )
-from rlax_core.fsutil import append_line
-from rlax_core.links import ControlClient
+from rlax_protocol.request_links import ControlClient
 from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
 
@@ -129,9 +129,9 @@ class TrainerLoop:
     def __init__(self, config: RunConfig, gang: Gang | None = None) -> None:
         import jax
 
-        from rlax_data.run_task import build_task
+        from rlax_data.task_from_config import build_task
         from rlax_model import dtype_policy
-        from rlax_model.run_model import initial_params
+        from rlax_model.model_from_config import initial_params
         from rlax_paramserver import ParamClient
         from rlax_trainer import Learner
         from rlax_trainer.checkpoint import CheckpointManager
@@ -546,8 +546,8 @@ def check(config: RunConfig, process_id: int = 0, *, backend: bool = True) -> No
     `backend=False`: only what needs no JAX backend (a gang member must join the gang
     before JAX starts its backend; `run` checks the rest once it has joined)."""
     from rlax_core.config import ConfigError
-    from rlax_data.run_task import build_task
-    from rlax_model.run_model import checked_model_config, require_platform
+    from rlax_data.task_from_config import build_task
+    from rlax_model.model_from_config import checked_model_config, require_platform
 
     select_platform(config.trainer.platform)  # before JAX starts a backend
     hosts = config.trainer.hosts
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`rlax-trainer --config FILE [--process-id I] [key=value ...]` (also `rlax trainer`)."""
 
     def start(config: RunConfig, args: argparse.Namespace) -> int:
-        from rlax_model.run_model import use_compile_cache
+        from rlax_model.model_from_config import use_compile_cache
 
         use_compile_cache(config)
         exit_on_sigterm()

@@ -5,12 +5,12 @@ from typing import Any
 
 import pytest
 
-from rlax_controller.scheduling import (
+from rlax_controller.rollout_scheduler import (
     BatchNotReady,
     GroupStatus,
     PromptItem,
     RolloutScheduler,
-    SchedulerConfig,
+    RolloutSchedulerConfig,
     ScoredSample,
 )
 
@@ -49,7 +49,7 @@ def reward_of(record: int, group_size: int) -> list[float]:
     return [1.0] * group_size if record % 3 == 0 else [float(i % 2) for i in range(group_size)]
 
 
-CFG = SchedulerConfig(group_size=4, prompts_per_step=3, k=1, max_inflight_per_worker=2, seed=7)
+CFG = RolloutSchedulerConfig(group_size=4, prompts_per_step=3, k=1, max_inflight_per_worker=2, seed=7)
 
 
 def test_dispatch_least_loaded_with_backpressure() -> None:
@@ -109,7 +109,7 @@ def test_worker_lost_reassigns_and_late_result_is_ignored() -> None:
 
 
 def test_dynamic_filter_drops_equal_reward_groups() -> None:
-    cfg = SchedulerConfig(group_size=4, prompts_per_step=3, k=1, dynamic_filter=True, seed=1)
+    cfg = RolloutSchedulerConfig(group_size=4, prompts_per_step=3, k=1, dynamic_filter=True, seed=1)
     sched = RolloutScheduler(ShuffledSource(seed=3), cfg)
     batch = None
     while batch is None:
@@ -126,7 +126,9 @@ def test_dynamic_filter_drops_equal_reward_groups() -> None:
 
 def run(steps: int, crash_prob: float, seed: int, dynamic_filter: bool) -> tuple[list[str], list[list[int]]]:
     """Drive the scheduler with random timing; 'crash' (rebuild from the snapshot fields) at random."""
-    cfg = SchedulerConfig(group_size=4, prompts_per_step=3, k=2, dynamic_filter=dynamic_filter, seed=11)
+    cfg = RolloutSchedulerConfig(
+        group_size=4, prompts_per_step=3, k=2, dynamic_filter=dynamic_filter, seed=11
+    )
     rnd = random.Random(seed)
     sched = RolloutScheduler(ShuffledSource(n=20, seed=5), cfg)
     snapshot: dict[str, Any] = {
@@ -185,7 +187,7 @@ def test_same_prompts_in_same_order_despite_crashes_and_timing(dynamic_filter: b
 # ---------------------------------------------------------------------- pinned versions
 
 
-def pinned_config(**fields: Any) -> SchedulerConfig:
+def pinned_config(**fields: Any) -> RolloutSchedulerConfig:
     base: dict[str, Any] = {
         "group_size": 4,
         "prompts_per_step": 2,
@@ -197,7 +199,7 @@ def pinned_config(**fields: Any) -> SchedulerConfig:
         "j": 1,
         "lookahead_steps": 2,
     }
-    return SchedulerConfig(**{**base, **fields})
+    return RolloutSchedulerConfig(**{**base, **fields})
 
 
 def test_pinned_version_rule_matches_the_issue_formula() -> None:

@@ -17,7 +17,7 @@ __all__ = ["controller_main", "run_controller"]
 def _scorer(config: RunConfig, task: Any) -> Any:
     if config.verifier.mode == "service":
         from rlax_core.addresses import resolver
-        from rlax_data.service import RemoteVerifier
+        from rlax_data.verifier_process import RemoteVerifier
         from rlax_protocol.transport import RpcClient
 
         address, timeout_s = config.verifier.address, config.verifier.timeout_s
