@@ -232,5 +232,5 @@ def demo(session: nox.Session) -> None:
     if not config.exists() or shutil.which("rlax", path=os.path.join(session.bin, "")) is None:
         session.error("The demo lands with the controller (issue 7); it is not built yet.")
     # A demo shows a whole run, so it starts over; `rlax launch` without --overwrite resumes.
-    # Dotted overrides pass through: `nox -s demo -- trainer.lr=1e-3`.
+    # Dotted overrides pass through: `nox -s demo -- trainer.optimizer.lr=1e-3`.
     session.run("rlax", "launch", str(config), "--overwrite", *session.posargs, env=CPU_ENV)

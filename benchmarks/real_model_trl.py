@@ -32,8 +32,8 @@ def grpo_args(config: Any, output_dir: pathlib.Path, steps: int) -> Any:
     return GRPOConfig(
         output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         logging_steps=steps,
-        learning_rate=config.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=config.trainer.max_grad_norm, weight_decay=config.trainer.weight_decay,
+        learning_rate=config.trainer.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=config.trainer.optimizer.max_grad_norm, weight_decay=config.trainer.optimizer.weight_decay,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         num_generations=group, per_device_train_batch_size=config.data.prompts_per_step * group,
         steps_per_generation=1, gradient_accumulation_steps=1, max_steps=steps, num_train_epochs=1,

@@ -23,21 +23,23 @@ def test_config_validates_for_every_component(path: pathlib.Path) -> None:
 
 
 def test_cosine_learning_rate_ends_with_the_run() -> None:
-    """`trainer.lr_schedule: cosine` decays over the run's optimizer steps (run.steps x
+    """`trainer.optimizer.schedule: cosine` decays over the run's optimizer steps (run.steps x
     minibatches, after the warm-up) to lr x min_lr_ratio; by hand from the cosine
     lr_t = low + (lr - low) (1 + cos(pi t / T)) / 2 with T = 100 x 4 - 20 = 380."""
     from rlax_trainer.config import learning_rate_schedule
 
     config = load_config(
         CONFIGS / "demo.yaml",
-        ["run.steps=100", "trainer.minibatches=4", "trainer.lr=1e-3", "trainer.lr_schedule=cosine",
-         "trainer.min_lr_ratio=0.1", "trainer.warmup_steps=20"],
+        ["run.steps=100", "trainer.minibatches=4", "trainer.optimizer.lr=1e-3", "trainer.optimizer.schedule=cosine",
+         "trainer.optimizer.min_lr_ratio=0.1", "trainer.optimizer.warmup_steps=20"],
     )  # fmt: skip
     schedule = learning_rate_schedule(learner_config(config, mode="rl").optimizer)
     assert float(schedule(20)) == pytest.approx(1e-3)
     assert float(schedule(20 + 190)) == pytest.approx(0.55e-3)  # halfway: (lr + low) / 2
     assert float(schedule(400)) == pytest.approx(1e-4)
-    constant = learner_config(load_config(CONFIGS / "demo.yaml", ["trainer.lr_schedule=constant"]), mode="rl")
+    constant = learner_config(
+        load_config(CONFIGS / "demo.yaml", ["trainer.optimizer.schedule=constant"]), mode="rl"
+    )
     assert float(learning_rate_schedule(constant.optimizer)(10_000)) == pytest.approx(constant.optimizer.lr)
 
 

@@ -44,7 +44,7 @@ STEPS = 10
 BASE = [
     f"run.steps={STEPS}",
     *TINY_RUN,
-    "trainer.lr=3e-4",
+    "trainer.optimizer.lr=3e-4",
     "controller.lag=-1",  # the most k allows (the demo trains synchronously, lag 0)
     "supervisor.backoff_initial_s=0.2",
     "supervisor.backoff_max_s=1.0",

@@ -294,8 +294,8 @@ def trl_args(config: Any, out: pathlib.Path, steps: int) -> Any:
     minibatches = config.trainer.minibatches
     schedule: dict[str, Any] = (
         {"lr_scheduler_type": "cosine_with_min_lr",
-         "lr_scheduler_kwargs": {"min_lr_rate": config.trainer.min_lr_ratio}}
-        if config.trainer.lr_schedule == "cosine"
+         "lr_scheduler_kwargs": {"min_lr_rate": config.trainer.optimizer.min_lr_ratio}}
+        if config.trainer.optimizer.schedule == "cosine"
         else {"lr_scheduler_type": "constant"}
     )  # fmt: skip
     # bf16=False: GRPOConfig defaults to bf16=True, and with use_cpu the Trainer then runs
@@ -303,8 +303,8 @@ def trl_args(config: Any, out: pathlib.Path, steps: int) -> Any:
     return GRPOConfig(
         output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
         logging_steps=steps * minibatches,
-        learning_rate=config.trainer.lr, **schedule, warmup_steps=0,
-        max_grad_norm=config.trainer.max_grad_norm, weight_decay=0.0,
+        learning_rate=config.trainer.optimizer.lr, **schedule, warmup_steps=0,
+        max_grad_norm=config.trainer.optimizer.max_grad_norm, weight_decay=0.0,
         num_generations=group,
         per_device_train_batch_size=prompts_per_step * group // minibatches, steps_per_generation=minibatches,
         gradient_accumulation_steps=1, max_steps=steps * minibatches, num_train_epochs=1,

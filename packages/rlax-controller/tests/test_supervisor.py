@@ -16,9 +16,9 @@ from child_processes import alive, events, py
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 from rlax_controller.testing import check_no_unplanned_restarts, unplanned_restarts
-from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosSection, SupervisorSection
 
-FAST = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
+FAST = SupervisorSection(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
 
 
 def test_crashing_process_restarts_then_run_completes(tmp_path: pathlib.Path) -> None:
@@ -92,7 +92,7 @@ def test_a_component_that_rejects_its_config_is_not_restarted_and_stops_the_run(
             ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
         ],
         tmp_path / "logs",
-        SupervisorConfig(max_restarts=20, backoff_initial_s=0.05, backoff_max_s=0.05, shutdown_grace_s=2.0),
+        SupervisorSection(max_restarts=20, backoff_initial_s=0.05, backoff_max_s=0.05, shutdown_grace_s=2.0),
     )
     report = sup.run(install_signal_handlers=False)
     assert not report.success and report.config_error
@@ -120,11 +120,11 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
         textwrap.dedent(
             f"""
             import sys
-            from rlax_core.config import SupervisorConfig
+            from rlax_core.config import SupervisorSection
             from rlax_controller.supervisor import ProcessSpec, Supervisor
             child = [sys.executable, '-c', {child!r}]
             specs = [ProcessSpec(f'p{{i}}', 'worker', child) for i in range(3)]
-            report = Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
+            report = Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorSection(shutdown_grace_s=2.0)).run()
             print(report.reason, flush=True)
             sys.exit(0 if 'SIGINT' in report.reason else 1)
             """
@@ -165,10 +165,10 @@ def test_a_launcher_killed_with_sigkill_leaves_no_component_running(tmp_path: pa
         textwrap.dedent(
             f"""
             import sys
-            from rlax_core.config import SupervisorConfig
+            from rlax_core.config import SupervisorSection
             from rlax_controller.supervisor import ProcessSpec, Supervisor
             specs = [ProcessSpec(f'p{{i}}', 'worker', [sys.executable, '-c', {child!r}]) for i in range(3)]
-            Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorConfig(shutdown_grace_s=2.0)).run()
+            Supervisor(specs, {str(tmp_path / "logs")!r}, SupervisorSection(shutdown_grace_s=2.0)).run()
             """
         )
     )
@@ -205,7 +205,7 @@ def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) 
     roles = ["worker", "trainer", "paramserver"]
     specs = [ProcessSpec(f"{r}0", r, child) for r in roles] + [ProcessSpec("w1", "worker", child)]
     specs.append(ProcessSpec("main", "controller", done, completes_run=True))
-    chaos = ChaosConfig(interval=0.2, seed=3, targets=roles)
+    chaos = ChaosSection(interval=0.2, seed=3, targets=roles)
     report = Supervisor(specs, tmp_path / "logs", FAST, chaos).run(install_signal_handlers=False)
     assert report.success, report.render()
     killed_roles = {role for _, role in report.chaos_kills}
@@ -227,7 +227,7 @@ def test_chaos_schedule_is_seeded(tmp_path: pathlib.Path) -> None:
         sup = Supervisor(
             [ProcessSpec("a", "worker", ["true"])],
             tmp_path / f"s{seed}",
-            chaos=ChaosConfig(interval=1.0, seed=seed),
+            chaos=ChaosSection(interval=1.0, seed=seed),
         )
         out = []
         for _ in range(5):
@@ -285,7 +285,7 @@ def test_an_unplanned_crash_is_restarted_but_the_check_fails_with_its_traceback(
         ProcessSpec("trainer", "trainer", py("import time; time.sleep(120)")),
         ProcessSpec("main", "controller", py("import time; time.sleep(2.0)"), completes_run=True),
     ]
-    chaos = ChaosConfig(interval=0.3, seed=0, targets=["trainer"], max_kills=1)
+    chaos = ChaosSection(interval=0.3, seed=0, targets=["trainer"], max_kills=1)
     report = Supervisor(specs, tmp_path / "logs", FAST, chaos).run(install_signal_handlers=False)
     assert report.success and report.restarts["worker0"] == 1  # the run itself saw nothing wrong
     assert [n for n, _ in report.chaos_kills] == ["trainer"]

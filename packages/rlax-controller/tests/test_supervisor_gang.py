@@ -10,9 +10,9 @@ from child_processes import alive, events, py
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 from rlax_controller.testing import check_no_unplanned_restarts
-from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosSection, SupervisorSection
 
-POLICY = SupervisorConfig(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0)
+POLICY = SupervisorSection(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0)
 
 
 def member(starts: pathlib.Path, name: str, *, fail_on: tuple[int, ...] = (), code: int = 3,
@@ -112,7 +112,9 @@ def test_the_restart_limit_counts_gang_restarts_not_member_exits(tmp_path: pathl
         ProcessSpec("trainer2", "trainer", member(starts, "trainer2"), gang="trainer"),
         ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
     ]
-    policy = SupervisorConfig(max_restarts=2, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0)
+    policy = SupervisorSection(
+        max_restarts=2, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0
+    )
     report = Supervisor(specs, tmp_path / "logs", policy).run(install_signal_handlers=False)
     assert not report.success
     assert "trainer1 (gang trainer) exited with code 3" in report.reason
@@ -155,8 +157,10 @@ def test_a_chaos_kill_of_one_member_restarts_the_gang_without_counting_a_failure
         ProcessSpec("trainer1", "trainer", member(starts, "trainer1"), gang="trainer"),
         ProcessSpec("main", "controller", finisher(starts, 3, tmp_path / "logs", 2), completes_run=True),
     ]
-    policy = SupervisorConfig(max_restarts=0, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0)
-    chaos = ChaosConfig(interval=0.5, seed=1, targets=["trainer"], max_kills=1)
+    policy = SupervisorSection(
+        max_restarts=0, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0
+    )
+    chaos = ChaosSection(interval=0.5, seed=1, targets=["trainer"], max_kills=1)
     report = Supervisor(specs, tmp_path / "logs", policy, chaos).run(install_signal_handlers=False)
     assert report.success, report.render()
     [(victim, role)] = report.chaos_kills

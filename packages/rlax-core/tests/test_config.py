@@ -23,10 +23,10 @@ def test_defaults_are_valid() -> None:
 def test_yaml_and_dotted_overrides(tmp_path: pathlib.Path) -> None:
     path = write(tmp_path, {"run": {"name": "x", "steps": 3}, "trainer": {"preset": "dapo"}})
     config = load_config(
-        path, ["trainer.lr=1e-6", "chaos.interval=5", "workers.count=3", "data.dynamic_filter=true"]
+        path, ["trainer.optimizer.lr=1e-6", "chaos.interval=5", "workers.count=3", "data.dynamic_filter=true"]
     )
     assert config.run.steps == 3 and config.trainer.preset == "dapo"
-    assert config.trainer.lr == pytest.approx(1e-6)
+    assert config.trainer.optimizer.lr == pytest.approx(1e-6)
     assert config.chaos.interval == 5.0
     assert config.workers.count == 3
     assert config.data.dynamic_filter is True
@@ -36,7 +36,7 @@ def test_yaml_and_dotted_overrides(tmp_path: pathlib.Path) -> None:
     ("override", "needles"),
     [
         ("workers.count=0", ["workers.count", "0"]),
-        ("trainer.lr=-1", ["trainer.lr", "-1"]),
+        ("trainer.optimizer.lr=-1", ["trainer.optimizer.lr", "-1"]),
         ("trainer.preset=foo", ["trainer.preset", "foo"]),
         ("trainer.k=abc", ["trainer.k", "abc"]),
         ("trainer.bogus=1", ["trainer.bogus", "unknown"]),
@@ -76,7 +76,7 @@ def test_bad_yaml_file_and_types(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="key=value"):
-        load_config(None, ["trainer.lr"])
+        load_config(None, ["trainer.optimizer.lr"])
 
 
 def test_dump_and_reload_round_trip(tmp_path: pathlib.Path) -> None:
@@ -88,7 +88,7 @@ def test_dump_and_reload_round_trip(tmp_path: pathlib.Path) -> None:
 def test_a_reader_finds_a_live_runs_versions_in_memory_and_a_stopped_runs_in_its_state_dir(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rlax_core.config as config_module
+    import rlax_core.config.paramserver_folders as config_module
 
     shm = tmp_path / "shm"
     shm.mkdir()

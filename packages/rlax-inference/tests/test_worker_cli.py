@@ -27,8 +27,8 @@ def write_config(tmp_path: pathlib.Path, ps: str, port: int) -> pathlib.Path:
     path.write_text(
         f"run:\n  output_dir: {tmp_path / 'run'}\n"
         f"paramserver:\n  address: {ps}\n"
-        f"workers:\n  count: 1\n  addresses: [tcp://127.0.0.1:{port}]\n  max_batch_seqs: 8\n"
-        "model:\n  max_seq_len: 16\n  d_model: 32\n  n_heads: 2\n  n_kv_heads: 1\n  n_layers: 1\n"
+        f"workers:\n  count: 1\n  addresses: [tcp://127.0.0.1:{port}]\n  max_num_seqs: 8\n"
+        "model:\n  max_seq_len: 16\n  hidden_size: 32\n  num_heads: 2\n  num_kv_heads: 1\n  num_layers: 1\n"
         "data:\n  task_args: {digits: 1}\n"
     )
     return path

@@ -177,7 +177,7 @@ def test_config_errors_name_the_field(model_config, model_params, make_batch):
         rl_config(micro_batch=3)
     with pytest.raises(ValueError, match="global_batch=6 must be a positive multiple of group_size=4"):
         rl_config(global_batch=6)
-    with pytest.raises(ValueError, match="lr must be > 0, got -1"):
+    with pytest.raises(ValueError, match="lr = -1: must be a finite number > 0"):
         OptimizerConfig(lr=-1)
     with pytest.raises(
         msgspec.ValidationError, match=r"eps_high must be >= 0, got -0.5 - at `\$.objective.importance`"

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlax_core.config import EXIT_CONFIG_ERROR, ChaosConfig, SupervisorConfig
+from rlax_core.config import EXIT_CONFIG_ERROR, ChaosSection, SupervisorSection
 from rlax_core.fsutil import append_line_durable
 
 __all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport", "UnplannedRestart"]
@@ -191,16 +191,16 @@ class Supervisor:
         self,
         specs: list[ProcessSpec],
         log_dir: str | pathlib.Path,
-        policy: SupervisorConfig | None = None,
-        chaos: ChaosConfig | None = None,
+        policy: SupervisorSection | None = None,
+        chaos: ChaosSection | None = None,
         *,
         poll_s: float = 0.05,
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
-        self.policy = policy or SupervisorConfig()
-        self.chaos = chaos or ChaosConfig()
+        self.policy = policy or SupervisorSection()
+        self.chaos = chaos or ChaosSection()
         self.log_dir = pathlib.Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.log_dir / "events.jsonl"

@@ -85,6 +85,12 @@ COMMANDS: dict[str, Command] = {
     "convert": Command(
         "rlax_trainer.convert", "main", "rlax-trainer", "convert checkpoints (GGUF/RLAX -> HF)"
     ),
+    "config": Command(
+        "rlax_core.config.show",
+        "main",
+        "rlax-core",
+        "`rlax config show CONFIG [key=value ...]`: the resolved config with each value's source",
+    ),
     "keys": Command(
         "rlax_protocol.auth",
         "keys_main",
@@ -138,7 +144,7 @@ def component_main(
         "--config", required=True, help="run config YAML (the resolved one under rlax launch)"
     )
     parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-6"
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.optimizer.lr=1e-6"
     )
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from rlax_core.config import WorkersSection
 from rlax_inference.block_pool import KVCacheManager
 from rlax_inference.model_runner import AttentionBackend, ModelRunner, PrefillChunk
 from rlax_inference.scheduler import PrefillJob, Scheduler, SchedulerConfig
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 class SwapPolicy(enum.StrEnum):
     DROP = "drop"
     FINISH = "finish"
+
+
+# The engine options a run sets in its `workers:` section, by the same names: their defaults
+# are defined there, once, and an engine made by hand starts from the same ones.
+ENGINE_OPTIONS = ("max_num_seqs", "block_size", "max_num_batched_tokens", "attention", "num_decode_steps")
+_RUN_DEFAULTS = WorkersSection()
 
 
 @dataclass(frozen=True)
@@ -74,17 +81,17 @@ class EngineConfig:
       decode attention then runs in XLA, not on the `attention` backend's kernel: slower).
     """
 
-    block_size: int = 16
+    block_size: int = _RUN_DEFAULTS.block_size
     num_blocks: int = 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = _RUN_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = _RUN_DEFAULTS.max_num_batched_tokens
     max_model_len: int = 1024
     max_prefill_rows: int = 16
     eos_token_ids: tuple[int, ...] | None = None
     swap_policy: SwapPolicy = SwapPolicy.DROP
-    attention: AttentionBackend = "auto"
+    attention: AttentionBackend = _RUN_DEFAULTS.attention  # type: ignore[assignment]  # checked in __post_init__
     attention_interpret: bool = False
-    num_decode_steps: int = 1
+    num_decode_steps: int = _RUN_DEFAULTS.num_decode_steps
     watermark: float = 0.01
     enable_chunked_prefill: bool = True
     prefill_chunk_size: int | None = None

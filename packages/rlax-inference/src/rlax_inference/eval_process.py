@@ -59,18 +59,12 @@ class EngineSampler:
         self, config: RunConfig, task: Any, model_config: Any, params: Any, *, seed: int = 0
     ) -> None:
         from rlax_inference.engine import EngineConfig, LLMEngine
+        from rlax_inference.worker_process import engine_config_fields
 
-        max_len = config.model.max_seq_len
-        self.engine = LLMEngine(
-            model_config,
-            params,
-            EngineConfig(
-                num_blocks=config.workers.max_batch_seqs * (-(-max_len // 16) + 1) + 8,
-                max_num_seqs=config.workers.max_batch_seqs,
-                max_model_len=max_len,
-                attention=config.workers.attention,
-            ),
-        )
+        # The workers' engine, as the run configures it (seeded by `seed` alone: an
+        # evaluation's samples do not depend on which worker index it would have been).
+        fields = {**engine_config_fields(config), "seed": 0}
+        self.engine = LLMEngine(model_config, params, EngineConfig(**fields))
         self.config = config
         self.task = task
         self.seed = seed

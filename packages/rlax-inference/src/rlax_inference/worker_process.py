@@ -67,7 +67,7 @@ from rlax_core.cli import component_main, exit_on_sigterm, select_platform
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected_by
 from rlax_inference.admission import AdmissionQueue, Queued, RequestLimits
 from rlax_inference.agent_loop import AgentLoop, AgentResult, TurnCodec
-from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
+from rlax_inference.engine import ENGINE_OPTIONS, EngineConfig, LLMEngine, RequestOutput
 from rlax_inference.sequence import SamplingParams
 from rlax_inference.worker_io import Cancel, Job, WorkerIO
 from rlax_model import ModelConfig, Params, dtype_policy
@@ -218,22 +218,18 @@ class WorkerConfig:
 
 
 def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
-    """`rlax_inference.EngineConfig` fields sized for the run: every running sequence can
+    """`rlax_inference.EngineConfig` fields of the run: the `workers:` engine options as they
+    are (same names, `ENGINE_OPTIONS`), the cache sized so that every running sequence can
     hold `model.max_seq_len` tokens. Unseeded requests draw from a stream seeded by the run
     and the worker's index (distinct across workers). `trainer.batch_invariant` turns on
     the engine's aligned mode: the workers' log-probs then equal the trainer's to the bit."""
-    max_len = config.model.max_seq_len
-    seqs = config.workers.max_batch_seqs
-    block = 16
+    workers, max_len = config.workers, config.model.max_seq_len
+    blocks_per_seq = -(-max_len // workers.block_size) + 1
     return {
-        "block_size": block,
-        "num_blocks": seqs * (-(-max_len // block) + 1) + 8,
-        "max_num_seqs": seqs,
-        "max_num_batched_tokens": max(2048, seqs * 4),
+        **{name: getattr(workers, name) for name in ENGINE_OPTIONS},
+        "num_blocks": workers.max_num_seqs * blocks_per_seq + 8,
         "max_model_len": max_len,
         "swap_policy": "drop",
-        "attention": config.workers.attention,
-        "num_decode_steps": config.workers.decode_steps,
         "seed": (config.run.seed * 1_000_003 + index) % 2**31,
         "aligned": config.trainer.batch_invariant,
     }
@@ -266,15 +262,15 @@ class WarmUp:
         room = config.model.max_seq_len - 1
         # Row buckets are powers of two: 2, 4, 8, ... prompts up to the groups a worker can
         # hold at once reach every prefill shape of the run.
-        together = min(workers.max_inflight_groups, max(1, workers.max_batch_seqs // data.group_size))
+        together = min(workers.max_inflight_groups, max(1, workers.max_num_seqs // data.group_size))
         counts = {min(2**i, together) for i in range(1, together.bit_length() + 1)} if together > 1 else set()
         return cls(
             prompt_counts=tuple(sorted(counts)),
-            rows=min(workers.max_batch_seqs, data.group_size * max(1, workers.max_inflight_groups)),
-            decode_steps=tuple(sorted({1, workers.decode_steps})),
+            rows=min(workers.max_num_seqs, data.group_size * max(1, workers.max_inflight_groups)),
+            decode_steps=tuple(sorted({1, workers.num_decode_steps})),
             prompt_lengths=tuple(sorted({max(1, min(n, room)) for n in (lengths[:1] + lengths[-1:])})),
             sampling=SamplingParams(
-                n=min(data.group_size, workers.max_batch_seqs),
+                n=min(data.group_size, workers.max_num_seqs),
                 temperature=data.temperature,
                 top_p=data.top_p,
                 top_k=data.top_k,

@@ -18,6 +18,8 @@ __all__ = [
     "use_compile_cache",
 ]
 
+# The fields of `model:` that describe the `tiny` model's shape, named as in ModelConfig.
+TINY_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
 # `JAX_PLATFORMS` names that JAX's backend reports under another name.
 _BACKEND_OF = {"cuda": "gpu", "rocm": "gpu"}
 
@@ -28,14 +30,12 @@ def build_model_config(config: RunConfig, tokenizer: Any) -> Any:
 
     m = config.model
     if m.source == "tiny":
+        # The section's shape fields carry ModelConfig's names: passed by name, not translated.
+        shape = {name: getattr(m, name) for name in TINY_SHAPE_FIELDS}
         return ModelConfig.tiny(
             vocab_size=int(tokenizer.vocab_size),
-            hidden_size=m.d_model,
-            intermediate_size=m.d_ff,
-            num_layers=m.n_layers,
-            num_heads=m.n_heads,
-            num_kv_heads=m.n_kv_heads,
-            head_dim=m.d_model // m.n_heads,
+            **shape,
+            head_dim=m.hidden_size // m.num_heads,
             max_position_embeddings=m.max_seq_len,
             bos_token_id=tokenizer.bos_id,
             eos_token_id=tokenizer.eos_id,

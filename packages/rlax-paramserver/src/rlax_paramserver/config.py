@@ -49,7 +49,7 @@ class ServerConfig:
     """
 
     bind: str = DEFAULT_BIND
-    keep: int = 3
+    keep: int = 4  # `paramserver.keep`: one default whether started by `rlax launch` or by hand
     state_dir: pathlib.Path | None = None
     fsync: bool = True
     rest_dir: pathlib.Path | None = None

@@ -9,6 +9,7 @@ import msgspec
 import optax
 import yaml
 
+from rlax_core.config import OptimizerConfig, UpdateOptions
 from rlax_trainer.objective import ObjectiveConfig, objective_to_dict
 from rlax_trainer.objective.config import decode_hook, resolve_objective_dict
 
@@ -21,48 +22,14 @@ __all__ = [
     "make_optimizer",
 ]
 
-Remat = Literal["none", "full", "nothing_saveable", "dots_saveable"]
-
-
-class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """AdamW with linear warm-up to `lr`, then constant or cosine decay to `lr * min_lr_ratio`
-    over `decay_steps`; gradients clipped to global norm `max_grad_norm` (None: no clipping)."""
-
-    lr: float = 1e-6
-    schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = 0
-    decay_steps: int = 1000
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay_steps < 1:
-            raise ValueError(f"decay_steps must be >= 1, got {self.decay_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("b1", "b2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     if cfg.schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
     else:
+        if cfg.decay_steps < 1:
+            # 0 means "the run's length", which a run config resolves (`learner_config`).
+            raise ValueError("optimizer.decay_steps must be >= 1 for a cosine schedule")
         after = optax.cosine_decay_schedule(cfg.lr, cfg.decay_steps, alpha=cfg.min_lr_ratio)
     if cfg.warmup_steps == 0:
         return after
@@ -81,78 +48,47 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How one update is computed from a batch of `global_batch` rollouts.
+class LearnerConfig(UpdateOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How one update is computed from a batch of `global_batch` rollouts: the run's
+    `UpdateOptions` (`micro_batch`, `minibatches`, `minibatch_split`, `remat`, `packing`,
+    `pack_length`, `batch_invariant`: defined and documented once, in
+    `rlax_core.config.trainer`), and what the learner takes from the rest of the run.
 
     - `mode`: `rl` (the objective) or `sft` (cross-entropy on completion tokens).
-    - `micro_batch`: rollouts per forward/backward pass (gradients accumulated); must divide
-      the rollouts of one minibatch. 0: the whole minibatch at once.
-    - `minibatches`: optimizer steps per rollout batch, so that the PPO clip acts between them.
-    - `minibatch_split`: how a batch is dealt into its minibatches (seeded by the train
-      state's key, so resumption is exact). `rows` (default): the rollouts are shuffled across
-      the whole batch, so each minibatch holds samples of about every prompt, as TRL's
-      `GRPOTrainer` does; every gradient step then sees all prompts, and its direction is
-      far less noisy than with whole groups. `groups`: whole prompt groups per minibatch
-      (the previous rule), for objectives whose loss would need a group's samples
-      together. Advantages and aggregation weights are formed on the whole batch before
-      the split, so no built-in objective needs `groups`.
+    - `group_size`, `global_batch`: samples per prompt and rollouts per batch (`data:`).
     - `param_dtype`: dtype the forward pass sees; the optimizer always updates float32
       master weights.
-    - `remat`: rematerialisation of each layer; `nothing_saveable` is the "aligned" mode.
     - `temperature`: the sampler's temperature (logprobs of the same distribution).
     - `top_p`, `top_k`: the sampler's filters (1.0 and 0: off). The engine reports the
       log-prob of the truncated, renormalised distribution it drew from, so when either is
       on the trainer recomputes pi_old on that same support for the off-policy correction's
       behaviour weight pi_prox / pi_behav (and the logprob mismatch metrics); the policy
       ratio pi_theta / pi_old stays on the full distribution.
-    - `logprob_chunk_size`: tokens (of batch x seq) per chunk of the vocabulary projection + softmax,
-      recomputed in the backward pass (never a full [B, S, V] float32 logits tensor).
-      None: dense. A micro-batch whose full logits are small (`learner.DENSE_LOGITS_ELEMENTS`,
-      16 MB of float32) runs dense either way: there chunking costs time and saves nothing.
+    - `logprob_chunk_size`: tokens (of batch x seq) per chunk of the vocabulary projection +
+      softmax, recomputed in the backward pass (never a full [B, S, V] float32 logits
+      tensor). None: dense. A micro-batch whose full logits are small
+      (`learner.DENSE_LOGITS_ELEMENTS`, 16 MB of float32) runs dense either way: there
+      chunking costs time and saves nothing.
     - `trim_padding`: run the update at the batch's longest real sequence rounded up to a
       bucket (`rlax_trainer.padding`), not at the length the batch was padded to (unpacked
       batches only).
-    - `packing`: compute only real tokens (`rlax_trainer.packing`): each minibatch's
-      rollouts are packed into rows of `pack_length` tokens, a prompt group's common prefix
-      once per row, and the model runs one forward/backward pass per row used, so padding
-      and repeated prompts cost nothing and every batch has the same shapes (one compiled
-      program). `micro_batch` then does not apply: a pass is one packed row. False: rows
-      padded to the batch's length bucket, `micro_batch` rollouts per pass.
-    - `pack_length`: tokens per packed row (0: `packing.auto_pack_length` of the batch's
-      padded length, twice it); memory per pass grows with it, attention quadratically.
-    - `batch_invariant`: a rollout's float32 log-probs are bitwise the same whatever it is
-      padded to, batched with or packed with: every pass runs the attention over blocks of
-      `rlax_model.attention.KEY_BLOCK` keys, packed rows align their segments to them
-      (`rlax_trainer.packing`), and the update compiles with
-      `rlax_model.layers.ALIGNED_COMPILER_OPTIONS` (row-count invariant matmuls), as the
-      engine does in its aligned mode (`rlax_inference.EngineConfig.aligned`, which a run
-      turns on with this): a sampled token's log-prob is then the trainer's to the bit.
-      Measured on a 2-layer SmolLM2-wide model, 16 rollouts of 47-token prompts: the packed
-      update 1.4x the time (1.5x the computed positions), and 3.2x the temporary memory on
-      512-token rows. Off, a rollout's log-probs move with its
-      padding, batch and row by up to ~3e-6 (the attention's one matmul over all keys).
+    - `optimizer`: `rlax_core.config.OptimizerConfig`.
     """
 
     objective: ObjectiveConfig | None = None
     mode: Literal["rl", "sft"] = "rl"
     group_size: int = 1
     global_batch: int = 1
-    micro_batch: int = 0
-    minibatches: int = 1
-    minibatch_split: Literal["rows", "groups"] = "rows"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: Remat = "none"
     logprob_chunk_size: int | None = 64
     trim_padding: bool = True
-    packing: bool = True
-    pack_length: int = 0
-    batch_invariant: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mode == "rl" and self.objective is None:
             raise ValueError("mode='rl' needs an `objective` (e.g. objective: {base: grpo})")
         if self.group_size < 1:
@@ -173,10 +109,6 @@ class LearnerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         rows = self.global_batch // self.minibatches
         if self.micro_batch < 0 or (self.micro_batch and rows % self.micro_batch):
             raise ValueError(f"micro_batch={self.micro_batch} must divide the {rows} rollouts of a minibatch")
-        if self.pack_length < 0:
-            raise ValueError(
-                f"pack_length must be >= 0 (0: twice the batch's padded length), got {self.pack_length}"
-            )
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
         if not self.temperature > 0:

@@ -33,11 +33,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from rlax_core.addresses import resolver
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
-from rlax_core.config import RunConfig, rejected_by
+from rlax_core.config import OptimizerConfig, RunConfig, rejected_by
 from rlax_core.fsutil import append_line
 from rlax_protocol.control_messages import (
     BatchRequest,
@@ -61,52 +62,50 @@ TRIM_MIN_PARAM_BYTES = 64 * 1024 * 1024
 
 
 def learner_config(config: RunConfig, *, mode: str) -> Any:
-    """`rlax_trainer.LearnerConfig` for RL (the preset plus overrides) or the SFT warm start."""
+    """`rlax_trainer.LearnerConfig` for RL (the preset plus overrides) or the SFT warm start:
+    the trainer section's own `UpdateOptions` and `OptimizerConfig` as they are, with what the
+    update takes from the other sections (batch shape, sampler, dtype, the run's length)."""
     from rlax_model import resolve_dtypes
-    from rlax_trainer import learner_config_from_dict
+    from rlax_trainer import LearnerConfig, learner_config_from_dict
 
     t = config.trainer
     # The forward pass's dtype after rlax_model's dtype policy (float32 for bfloat16 on a CPU),
     # the same rule the workers apply, so trainer and engine compute alike.
     param_dtype = resolve_dtypes(config.model.param_dtype)[0]
     if mode == "sft":
-        data: dict[str, Any] = {
-            "mode": "sft",
-            "group_size": 1,
-            "global_batch": t.sft_batch,
-            "param_dtype": param_dtype,
-            "optimizer": {"lr": t.sft_lr, "max_grad_norm": t.max_grad_norm},
-        }
-    else:
-        data = {
-            "mode": "rl",
-            "objective": {"base": t.preset, **t.objective},
-            "group_size": config.data.group_size,
-            "global_batch": config.batch_size,
-            "micro_batch": t.micro_batch,
-            "minibatches": t.minibatches,
-            "minibatch_split": t.minibatch_split,
-            "param_dtype": param_dtype,
-            "remat": t.remat,
-            "packing": t.packing,
-            "pack_length": t.pack_length,
-            "batch_invariant": t.batch_invariant,
-            "temperature": config.data.temperature if config.data.temperature > 0 else 1.0,
-            # The workers' logprobs are on the top-p/top-k truncated distribution: the
-            # trainer recomputes pi_old on the same support (greedy ignores the filters).
-            "top_p": config.data.top_p if config.data.temperature > 0 else 1.0,
-            "top_k": config.data.top_k if config.data.temperature > 0 else 0,
-            "optimizer": {
-                "lr": t.lr,
-                "schedule": t.lr_schedule,
-                # Optimizer steps: `minibatches` per RL step, so the decay ends with the run.
-                "decay_steps": max(1, config.run.steps * t.minibatches - t.warmup_steps),
-                "min_lr_ratio": t.min_lr_ratio,
-                "warmup_steps": t.warmup_steps,
-                "weight_decay": t.weight_decay,
-                "max_grad_norm": t.max_grad_norm,
-            },
-        }
+        optimizer = msgspec.structs.replace(
+            OptimizerConfig(), lr=t.sft_lr, max_grad_norm=t.optimizer.max_grad_norm
+        )
+        return rejected_by(
+            "the trainer (trainer.sft_*)",
+            lambda: LearnerConfig(
+                mode="sft",
+                group_size=1,
+                global_batch=t.sft_batch,
+                param_dtype=param_dtype,
+                optimizer=optimizer,
+            ),
+        )
+    optimizer = t.optimizer
+    if optimizer.decay_steps == 0:
+        # Optimizer steps: `minibatches` per RL step, so the decay ends with the run.
+        decay = max(1, config.run.steps * t.minibatches - optimizer.warmup_steps)
+        optimizer = msgspec.structs.replace(optimizer, decay_steps=decay)
+    sampled = config.data.temperature > 0
+    data: dict[str, Any] = {
+        **msgspec.structs.asdict(t.update_options()),
+        "mode": "rl",
+        "objective": {"base": t.preset, **t.objective},
+        "group_size": config.data.group_size,
+        "global_batch": config.batch_size,
+        "param_dtype": param_dtype,
+        "temperature": config.data.temperature if sampled else 1.0,
+        # The workers' logprobs are on the top-p/top-k truncated distribution: the
+        # trainer recomputes pi_old on the same support (greedy ignores the filters).
+        "top_p": config.data.top_p if sampled else 1.0,
+        "top_k": config.data.top_k if sampled else 0,
+        "optimizer": msgspec.to_builtins(optimizer),
+    }
     try:
         return learner_config_from_dict(data)
     except ValueError as error:

@@ -1,4 +1,4 @@
-"""The RL objective as composable parts; presets are configs (see presets.yaml)."""
+"""The RL objective as composable parts; presets are configs (`rlax_core/config/objective_presets.yaml`)."""
 
 from rlax_trainer.objective.advantages import (
     ADVANTAGE_REGISTRY,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import importlib.resources
 import pathlib
 from typing import Any
 
@@ -12,6 +10,7 @@ import jax.numpy as jnp
 import msgspec
 import yaml
 
+from rlax_core.config.trainer import merge_objective, objective_presets
 from rlax_trainer.objective.advantages import AdvantageEstimator, advantage_from_dict, advantage_to_dict
 from rlax_trainer.objective.aggregation import Aggregation
 from rlax_trainer.objective.importance import ImportanceConfig
@@ -99,27 +98,12 @@ def decode_hook(typ: type, obj: Any) -> Any:
 
 
 def _presets() -> dict[str, dict]:
-    text = importlib.resources.files("rlax_trainer.objective").joinpath("presets.yaml").read_text()
-    return yaml.safe_load(text)
+    # One file defines the presets for every package: the run config (JAX-free, in rlax_core)
+    # validates a preset's name against the same list the trainer builds objectives from.
+    return objective_presets()
 
 
 PRESET_NAMES: tuple[str, ...] = tuple(_presets())
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, val in over.items():
-        # An advantage of another kind replaces the base's wholesale: its fields differ.
-        same_kind = (
-            key != "advantage"
-            or not isinstance(val, dict)
-            or val.get("kind", None) in (None, out.get(key, {}).get("kind"))
-        )
-        if isinstance(val, dict) and isinstance(out.get(key), dict) and same_kind:
-            out[key] = _merge(out[key], val)
-        else:
-            out[key] = copy.deepcopy(val)
-    return out
 
 
 def objective_from_dict(data: dict[str, Any]) -> ObjectiveConfig:
@@ -141,7 +125,7 @@ def resolve_objective_dict(data: dict[str, Any]) -> dict[str, Any]:
     presets = _presets()
     if base not in presets:
         raise ValueError(f"unknown objective preset {base!r} (field `base`); known: {sorted(presets)}")
-    return _merge(presets[base], data)
+    return merge_objective(presets[base], data)
 
 
 def preset(name: str, **overrides: Any) -> ObjectiveConfig:

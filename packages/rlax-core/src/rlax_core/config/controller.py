@@ -1,0 +1,45 @@
+"""`controller:` the controller's endpoint, heartbeats and which weights generate a group."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rlax_core.config.base import AUTO, Section, check, check_address
+
+
+class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`lookahead_steps`: how many batches beyond the current one are generated ahead
+    (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher.
+
+    `versions`: which weights generate a group. `pinned` (the default): the controller
+    decides, by the group's place in the stream alone: the groups of step s are generated
+    with version `j * floor(max(0, s - lag) / j)`, sent in the request, so the run's batches
+    and weights are a function of the config and seed whatever the machine's load, the
+    number of workers or the kills. `freshest`: each worker generates with the newest
+    weights it holds (reloading when `workers.j` behind), fresher but timing-dependent.
+    `lag`: how many versions behind its step a group is generated under `pinned` (0:
+    synchronous; -1: the most that trainer.k and paramserver.keep allow,
+    min(k - j + 1, keep - j))."""
+
+    address: str = AUTO
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 20.0
+    request_timeout_s: float = 30.0
+    snapshot_keep: int = 4
+    lookahead_steps: int = 1
+    versions: Literal["pinned", "freshest"] = "pinned"
+    lag: int = -1
+
+    def __post_init__(self) -> None:
+        check_address("address", self.address)
+        check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", self.heartbeat_interval_s, "must be > 0")
+        check(
+            self.heartbeat_timeout_s > self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            self.heartbeat_timeout_s,
+            f"must exceed heartbeat_interval_s={self.heartbeat_interval_s}",
+        )
+        check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
+        check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
+        check(self.lag >= -1, "lag", self.lag, "must be >= 0, or -1 for the most trainer.k allows")

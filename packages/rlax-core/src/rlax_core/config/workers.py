@@ -1,0 +1,72 @@
+"""`workers:` the inference workers: how many, when they reload, and their engine's sizes.
+
+The engine fields carry the names of `rlax_inference.EngineConfig`, whose defaults are
+these (`EngineConfig` reads them from `WorkersSection`), so an option has one name and one
+default whether it is set in a run config or on an engine made by hand.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rlax_core.config.base import Section, check, check_address
+
+
+class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Inference workers: how many, reload staleness j, back-pressure, and engine sizes.
+
+    `j`: a worker reloads once the newest version is j ahead of the one it holds.
+    `max_inflight_groups`: prompt groups the controller sends one worker at a time.
+    `max_inflight_requests`: requests one worker holds (queued or generating); beyond it a
+    request is answered `busy` at once, so the client sends it elsewhere. It must cover
+    what the controller sends one worker (`max_inflight_groups`, and as many eval requests).
+    `map_weights`: on the parameter server's host, map its state file of a version instead
+    of receiving a copy (no weight bytes of the worker's own; about 15% slower weight-bound
+    matmuls on XLA:CPU with 4 KiB file pages; false: copy as before).
+    Engine (`rlax_inference.EngineConfig` of the same names): `max_num_seqs` sequences
+    decoded together; `block_size` tokens per KV-cache block (the cache holds
+    `max_num_seqs` sequences of `model.max_seq_len` tokens); `max_num_batched_tokens`
+    tokens of one engine step; `attention` the decode attention backend; `num_decode_steps`
+    decode steps per model call (same tokens, fewer host round trips; requests join
+    between calls)."""
+
+    count: int = 2
+    j: int = 1
+    max_inflight_groups: int = 2
+    addresses: list[str] = msgspec.field(default_factory=list)
+    platform: str = "cpu"
+    max_inflight_requests: int = 64
+    map_weights: bool = True
+    max_num_seqs: int = 64
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    attention: str = "auto"
+    num_decode_steps: int = 1
+
+    def __post_init__(self) -> None:
+        check(self.count >= 1, "count", self.count, "must be >= 1")
+        check(self.j >= 1, "j", self.j, "must be >= 1")
+        check(self.max_inflight_groups >= 1, "max_inflight_groups", self.max_inflight_groups, "must be >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        check(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            f"must be >= max_num_seqs={self.max_num_seqs} (one decode token per sequence)",
+        )
+        check(self.num_decode_steps >= 1, "num_decode_steps", self.num_decode_steps, "must be >= 1")
+        check(
+            self.max_inflight_requests >= 2 * self.max_inflight_groups,
+            "max_inflight_requests",
+            self.max_inflight_requests,
+            f"must be >= 2 * max_inflight_groups={self.max_inflight_groups} (training and eval requests)",
+        )
+        check(
+            not self.addresses or len(self.addresses) == self.count,
+            "addresses",
+            self.addresses,
+            f"needs one address per worker (count={self.count}) or none",
+        )
+        for i, address in enumerate(self.addresses):
+            check_address(f"addresses[{i}]", address)
