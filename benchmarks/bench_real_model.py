@@ -491,7 +491,7 @@ def write_bench_json(figures: dict[str, Any]) -> None:
     """The headline figures as one JSON object, when RLAX_BENCH_JSON names a file."""
     target = os.environ.get("RLAX_BENCH_JSON")
     if target:
-        from rlax_core.fsutil import atomic_write_bytes
+        from rlax_protocol.atomic_files import atomic_write_bytes
 
         atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())
 

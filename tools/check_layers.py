@@ -19,7 +19,7 @@ ALLOWED: dict[str, tuple[str, set[str]]] = {
     "rlax_core": ("packages/rlax-core/src", {"rlax_protocol"}),
     "rlax_paramserver": ("packages/rlax-paramserver/src", {"rlax_protocol"}),
     "rlax_kernels": ("kernels/src", set()),
-    "rlax_model": ("packages/rlax-model/src", {"rlax_core"}),
+    "rlax_model": ("packages/rlax-model/src", {"rlax_protocol", "rlax_core"}),
     "rlax_data": ("packages/rlax-data/src", {"rlax_protocol", "rlax_core"}),
     "rlax_inference": (
         "packages/rlax-inference/src",

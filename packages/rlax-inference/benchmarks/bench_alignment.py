@@ -330,7 +330,7 @@ def write_bench_json(info: dict[str, float]) -> None:
         import json
         import pathlib
 
-        from rlax_core.fsutil import atomic_write_bytes
+        from rlax_protocol.atomic_files import atomic_write_bytes
 
         atomic_write_bytes(pathlib.Path(target), json.dumps(info, indent=1).encode())
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from rlax_core.fsutil import atomic_write_bytes
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 __all__ = ["SNAPSHOT_FORMAT", "RunSnapshot", "SnapshotError", "SnapshotStore"]
 

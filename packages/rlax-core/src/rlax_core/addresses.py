@@ -20,7 +20,7 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from rlax_core.fsutil import atomic_write_bytes
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 if TYPE_CHECKING:
     from rlax_core.config import RunConfig

@@ -1,29 +1,15 @@
-"""Crash-safe file writes: temp name in the same folder, fsync, rename, fsync the folder."""
+"""Line appends for logs, metrics and events: one write call per line, so a killed writer
+leaves at most a torn last line.
+
+Replacing a whole file crash-safely is `rlax_protocol.atomic_files`.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
 
-__all__ = ["append_line", "append_line_durable", "atomic_write_bytes"]
-
-
-def atomic_write_bytes(path: pathlib.Path, data: bytes) -> pathlib.Path:
-    """Replace `path` with `data` so a crash leaves either the old or the new file, never half."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
+__all__ = ["append_line", "append_line_durable"]
 
 
 def _append(path: pathlib.Path, line: str, *, fsync: bool) -> None:

@@ -14,8 +14,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from rlax_core.chat_template import ChatTemplate, ChatTemplateError
-from rlax_core.fsutil import atomic_write_bytes
 from rlax_core.gguf_file import GGUFFile
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 
 class TokenizerError(ValueError):

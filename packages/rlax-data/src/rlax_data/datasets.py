@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rlax_data._io import atomic_write
+from rlax_protocol.atomic_files import atomic_write
 
 __all__ = [
     "CallCase",

@@ -12,10 +12,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rlax_data._io import atomic_write_json, atomic_write_text
+from rlax_data._io import atomic_write_json
 from rlax_data.datasets import Record
 from rlax_data.sampling import PromptRenderer, Sampler, check_samples, render_prompts
 from rlax_data.verify.base import Verifier, VerifyResult
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 __all__ = ["EvalReport", "avg_at_k", "evaluate", "extracted_answer", "maj_at_k", "pass_at_k"]
 
@@ -168,5 +169,5 @@ def evaluate(
     if out_dir is not None:
         out = Path(out_dir)
         atomic_write_json(out / "eval.json", report)
-        atomic_write_text(out / "eval.md", report.markdown())
+        atomic_write_bytes(out / "eval.md", report.markdown().encode("utf-8"))
     return report

@@ -21,7 +21,6 @@ import numpy as np
 import safetensors.flax
 from safetensors import safe_open
 
-from rlax_core.fsutil import atomic_write_bytes
 from rlax_model.config import (
     ConfigError,
     LinearRopeScaling,
@@ -30,6 +29,7 @@ from rlax_model.config import (
     RopeScaling,
 )
 from rlax_model.transformer import Params, param_shapes
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -16,12 +16,12 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from rlax_core.fsutil import atomic_write_bytes
 from rlax_core.gguf_file import GGUFFile
 from rlax_core.tokenizer import CharTokenizer, Tokenizer
 from rlax_model.checkpoint_hf import CheckpointError, save_hf_checkpoint
 from rlax_model.config import ModelConfig
 from rlax_model.transformer import Params
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 __all__ = ["gguf_sampling_defaults", "generation_config", "save_hf_folder"]
 

@@ -52,7 +52,7 @@ import secrets
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import xxhash
@@ -65,6 +65,7 @@ from rlax_protocol import (
     check_msgpack_bounds,
     frame_layout,
 )
+from rlax_protocol.atomic_files import atomic_write, fsync_dir, replacing
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +119,6 @@ def state_path(state_dir: pathlib.Path, version: int) -> pathlib.Path:
     return state_dir / f"weights-v{version:012d}.rlaxw"
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_prefix(version: int, manifest: TensorManifest, metadata: dict[str, Any]) -> bytes:
     """Magic, header length, header and the zero padding up to the tensors' start."""
     header = msgspec.msgpack.encode(StateHeader(PROTOCOL_VERSION, version, manifest, metadata))
@@ -165,33 +158,25 @@ def write_state(
     """
     if keep < 1:
         raise ValueError(f"keep={keep}: must be >= 1 (the newest version is always kept)")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    final = state_path(state_dir, version)
-    tmp = state_dir / f".{final.name}.tmp-{os.getpid()}"
     prefix = _file_prefix(version, manifest, metadata)
     starts, _ = tensor_starts(manifest)
     slots = frame_layout(manifest)
     if len(frames) != len(slots):
         raise ValueError(f"{len(frames)} frames for a manifest of {len(slots)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(prefix)
-            written = 0
-            for slot, frame in zip(slots, frames, strict=True):
-                gap = starts[slot.tensor] + slot.offset - written
-                if gap:
-                    f.write(b"\x00" * gap)
-                f.write(frame)
-                written += gap + slot.nbytes
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (e.g. a full disk) leaves no half file
-        raise
-    if fsync:
-        _fsync_dir(state_dir)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(prefix)
+        written = 0
+        for slot, frame in zip(slots, frames, strict=True):
+            gap = starts[slot.tensor] + slot.offset - written
+            if gap:
+                f.write(b"\x00" * gap)
+            f.write(frame)
+            written += gap + slot.nbytes
+
+    # A failed write (e.g. a full disk) leaves no half file; its temporary name is the
+    # pattern an owner clears at start.
+    final = atomic_write(state_path(state_dir, version), write, fsync=fsync)
     _prune(state_dir, version, keep)
     return final
 
@@ -281,7 +266,7 @@ def install_staged(
     final = state_path(state_dir, version)
     os.replace(staging.path, final)
     if fsync:
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir)
     _prune(state_dir, version, keep)
     return LoadedState(loaded.version, loaded.manifest, loaded.metadata, loaded.frames, final, loaded.tensors)
 
@@ -419,20 +404,8 @@ def _state_files(state_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
 def _copy_state_file(source: pathlib.Path, target_dir: pathlib.Path, *, fsync: bool) -> None:
     """`source` into `target_dir` under its own name: written under a temporary name (the
     pattern an owner clears at start) and renamed, so the target is whole or absent."""
-    target_dir.mkdir(parents=True, exist_ok=True)
-    final = target_dir / source.name
-    tmp = target_dir / f".{final.name}.tmp-{os.getpid()}"
-    try:
-        shutil.copyfile(source, tmp)
-        if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if fsync:
-            _fsync_dir(target_dir)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(target_dir / source.name, fsync=fsync) as tmp:
+        shutil.copyfile(source, tmp)  # by path: the kernel copies it (sendfile), no Python loop
 
 
 def spill_states(

@@ -20,7 +20,7 @@ import hashlib
 import pathlib
 import re
 
-from rlax_core.fsutil import atomic_write_bytes
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 __all__ = ["BatchJournal", "JournalDamagedError"]
 

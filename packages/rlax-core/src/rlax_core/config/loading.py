@@ -19,7 +19,7 @@ import yaml
 
 from rlax_core.config.base import ConfigError
 from rlax_core.config.run_config import RunConfig
-from rlax_core.fsutil import atomic_write_bytes
+from rlax_protocol.atomic_files import atomic_write_bytes
 
 BASE_KEY = "base"
 DEFAULT_SOURCE = "default"
