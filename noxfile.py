@@ -183,11 +183,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) on the packages that every node installs."""
+    """mypy (strict) on the packages that every node installs, the kernels and the model
+    (settings and third-party gaps: [tool.mypy] in pyproject.toml)."""
     install_checkout(session, extras="")
     session.install("mypy>=1.10", "types-PyYAML")
-    every_node = {"rlax-protocol", "rlax-core", "rlax-paramserver"}
-    strict = [str(p / "src") for p in existing_packages() if p.name in every_node]
+    checked = {"rlax-protocol", "rlax-core", "rlax-paramserver", "kernels", "rlax-model"}
+    strict = [str(p / "src") for p in existing_packages() if p.name in checked]
     session.run("mypy", "--strict", *strict)
 
 

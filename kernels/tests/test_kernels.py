@@ -304,7 +304,7 @@ def test_bad_arguments_name_the_problem(path):
         ({"lengths": jnp.ones(3, jnp.int32)}, "lengths must be"),
         ({"lengths": jnp.ones(2, jnp.float32)}, "lengths must be"),
         ({"block_tables": jnp.zeros((3, 2), jnp.int32)}, "block_tables must be"),
-        ({"v_pages": jnp.ones((2, 5, 4, 8))}, "one shape"),
+        ({"v_pages": jnp.ones((2, 5, 4, 8))}, "v_pages must have the shape of k_pages"),
         ({"new_k": jnp.ones((2, 1, 8)), "new_v": jnp.ones((2, 1, 8))}, "new_k and new_v must be"),
     ],
 )

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_kernels.paged_attention.ops import _platform, paged_attention
+from rlax_kernels.paged_attention.ops import Backend, _platform, paged_attention
 from rlax_kernels.paged_attention.reference import default_scale, paged_attention_reference
 from rlax_kernels.paged_attention.testing import make_paged_case
 
@@ -208,7 +208,7 @@ def implementations(case: BenchCase, config: DecodeBenchConfig) -> list[Implemen
     scaled_q = (case.q.astype(jnp.float32) * default_scale(config.head_dim)).astype(case.q.dtype)
     jax_args = (scaled_q, *args[1:])
 
-    def ours(backend: str, interpret: bool) -> Callable[[], jax.Array]:
+    def ours(backend: Backend, interpret: bool) -> Callable[[], jax.Array]:
         return lambda: paged_attention(
             *args, backend=backend, interpret=interpret, pages_per_compute_block=ppb
         )
@@ -223,7 +223,8 @@ def implementations(case: BenchCase, config: DecodeBenchConfig) -> list[Implemen
 
         def interpreted() -> jax.Array:
             with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-                return jax.block_until_ready(fn(*jax_args))
+                out: jax.Array = jax.block_until_ready(fn(*jax_args))
+                return out
 
         return interpreted
 

@@ -39,9 +39,10 @@ import numba
 import numpy as np
 from numba import types
 
+from rlax_kernels.paged_attention.arguments import check_decode_arguments
 from rlax_kernels.paged_attention.cpu_ffi import make_handler
 from rlax_kernels.paged_attention.cpu_intrinsics import float_bits, prefetch
-from rlax_kernels.paged_attention.reference import check_decode_extras, check_sliding_window, default_scale
+from rlax_kernels.paged_attention.reference import default_scale
 
 _TARGET = "rlax_paged_attention_cpu"
 
@@ -174,7 +175,8 @@ def compiled_handler() -> numba.core.ccallback.CFunc:
     from numba.np.ufunc import parallel
 
     if "NUMBA_THREADING_LAYER" not in os.environ and not parallel._is_initialized:
-        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
+        # numba.config sets its attributes from the environment at import: mypy sees none of them.
+        numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]  # see the module docstring
     return numba.cfunc(types.voidptr(types.voidptr))(make_handler(_attend, _LAUNCH_LOCK_ADDRESS))
 
 
@@ -186,39 +188,6 @@ def _register() -> None:
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     new_capsule.restype = ctypes.py_object
     jax.ffi.register_ffi_target(_TARGET, new_capsule(handler.address, None, None), platform="cpu")
-
-
-def _check_shapes(q, k_pages, v_pages, lengths, block_tables, new_k, new_v) -> None:  # type: ignore[no-untyped-def]
-    """The kernel indexes raw memory by these shapes: any inconsistency is an error here, not a bad read."""
-    report = ", ".join(
-        f"{name} {tuple(a.shape)} {a.dtype}"
-        for name, a in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("lengths", lengths),
-                        ("block_tables", block_tables), ("new_k", new_k), ("new_v", new_v))
-        if a is not None
-    )  # fmt: skip
-
-    def fail(why: str) -> None:
-        raise ValueError(f"paged_attention_cpu: {why} (got {report})")
-
-    if q.ndim != 3:
-        fail("q must be [batch, num_heads, head_dim]")
-    batch, num_heads, head_dim = q.shape
-    if k_pages.shape != v_pages.shape:
-        fail("k_pages and v_pages must have one shape")
-    num_kv_heads, _, _, kv_head_dim = k_pages.shape[-4:]
-    if kv_head_dim != head_dim or num_kv_heads < 1 or num_heads % num_kv_heads:
-        fail("the pages must be [..., num_kv_heads, pages, page_size, head_dim] with q's head_dim and "
-             "num_heads a multiple of num_kv_heads")  # fmt: skip
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        fail(f"lengths must be an integer array of shape [batch={batch}]")
-    if (
-        block_tables.ndim != 2
-        or block_tables.shape[0] != batch
-        or not jnp.issubdtype(block_tables.dtype, jnp.integer)
-    ):
-        fail(f"block_tables must be an integer array of shape [batch={batch}, max_pages_per_seq]")
-    if new_k is not None and (new_k.shape != (batch, num_kv_heads, head_dim) or new_v.shape != new_k.shape):
-        fail(f"new_k and new_v must be [batch={batch}, num_kv_heads={num_kv_heads}, head_dim={head_dim}]")
 
 
 def paged_attention_cpu(
@@ -254,19 +223,21 @@ def paged_attention_cpu(
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32.
     """
-    check_decode_extras("paged_attention_cpu", k_pages, layer, new_k, new_v)
-    check_sliding_window("paged_attention_cpu", sliding_window)
+    # The kernel indexes raw memory by these shapes: any inconsistency is an error here, not a bad read.
+    check_decode_arguments(
+        "paged_attention_cpu", q, k_pages, v_pages, lengths, block_tables,
+        new_k=new_k, new_v=new_v, layer=layer, sliding_window=sliding_window,
+    )  # fmt: skip
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(
             f"paged_attention_cpu: the pages must be float32, got k_pages {k_pages.dtype}, "
             f"v_pages {v_pages.dtype} (the CPU kernel reads a float32 cache)"
         )
-    _check_shapes(q, k_pages, v_pages, lengths, block_tables, new_k, new_v)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[-4]
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    if new_k is None:
+    if new_k is None or new_v is None:  # both or neither (checked above)
         new_k = new_v = jnp.zeros((batch, num_kv_heads, head_dim), jnp.float32)
         has_new = 0
     else:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from numba.np.numpy_support import carray
 
 from rlax_kernels.paged_attention.cpu_intrinsics import call_pointer, pointer, spin_acquire, spin_release
 
@@ -111,7 +112,7 @@ for _code, _text in _MESSAGE_BYTES.items():
 
 @numba.njit(inline="always")
 def _words(address, n):  # type: ignore[no-untyped-def]
-    return numba.carray(pointer(address), n, np.int64)
+    return carray(pointer(address), n, np.int64)
 
 
 @numba.njit
@@ -142,7 +143,7 @@ def _answer_metadata(extension):  # type: ignore[no-untyped-def]
     words = _words(metadata, 4)
     words[1] = _API_VERSION_SIZE  # api_version.struct_size
     words[2] = 0  # api_version.extension_start
-    ints = numba.carray(pointer(metadata), 9, np.int32)
+    ints = carray(pointer(metadata), 9, np.int32)
     ints[6] = FFI_API_VERSION[0]  # api_version.major_version (byte 24)
     ints[7] = FFI_API_VERSION[1]  # api_version.minor_version (byte 28)
     ints[8] = 0  # traits (byte 32): none
@@ -161,7 +162,7 @@ def _buffer_header(address):  # type: ignore[no-untyped-def]
 @numba.njit
 def _dims(address):  # type: ignore[no-untyped-def]
     words = _words(address, 6)
-    return numba.carray(pointer(words[_BUFFER_DIMS]), words[_BUFFER_RANK], np.int64)
+    return carray(pointer(words[_BUFFER_DIMS]), words[_BUFFER_RANK], np.int64)
 
 
 @numba.njit
@@ -175,11 +176,8 @@ def check_frame(frame):  # type: ignore[no-untyped-def]
         return _WRONG_COUNT
     if frame[_FRAME_ARGS + 3] == 0 or frame[_FRAME_ARGS + 4] == 0 or frame[_FRAME_RETS + 4] == 0:
         return _NOT_BUFFERS
-    arg_kinds = numba.carray(pointer(frame[_FRAME_ARGS + 3]), _NUM_ARGS, np.int32)
-    if (
-        frame[_FRAME_RETS + 3] == 0
-        or numba.carray(pointer(frame[_FRAME_RETS + 3]), 1, np.int32)[0] != _KIND_BUFFER
-    ):
+    arg_kinds = carray(pointer(frame[_FRAME_ARGS + 3]), _NUM_ARGS, np.int32)
+    if frame[_FRAME_RETS + 3] == 0 or carray(pointer(frame[_FRAME_RETS + 3]), 1, np.int32)[0] != _KIND_BUFFER:
         return _NOT_BUFFERS
     args = _words(frame[_FRAME_ARGS + 4], _NUM_ARGS)
     result = _words(frame[_FRAME_RETS + 4], 1)[0]
@@ -217,7 +215,7 @@ def check_frame(frame):  # type: ignore[no-untyped-def]
             return _BAD_SHAPES
     if _dims(args[7])[0] != 3 or _dims(args[8])[0] != 1:
         return _BAD_SCALARS
-    scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
+    scalars = carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
     if not 0 <= scalars[0] < k[0] or not 0 <= scalars[1] <= 1 or scalars[2] < 0:
         return _LAYER_OUT_OF_RANGE
     return 0
@@ -234,30 +232,30 @@ def make_handler(launch: Callable[..., None], lock_address: int) -> Callable[...
         q, k, tables = _dims(args[0]), _dims(args[1]), _dims(args[4])
         batch, num_heads, head_dim, num_kv_heads = q[0], q[1], q[2], k[1]
         cache_shape = (k[0], k[1], k[2], k[3], k[4])
-        scalars = numba.carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
+        scalars = carray(pointer(_buffer_header(args[7])[2]), 3, np.int32)
         launch(
-            numba.carray(pointer(_buffer_header(args[0])[2]), (batch, num_heads, head_dim), np.float32),
-            numba.carray(pointer(_buffer_header(args[1])[2]), cache_shape, np.float32),
-            numba.carray(pointer(_buffer_header(args[2])[2]), cache_shape, np.float32),
-            numba.carray(pointer(_buffer_header(args[3])[2]), batch, np.int32),
-            numba.carray(pointer(_buffer_header(args[4])[2]), (batch, tables[1]), np.int32),
-            numba.carray(pointer(_buffer_header(args[5])[2]), (batch, num_kv_heads, head_dim), np.float32),
-            numba.carray(pointer(_buffer_header(args[6])[2]), (batch, num_kv_heads, head_dim), np.float32),
+            carray(pointer(_buffer_header(args[0])[2]), (batch, num_heads, head_dim), np.float32),
+            carray(pointer(_buffer_header(args[1])[2]), cache_shape, np.float32),
+            carray(pointer(_buffer_header(args[2])[2]), cache_shape, np.float32),
+            carray(pointer(_buffer_header(args[3])[2]), batch, np.int32),
+            carray(pointer(_buffer_header(args[4])[2]), (batch, tables[1]), np.int32),
+            carray(pointer(_buffer_header(args[5])[2]), (batch, num_kv_heads, head_dim), np.float32),
+            carray(pointer(_buffer_header(args[6])[2]), (batch, num_kv_heads, head_dim), np.float32),
             scalars[0],
             scalars[1] != 0,
             scalars[2],
-            numba.carray(pointer(_buffer_header(args[8])[2]), 1, np.float32)[0],
-            numba.carray(pointer(out_at), (batch, num_heads, head_dim), np.float32),
+            carray(pointer(_buffer_header(args[8])[2]), 1, np.float32)[0],
+            carray(pointer(out_at), (batch, num_heads, head_dim), np.float32),
         )
 
     def handler(frame_ptr):  # type: ignore[no-untyped-def]
-        head = numba.carray(frame_ptr, 3, np.int64)
+        head = carray(frame_ptr, 3, np.int64)
         if head[0] < (_FRAME_API + 1) * 8:
             return pointer(0)  # not even an API to report through
         api = head[_FRAME_API]
         if head[0] < _CALL_FRAME_SIZE:
             return pointer(_error(api, _FRAME_TOO_SMALL))
-        frame = numba.carray(frame_ptr, _FRAME_WORDS, np.int64)
+        frame = carray(frame_ptr, _FRAME_WORDS, np.int64)
         extension = frame[_FRAME_EXTENSION]
         if extension != 0 and _words(extension, 2)[_EXTENSION_TYPE] & 0xFFFFFFFF == _EXTENSION_METADATA_TYPE:
             code = _answer_metadata(extension)

@@ -8,13 +8,24 @@ takes), so the kernel around them stays ordinary numba code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, cast
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+P = ParamSpec("P")
 
-@intrinsic
+
+def _intrinsic(typer: Callable[Concatenate[Any, P], Any]) -> Callable[P, Any]:
+    """numba's ``@intrinsic``, typed the way njit code calls it: numba passes ``typingctx``
+    itself, while numba's own annotations keep it in the call's signature."""
+    return cast(Callable[P, Any], intrinsic(typer))
+
+
+@_intrinsic
 def pointer(typingctx, address):  # type: ignore[no-untyped-def]
     """The int64 `address` as a void pointer."""
 
@@ -24,7 +35,7 @@ def pointer(typingctx, address):  # type: ignore[no-untyped-def]
     return types.voidptr(types.int64), codegen
 
 
-@intrinsic
+@_intrinsic
 def float_bits(typingctx, bits):  # type: ignore[no-untyped-def]
     """The float32 whose bit pattern is the int32 `bits`."""
 
@@ -34,7 +45,7 @@ def float_bits(typingctx, bits):  # type: ignore[no-untyped-def]
     return types.float32(types.int32), codegen
 
 
-@intrinsic
+@_intrinsic
 def prefetch(typingctx, address):  # type: ignore[no-untyped-def]
     """Hint the CPU to load the cache line at `address` (llvm.prefetch: read, keep in all levels)."""
 
@@ -49,7 +60,7 @@ def prefetch(typingctx, address):  # type: ignore[no-untyped-def]
     return types.void(types.intp), codegen
 
 
-@intrinsic
+@_intrinsic
 def spin_acquire(typingctx, address):  # type: ignore[no-untyped-def]
     """Take the spin lock at `address` (compare-and-swap 0 -> 1, yielding the CPU between tries)."""
 
@@ -70,7 +81,7 @@ def spin_acquire(typingctx, address):  # type: ignore[no-untyped-def]
     return types.void(types.intp), codegen
 
 
-@intrinsic
+@_intrinsic
 def spin_release(typingctx, address):  # type: ignore[no-untyped-def]
     """Free the spin lock at `address`."""
 
@@ -82,7 +93,7 @@ def spin_release(typingctx, address):  # type: ignore[no-untyped-def]
     return types.void(types.intp), codegen
 
 
-@intrinsic
+@_intrinsic
 def call_pointer(typingctx, function, argument):  # type: ignore[no-untyped-def]
     """Call the C function at address `function` as ``void *f(void *)`` with `argument`; its result as int64."""
 

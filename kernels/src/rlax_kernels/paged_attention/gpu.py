@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rlax_kernels.paged_attention.online_softmax import (
+    OnlineSoftmax,
     online_softmax_add_key,
     online_softmax_finish,
     online_softmax_init,
@@ -41,14 +42,14 @@ from rlax_kernels.paged_attention.online_softmax import (
 
 
 def _kernel(
-    seq_lens_ref,  # [1] int32
-    q_lens_ref,  # [1] int32
-    tables_ref,  # [padded_max_pages] int32
-    layer_ref,  # [1] int32
-    q_ref,  # [block_rows, head_dim]
-    k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]: the whole cache
-    v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
-    *refs,  # (new_k_ref, new_v_ref: [1, head_dim], with has_new), o_ref
+    seq_lens_ref: jax.Ref,  # [1] int32
+    q_lens_ref: jax.Ref,  # [1] int32
+    tables_ref: jax.Ref,  # [padded_max_pages] int32
+    layer_ref: jax.Ref,  # [1] int32
+    q_ref: jax.Ref,  # [block_rows, head_dim]
+    k_ref: jax.Ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]: the whole cache
+    v_ref: jax.Ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
+    *refs: jax.Ref,  # (new_k_ref, new_v_ref: [1, head_dim], with has_new), o_ref
     group: int,
     scale: float,
     page_size: int,
@@ -58,7 +59,7 @@ def _kernel(
     num_kv_heads: int,
     total_pages: int,
     has_new: bool,
-):
+) -> None:
     if has_new:
         new_k_ref, new_v_ref, o_ref = refs
     else:
@@ -86,7 +87,7 @@ def _kernel(
     q = q_ref[...]
     precision = lax.Precision.HIGHEST if exact_f32 else None
 
-    def body(it, state):
+    def body(it: jax.Array, state: OnlineSoftmax) -> OnlineSoftmax:
         first_page = it * pages_per_block
         page_ids = first_page + jnp.arange(pages_per_block, dtype=jnp.int32)
         pages = tables_ref[pl.ds(first_page, pages_per_block)]
@@ -210,7 +211,7 @@ def paged_attention_rows_gpu(
         new_block = pl.BlockSpec((None, None, 1, head_dim), lambda b, h, r: (b, h, 0, 0))
         new_specs = [new_block, new_block]
         new_args = [new_k[:, :, None, :], new_v[:, :, None, :]]
-    return pl.pallas_call(
+    out: jax.Array = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // block_rows),
         in_specs=[
@@ -238,3 +239,4 @@ def paged_attention_rows_gpu(
         v_flat,
         *new_args,
     )
+    return out

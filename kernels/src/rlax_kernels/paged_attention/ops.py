@@ -23,20 +23,21 @@ DMAs and semaphores); otherwise it is an error, never a silent fallback.
 from __future__ import annotations
 
 import functools
-from typing import Literal, NoReturn, cast
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_kernels.paged_attention.arguments import (
+    check_cache_and_tables,
+    check_decode_arguments,
+    check_lengths,
+    shape_report,
+)
 from rlax_kernels.paged_attention.cpu import paged_attention_cpu
 from rlax_kernels.paged_attention.gpu import paged_attention_rows_gpu
-from rlax_kernels.paged_attention.reference import (
-    check_decode_extras,
-    check_sliding_window,
-    default_scale,
-    paged_prefill_attention_reference,
-)
+from rlax_kernels.paged_attention.reference import default_scale, paged_prefill_attention_reference
 from rlax_kernels.paged_attention.tpu import paged_attention_rows_tpu
 from rlax_kernels.paged_attention.xla import paged_attention_xla
 
@@ -94,50 +95,6 @@ def resolve_backend(backend: str, interpret: bool) -> str:
             f"backend is {platform!r}; pass interpret=True to run it in Pallas interpret mode"
         )
     return backend
-
-
-def _shape_report(**arrays: jax.Array) -> str:
-    return ", ".join(f"{name}={tuple(a.shape)} {a.dtype}" for name, a in arrays.items())
-
-
-def _check_cache_and_tables(
-    where: str,
-    num_heads: int,
-    head_dim: int,
-    q_dtype: np.dtype,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    batch: int,
-    block_tables: jax.Array,
-    report: str,
-) -> None:
-    def fail(why: str) -> NoReturn:
-        raise ValueError(f"{where}: {why} (got {report})")
-
-    if k_pages.ndim != 4:
-        fail("k_pages must be [num_kv_heads, total_pages, page_size, head_dim]")
-    if v_pages.shape != k_pages.shape:
-        fail("v_pages must have the shape of k_pages")
-    num_kv_heads, total_pages, page_size, kv_head_dim = k_pages.shape
-    if kv_head_dim != head_dim:
-        fail(f"q's head_dim {head_dim} differs from the cache's head_dim {kv_head_dim}")
-    if min(num_kv_heads, total_pages, page_size) < 1:
-        fail("the cache needs at least one KV head, one page and one slot per page")
-    if num_heads % num_kv_heads != 0:
-        fail(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not (q_dtype == k_pages.dtype == v_pages.dtype):
-        fail("q, k_pages and v_pages must share one dtype")
-    if not jnp.issubdtype(q_dtype, jnp.floating):
-        fail("q, k_pages and v_pages must be floating point")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        fail(f"block_tables must be [batch={batch}, max_pages_per_seq>=1]")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        fail("block_tables must be an integer array")
-
-
-def _check_lengths(where: str, name: str, lengths: jax.Array, batch: int, report: str) -> None:
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{where}: {name} must be an integer array of shape [batch={batch}] (got {report})")
 
 
 def _concrete(x: jax.Array) -> np.ndarray | None:
@@ -260,7 +217,7 @@ def _attention_rows(
     padded_rows = -(-rows // block_rows) * block_rows
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     kernel = paged_attention_rows_tpu if backend == "pallas_tpu" else paged_attention_rows_gpu
-    out = kernel(
+    out: jax.Array = kernel(
         q_rows,
         k_pages,
         v_pages,
@@ -351,47 +308,27 @@ def paged_attention(
         backend that cannot run here; lengths out of range when they are concrete.
     """
     where = "paged_attention"
-    extras = {"new_k": new_k, "new_v": new_v} if new_k is not None and new_v is not None else {}
-    report = _shape_report(
-        q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, block_tables=block_tables, **extras
-    )
-    if q.ndim != 3:
-        raise ValueError(f"{where}: q must be [batch, num_heads, head_dim] (got {report})")
+    check_decode_arguments(
+        where, q, k_pages, v_pages, lengths, block_tables, new_k=new_k, new_v=new_v, layer=layer,
+        sliding_window=sliding_window, one_dtype=True,
+    )  # fmt: skip
     batch, num_heads, head_dim = q.shape
-    # A 5-D cache (with `layer`) is checked as one layer of it.
-    k_layer, v_layer = (
-        cast(jax.Array, jax.ShapeDtypeStruct(p.shape[1:], p.dtype)) if p.ndim == 5 else p
-        for p in (k_pages, v_pages)
-    )
-    _check_cache_and_tables(
-        where, num_heads, head_dim, q.dtype, k_layer, v_layer, batch, block_tables, report
-    )
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"{where}: v_pages must have the shape of k_pages (got {report})")
-    check_decode_extras(where, k_pages, layer, new_k, new_v)
-    _check_lengths(where, "lengths", lengths, batch, report)
     num_kv_heads, page_size, max_pages = k_pages.shape[-4], k_pages.shape[-2], block_tables.shape[1]
-    if extras and any(
-        x.shape != (batch, num_kv_heads, head_dim) or x.dtype != q.dtype for x in extras.values()
-    ):
-        raise ValueError(
-            f"{where}: new_k and new_v must be [batch={batch}, num_kv_heads={num_kv_heads}, "
-            f"head_dim={head_dim}] in q's dtype (got {report})"
-        )
-    _check_length_values(where, lengths, max_pages * page_size, None, minimum=0 if extras else 1)
-    check_sliding_window(where, sliding_window)
+    _check_length_values(where, lengths, max_pages * page_size, None, minimum=0 if new_k is not None else 1)
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
     if chosen == "cpu" and k_pages.dtype != jnp.float32:
         if backend == "cpu":
+            report = shape_report(q=q, k_pages=k_pages, v_pages=v_pages)
             raise ValueError(f"{where}: backend='cpu' reads a float32 cache only (got {report})")
         chosen = "xla"
     if chosen in ("xla", "cpu"):
         run = _paged_attention_xla if chosen == "xla" else _paged_attention_cpu
-        return run(
+        out: jax.Array = run(
             q, k_pages, v_pages, lengths, block_tables, scale=scale, sliding_window=sliding_window,
             new_k=new_k, new_v=new_v, layer=layer,
         )  # fmt: skip
+        return out
     group = num_heads // num_kv_heads
     ppb, br = _knobs(
         where,
@@ -463,17 +400,15 @@ def paged_prefill_attention(
       ValueError: as ``paged_attention``.
     """
     where = "paged_prefill_attention"
-    report = _shape_report(
+    report = shape_report(
         q=q, k_pages=k_pages, v_pages=v_pages, seq_lens=seq_lens, q_lens=q_lens, block_tables=block_tables
     )
     if q.ndim != 4 or q.shape[1] < 1:
         raise ValueError(f"{where}: q must be [batch, chunk>=1, num_heads, head_dim] (got {report})")
     batch, chunk, num_heads, head_dim = q.shape
-    _check_cache_and_tables(
-        where, num_heads, head_dim, q.dtype, k_pages, v_pages, batch, block_tables, report
-    )
-    _check_lengths(where, "seq_lens", seq_lens, batch, report)
-    _check_lengths(where, "q_lens", q_lens, batch, report)
+    check_cache_and_tables(where, num_heads, head_dim, q.dtype, k_pages, v_pages, batch, block_tables, report)
+    check_lengths(where, "seq_lens", seq_lens, batch, report)
+    check_lengths(where, "q_lens", q_lens, batch, report)
     page_size, max_pages = k_pages.shape[2], block_tables.shape[1]
     _check_length_values(where, seq_lens, max_pages * page_size, q_lens)
     qls = _concrete(q_lens)
@@ -482,7 +417,10 @@ def paged_prefill_attention(
     scale = default_scale(head_dim) if scale is None else float(scale)
     chosen = resolve_backend(backend, interpret)
     if chosen in ("xla", "cpu"):  # the CPU has no prefill kernel of its own
-        return _paged_prefill_xla(q, k_pages, v_pages, seq_lens, q_lens, block_tables, scale=scale)
+        prefill: jax.Array = _paged_prefill_xla(
+            q, k_pages, v_pages, seq_lens, q_lens, block_tables, scale=scale
+        )
+        return prefill
     rows = chunk * (num_heads // k_pages.shape[0])
     ppb, br = _knobs(
         where,

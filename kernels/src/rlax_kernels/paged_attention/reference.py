@@ -22,38 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rlax_kernels.paged_attention.arguments import check_decode_arguments
+
 _HIGHEST = lax.Precision.HIGHEST
-
-
-def check_decode_extras(
-    where: str,
-    k_pages: jax.Array,
-    layer: jax.Array | int | None,
-    new_k: jax.Array | None,
-    new_v: jax.Array | None,
-) -> None:
-    """The engine-facing decode paths' extras: a layer index exactly when the pages carry a
-    layer axis (rank 5), and the newest token's K and V together or not at all."""
-    if (layer is None) != (k_pages.ndim == 4):
-        raise ValueError(
-            f"{where}: pages of rank {k_pages.ndim} need layer="
-            f"{'an index' if k_pages.ndim == 5 else 'None'} (k_pages {k_pages.shape})"
-        )
-    if (new_k is None) != (new_v is None):
-        raise ValueError(f"{where}: pass new_k and new_v together")
-
-
-def check_sliding_window(where: str, sliding_window: int | None) -> None:
-    """A window is None (no window) or a positive int (static: it shapes the compiled program)."""
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
-    ):
-        raise ValueError(f"{where}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def default_scale(head_dim: int) -> float:
     """The usual ``1 / sqrt(head_dim)`` softmax temperature."""
-    return float(head_dim) ** -0.5
+    scale: float = float(head_dim) ** -0.5  # typeshed types a float to a negative power as Any
+    return scale
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -104,7 +81,9 @@ def paged_attention_reference(
     Returns:
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32.
     """
-    check_sliding_window("paged_attention_reference", sliding_window)
+    check_decode_arguments(
+        "paged_attention_reference", q, k_pages, v_pages, lengths, block_tables, sliding_window=sliding_window
+    )
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads

@@ -28,6 +28,7 @@ and lower it to Mosaic for a TPU target without compiling it.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,14 +45,14 @@ from rlax_kernels.paged_attention.online_softmax import (
 
 
 def _kernel(
-    seq_lens_ref,  # SMEM [batch] int32
-    q_lens_ref,  # SMEM [batch] int32
-    tables_ref,  # SMEM [batch * max_pages] int32
-    layer_ref,  # SMEM [1] int32, the layer of the cache to read
-    q_ref,  # VMEM [block_rows, head_dim]
-    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
-    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
-    *refs,  # (new_k_ref, new_v_ref: VMEM [1, head_dim], with has_new), o_ref, scratch...
+    seq_lens_ref: jax.Ref,  # SMEM [batch] int32
+    q_lens_ref: jax.Ref,  # SMEM [batch] int32
+    tables_ref: jax.Ref,  # SMEM [batch * max_pages] int32
+    layer_ref: jax.Ref,  # SMEM [1] int32, the layer of the cache to read
+    q_ref: jax.Ref,  # VMEM [block_rows, head_dim]
+    k_hbm: jax.Ref,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
+    v_hbm: jax.Ref,  # HBM [num_layers, num_kv_heads, total_pages, page_size, head_dim]
+    *refs: jax.Ref,  # (new_k_ref, new_v_ref: VMEM [1, head_dim], with has_new), o_ref, scratch...
     group: int,
     scale: float,
     page_size: int,
@@ -59,7 +60,7 @@ def _kernel(
     max_pages: int,
     sliding_window: int | None,
     has_new: bool,
-):
+) -> None:
     if has_new:
         new_k_ref, new_v_ref, *rest = refs
         refs = tuple(rest)
@@ -97,7 +98,8 @@ def _kernel(
     first_block = jnp.minimum(first_key // block_tokens, n_blocks)
     n_steps = n_blocks - first_block
 
-    def block_copies(block, slot):
+    # list[Any]: the copy descriptor's class is private to JAX (jax._src.pallas.mosaic).
+    def block_copies(block: jax.Array, slot: jax.Array | int) -> list[Any]:
         copies = []
         for j in range(pages_per_block):
             page_in_seq = jnp.minimum(block * pages_per_block + j, last_page)
@@ -112,20 +114,20 @@ def _kernel(
         return copies
 
     @pl.when(i == 0)
-    def _start():
+    def _start() -> None:
         m_ref[...], l_ref[...], acc_ref[...] = online_softmax_init(*acc_ref.shape, keepdims=True)
 
         @pl.when(n_steps > 0)
-        def _fetch_first():
+        def _fetch_first() -> None:
             for copy in block_copies(first_block, 0):
                 copy.start()
 
     @pl.when(i < n_steps)
-    def _step():
+    def _step() -> None:
         slot = lax.rem(i, 2)
 
         @pl.when(i + 1 < n_steps)
-        def _prefetch_next():
+        def _prefetch_next() -> None:
             for copy in block_copies(first_block + i + 1, 1 - slot):
                 copy.start()
 
@@ -152,7 +154,7 @@ def _kernel(
         m_ref[...], l_ref[...], acc_ref[...] = online_softmax_update(state, scores, v)
 
     @pl.when(i == pl.num_programs(3) - 1)
-    def _finish():
+    def _finish() -> None:
         row_tok = (rb * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)) // group
         state = (m_ref[...], l_ref[...], acc_ref[...])
         if has_new:  # the newest token, not in the cache, joins the softmax last
@@ -262,7 +264,7 @@ def paged_attention_rows_tpu(
         sliding_window=sliding_window,
         has_new=has_new,
     )
-    return pl.pallas_call(
+    out: jax.Array = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
@@ -283,3 +285,4 @@ def paged_attention_rows_tpu(
         v_pages,
         *new_args,
     )
+    return out

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rlax_kernels.paged_attention.reference import check_decode_extras, check_sliding_window, default_scale
+from rlax_kernels.paged_attention.arguments import check_decode_arguments
+from rlax_kernels.paged_attention.reference import default_scale
 
 # Tokens gathered per loop step: enough to amortise a step, few enough to stay in cache.
 STEP_TOKENS = 32
@@ -75,8 +76,10 @@ def paged_attention_xla(
       ``[batch, num_heads, head_dim]`` in ``q``'s dtype, computed in float32 (pages of a
       bfloat16 cache are widened after the gather: small bfloat16 dots are ~6x slower on CPU).
     """
-    check_decode_extras("paged_attention_xla", k_pages, layer, new_k, new_v)
-    check_sliding_window("paged_attention_xla", sliding_window)
+    check_decode_arguments(
+        "paged_attention_xla", q, k_pages, v_pages, lengths, block_tables,
+        new_k=new_k, new_v=new_v, layer=layer, sliding_window=sliding_window,
+    )  # fmt: skip
     batch, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
     group = num_heads // num_kv_heads
@@ -143,7 +146,7 @@ def paged_attention_xla(
     new_weight = jnp.exp(new_scores - peak)
     denom = weights.sum(axis=-1) + new_weight
     probs = weights / denom[..., None]
-    acc = lax.fori_loop(
+    acc: jax.Array = lax.fori_loop(
         start, steps, value_step, jnp.zeros((batch, num_kv_heads, group, head_dim), jnp.float32)
     )
     if new_v is not None:  # the newest token last, as in a dense pass over the whole sequence

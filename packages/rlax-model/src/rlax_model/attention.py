@@ -191,15 +191,17 @@ def dense_attention_reference(
     v1 = v1.reshape(b, nblk, block, nkv, d + 1)
     if batched_blocks:
         parts = jnp.einsum("bkgqnc,bnckd->nbqkgd", weights, v1, preferred_element_type=jnp.float32)
-    acc = None
-    for i in range(nblk):  # in key order; a block no key of the query is in adds zeros
+
+    def part(i: int) -> jax.Array:
         if batched_blocks:
-            part = parts[i]
-        else:
-            part = jnp.einsum(
-                "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
-            )
-        acc = part if acc is None else acc + part
+            return parts[i]
+        return jnp.einsum(
+            "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
+        )
+
+    acc = part(0)
+    for i in range(1, nblk):  # in key order; a block no key of the query is in adds zeros
+        acc = acc + part(i)
     out = acc[:, :sq, ..., :d] / acc[:, :sq, ..., d:]
     return out.reshape(b, sq, nh, d).astype(q.dtype)
 

@@ -106,7 +106,9 @@ def head_logprobs(
         back = jnp.argsort(order)  # the inverse permutation: a gather, cheap to differentiate
         lp = jnp.where(flag[back], lp[back], 0.0)
         ent = jnp.where(flag[back], ent[back], 0.0)
-    return lp.reshape(lead), ent.reshape(lead)
+    # jax.lax.map's result is typed Any: name the pair's type.
+    result: tuple[jax.Array, jax.Array] = (lp.reshape(lead), ent.reshape(lead))
+    return result
 
 
 @overload

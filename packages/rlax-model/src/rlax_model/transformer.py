@@ -85,7 +85,8 @@ def init_params(config: ModelConfig, key: jax.Array, *, std: float = 0.02) -> Pa
             leaves.append(jnp.zeros(shape, dtype))
         else:
             leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    params: Params = jax.tree_util.tree_unflatten(treedef, leaves)
+    return params
 
 
 def _check_inputs(tokens: jax.Array, positions: jax.Array) -> None:
@@ -171,7 +172,8 @@ def hidden_states(
 
 def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
     """The output projection [hidden_size, vocab_size] (embed.T when embeddings are tied)."""
-    return params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    weight: jax.Array = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return weight
 
 
 def project_logits(hidden: jax.Array, params: Params, config: ModelConfig) -> jax.Array:
