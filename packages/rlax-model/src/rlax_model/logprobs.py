@@ -98,7 +98,9 @@ def head_logprobs(
 
         def maybe(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
             zeros = jnp.zeros(xs[1].shape, jnp.float32)
-            return jax.lax.cond(xs[2], chunk, lambda _: (zeros, zeros), xs[:2])
+            # jax.lax.cond's result is typed Any: name the pair's type.
+            picked: tuple[jax.Array, jax.Array] = jax.lax.cond(xs[2], chunk, lambda _: (zeros, zeros), xs[:2])
+            return picked
 
         lp, ent = jax.lax.map(jax.checkpoint(maybe), (hid, tgt, live))
     lp, ent = lp.reshape(-1)[:total], ent.reshape(-1)[:total]
@@ -106,9 +108,7 @@ def head_logprobs(
         back = jnp.argsort(order)  # the inverse permutation: a gather, cheap to differentiate
         lp = jnp.where(flag[back], lp[back], 0.0)
         ent = jnp.where(flag[back], ent[back], 0.0)
-    # jax.lax.map's result is typed Any: name the pair's type.
-    result: tuple[jax.Array, jax.Array] = (lp.reshape(lead), ent.reshape(lead))
-    return result
+    return lp.reshape(lead), ent.reshape(lead)
 
 
 @overload
