@@ -29,9 +29,7 @@ sleeping), so requests keep being received, and answered, while it is done.
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -40,8 +38,21 @@ from typing import Any
 import zmq
 
 from rlax_protocol.auth import Credential, Permissions, ServerAuth
-from rlax_protocol.errors import ProtocolError, RemoteError
 from rlax_protocol.messages import ErrorReply, Message
+from rlax_protocol.rpc_deferred import DeferredReplies
+from rlax_protocol.rpc_replies import (
+    BatchHandler,
+    BatchResult,
+    Frames,
+    Handler,
+    HandlerResult,
+    PeerBatchHandler,
+    Reply,
+    RequestDispatcher,
+    bounded_text,
+    internal_error,
+    outcome_of,
+)
 from rlax_protocol.transport import (
     CurveServerConfig,
     Deadline,
@@ -53,18 +64,18 @@ from rlax_protocol.transport import (
     unpack_request_id,
 )
 
+__all__ = [
+    "BatchHandler",
+    "BatchResult",
+    "Frames",
+    "Handler",
+    "HandlerResult",
+    "PeerBatchHandler",
+    "Reply",
+    "RpcServer",
+]
+
 log = logging.getLogger(__name__)
-
-Frames = Sequence[bytes | memoryview | zmq.Frame]
-HandlerResult = Message | tuple[Message, Frames]
-BatchResult = HandlerResult | Exception | Future[Any]
-"""A reply, an exception for that request alone, or a future of either (answered when done)."""
-Handler = Callable[[Message, list[zmq.Frame]], HandlerResult | Future[Any]]
-BatchHandler = Callable[[list[tuple[Message, list[zmq.Frame]]]], Sequence[BatchResult]]
-PeerBatchHandler = Callable[[list[tuple[Message, list[zmq.Frame], bytes]]], Sequence[BatchResult]]
-Reply = tuple[Message, Frames] | Future[Any]
-
-_ERROR_TEXT_LIMIT = 1000  # an error text may quote hostile input: keep replies small
 
 
 class RpcServer:
@@ -116,8 +127,7 @@ class RpcServer:
         with_peer: bool = False,
         main_work: Callable[[], bool] | None = None,
     ) -> None:
-        if (handler is None) == (batch_handler is None):
-            raise ValueError("RpcServer: give exactly one of handler and batch_handler")
+        self.dispatcher = RequestDispatcher(handler, batch_handler, server_id=server_id, with_peer=with_peer)
         if max_batch < 1:
             raise ValueError(f"RpcServer: max_batch={max_batch}: must be >= 1")
         if batch_window_s < 0 or poll_s <= 0:
@@ -127,8 +137,6 @@ class RpcServer:
         if max_request_bytes is not None and max_request_bytes < 1:
             raise ValueError(f"RpcServer: max_request_bytes={max_request_bytes}: must be >= 1")
         self.bind = bind
-        self.handler = handler
-        self.batch_handler = batch_handler
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.max_request_bytes = max_request_bytes
@@ -146,14 +154,9 @@ class RpcServer:
             self.auth.credential = None  # the explicit CURVE allow-list authenticates instead
         self.peers = PeerRegistry(idle_timeout_s=client_idle_timeout_s, max_peers=max_clients)
         self.address = ""
-        self.with_peer = with_peer
         self.main_work = main_work
         self.stats = {"requests": 0, "batches": 0, "errors": 0, "deferred": 0}
-        # Deferred replies whose futures are done, to send from the loop's thread; a byte
-        # on the pipe wakes the loop (written under the lock, so never after it closes).
-        self._finished: collections.deque[tuple[bytes, int, Future[Any]]] = collections.deque()
-        self._wake_lock = threading.Lock()
-        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._deferred = DeferredReplies()
         self._context: zmq.Context[Any] = zmq.Context()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -225,11 +228,7 @@ class RpcServer:
             self._socket.close(0)
             self._socket = None
             self._stop_auth()
-        with self._wake_lock:
-            if self._wake_write >= 0:
-                os.close(self._wake_write)
-                os.close(self._wake_read)
-                self._wake_write = self._wake_read = -1
+        self._deferred.close()
         self._context.term()
 
     def is_serving(self) -> bool:
@@ -255,7 +254,7 @@ class RpcServer:
         not allowed to send it), or None when the request is for the handler."""
         message = request.message
         if request.error is not None or message is None:
-            return ErrorReply(code="malformed", message=_bounded(str(request.error)))
+            return ErrorReply(code="malformed", message=bounded_text(str(request.error)))
         return self.peers.screen(
             request.identity, message, server_id=self.server_id, auth=self.auth, role=role
         )
@@ -266,61 +265,18 @@ class RpcServer:
         if early is not None:
             return early, ()
         assert request.message is not None  # screen() answered every request without one
-        reply = self._handle([request])[0]
-        return _outcome_of(reply, self.server_id) if isinstance(reply, Future) else reply
-
-    def _handle(self, requests: list[Request]) -> list[Reply]:
-        """One reply (or a future of it) per request (all screened), through whichever
-        handler was given."""
-        if self.handler is not None:
-            return [self._call_one(self.handler, r) for r in requests]
-        assert self.batch_handler is not None
-        work: list[Any] = [
-            (r.message, r.frames, r.identity) if self.with_peer else (r.message, r.frames)
-            for r in requests
-            if r.message is not None
-        ]
-        try:
-            results = self.batch_handler(work)
-            if len(results) != len(work):
-                raise RuntimeError(f"batch handler returned {len(results)} results for {len(work)} requests")
-            return [r if isinstance(r, Future) else _reply_for(r, self.server_id) for r in results]
-        except Exception as err:
-            if len(requests) == 1:
-                return [_reply_for(err, self.server_id)]
-            # Not one request's fault that we can see: each is tried alone, so a request
-            # that makes the batch handler raise fails by itself.
-            log.warning("%s: batch of %d failed (%s); answering each alone", self.server_id, len(work), err)
-            return [self._handle([r])[0] for r in requests]
-
-    @staticmethod
-    def _call_one(handler: Handler, request: Request) -> Reply:
-        assert request.message is not None
-        try:
-            result: BatchResult = handler(request.message, request.frames)
-        except Exception as err:
-            result = err
-        return result if isinstance(result, Future) else _reply_for(result, "handler")
+        reply = self.dispatcher.handle([request])[0]
+        return outcome_of(reply, self.server_id) if isinstance(reply, Future) else reply
 
     def _defer(self, identity: bytes, request_id: int, future: Future[Any]) -> None:
         """Answer when `future` is done (its callback may run in any thread)."""
         self.stats["deferred"] += 1
-
-        def done(f: Future[Any]) -> None:
-            self._finished.append((identity, request_id, f))
-            with self._wake_lock:
-                if self._wake_write >= 0:
-                    try:
-                        os.write(self._wake_write, b"\0")
-                    except BlockingIOError:
-                        pass  # the pipe is full of wake-ups already
-
-        future.add_done_callback(done)
+        self._deferred.defer(identity, request_id, future)
 
     def _send_finished(self, socket: zmq.Socket[Any]) -> None:
-        while self._finished:
-            identity, request_id, future = self._finished.popleft()
-            reply, frames = _outcome_of(future, self.server_id)
+        while (finished := self._deferred.pop_finished()) is not None:
+            identity, request_id, future = finished
+            reply, frames = outcome_of(future, self.server_id)
             self._send(socket, identity, request_id, reply, frames)
 
     # -- the loop
@@ -339,18 +295,15 @@ class RpcServer:
         poll_ms = max(1, int(self.poll_s * 1000))
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._deferred.wake_fd, zmq.POLLIN)
         more_work = False
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(0 if more_work else poll_ms))
-                if self._wake_read in events:
-                    try:
-                        os.read(self._wake_read, 4096)
-                    except BlockingIOError:
-                        pass
+                if self._deferred.wake_fd in events:
+                    self._deferred.clear_wakeups()
                 if socket in events:
-                    self._serve_batch(socket, self._drain(socket))
+                    self._serve_batch(socket, _drain_waiting(socket, self.max_batch, self.batch_window_s))
                 if self.main_work is not None:
                     more_work = self.main_work()
                 self._send_finished(socket)
@@ -359,21 +312,6 @@ class RpcServer:
             except Exception:  # outside any one request (the socket itself): log, go on
                 log.exception("%s: serve loop", self.server_id)
                 self._stop.wait(self.poll_s)  # no hot loop if the error persists
-
-    def _drain(self, socket: zmq.Socket[Any]) -> list[list[zmq.Frame]]:
-        """The requests already waiting (at least one: the caller polled), at most `max_batch`."""
-        batch: list[list[zmq.Frame]] = []
-        window = Deadline(self.batch_window_s)
-        while len(batch) < self.max_batch:
-            try:
-                batch.append(socket.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                if not batch:
-                    continue  # the poll said one is there: it is, or the next poll says so
-                remaining = window.remaining()
-                if remaining <= 0 or not socket.poll(max(1, int(remaining * 1000))):
-                    break
-        return batch
 
     def _serve_batch(self, socket: zmq.Socket[Any], batch: list[list[zmq.Frame]]) -> None:
         """Answer every message of `batch`; whatever one does, the others are answered."""
@@ -389,21 +327,21 @@ class RpcServer:
                     early = self.screen(request, ServerAuth.role_of(parts[1]))
             except Exception as err:  # defence in depth: parsing must never stop the loop
                 log.exception("%s: could not read a request", self.server_id)
-                early = _internal(f"{type(err).__name__}: {err}")
+                early = internal_error(f"{type(err).__name__}: {err}")
             if early is None and request is not None:
                 todo.append(request)
             else:
                 # Answered at once (a Hello is not kept waiting behind the batch's work).
-                reply = early if early is not None else _internal("no reply")
+                reply = early if early is not None else internal_error("no reply")
                 self._send(socket, _identity_of(parts), _request_id_of(parts), reply, ())
         if not todo:
             return
         self.stats["batches"] += 1
         try:
-            replies = self._handle(todo)
-        except Exception as err:  # `_handle` catches the handlers' errors; this is ours
+            replies = self.dispatcher.handle(todo)
+        except Exception as err:  # `handle` catches the handlers' errors; this is ours
             log.exception("%s: answering a batch failed", self.server_id)
-            replies = [(_internal(f"{type(err).__name__}: {err}"), ())] * len(todo)
+            replies = [(internal_error(f"{type(err).__name__}: {err}"), ())] * len(todo)
         for request, answer in zip(todo, replies, strict=True):
             if isinstance(answer, Future):
                 self._defer(request.identity, request.request_id, answer)
@@ -425,64 +363,55 @@ class RpcServer:
     ) -> None:
         if isinstance(reply, ErrorReply):
             self.stats["errors"] += 1
-        if not identity:
-            return  # nothing to address a reply to
+        _send_reply(socket, identity, request_id, reply, frames, self.server_id)
+
+
+def _drain_waiting(socket: zmq.Socket[Any], max_batch: int, window_s: float) -> list[list[zmq.Frame]]:
+    """The requests already waiting (at least one: the caller polled), at most `max_batch`,
+    waiting up to `window_s` for more after the first."""
+    batch: list[list[zmq.Frame]] = []
+    window = Deadline(window_s)
+    while len(batch) < max_batch:
         try:
-            outgoing = reply_parts(identity, request_id, reply, frames)
-        except Exception as err:  # e.g. a handler returning something that cannot be encoded
-            log.exception("%s: could not build a reply", self.server_id)
-            outgoing = reply_parts(identity, request_id, _internal(f"{type(err).__name__}: {err}"))
+            batch.append(socket.recv_multipart(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            if not batch:
+                continue  # the poll said one is there: it is, or the next poll says so
+            remaining = window.remaining()
+            if remaining <= 0 or not socket.poll(max(1, int(remaining * 1000))):
+                break
+    return batch
+
+
+def _send_reply(
+    socket: zmq.Socket[Any], identity: bytes, request_id: int, reply: Message, frames: Frames, server_id: str
+) -> None:
+    """Send `reply` to client `identity`; if it cannot be built or sent, an ``internal``
+    error instead, so the client is not left waiting."""
+    if not identity:
+        return  # nothing to address a reply to
+    try:
+        outgoing = reply_parts(identity, request_id, reply, frames)
+    except Exception as err:  # e.g. a handler returning something that cannot be encoded
+        log.exception("%s: could not build a reply", server_id)
+        outgoing = reply_parts(identity, request_id, internal_error(f"{type(err).__name__}: {err}"))
+    try:
+        # ROUTER never blocks on send: a reply to a client that is gone is dropped.
+        socket.send_multipart(outgoing, copy=False)
+    except (zmq.ZMQError, TypeError, ValueError) as err:
+        # A frame the socket refuses: tell the client instead of leaving it waiting.
+        log.error("%s: could not send a reply: %s", server_id, err)
+        error = internal_error(f"reply could not be sent: {err}")
         try:
-            # ROUTER never blocks on send: a reply to a client that is gone is dropped.
-            socket.send_multipart(outgoing, copy=False)
-        except (zmq.ZMQError, TypeError, ValueError) as err:
-            # A frame the socket refuses: tell the client instead of leaving it waiting.
-            log.error("%s: could not send a reply: %s", self.server_id, err)
-            error = _internal(f"reply could not be sent: {err}")
-            try:
-                socket.send_multipart(reply_parts(identity, request_id, error))
-            except zmq.ZMQError as again:
-                log.error("%s: could not send an error reply either: %s", self.server_id, again)
+            socket.send_multipart(reply_parts(identity, request_id, error))
+        except zmq.ZMQError as again:
+            log.error("%s: could not send an error reply either: %s", server_id, again)
 
 
 def _hard_frame_limit(max_request_bytes: int | None) -> int | None:
     """The frame size beyond which ZeroMQ drops the sender unanswered. Twice the polite
     limit: a request a little too large still gets a ``too_large`` reply that says why."""
     return None if max_request_bytes is None else 2 * max_request_bytes + 64 * 1024
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= _ERROR_TEXT_LIMIT else text[:_ERROR_TEXT_LIMIT] + "..."
-
-
-def _internal(text: str) -> ErrorReply:
-    return ErrorReply(code="internal", message=_bounded(text))
-
-
-def _reply_for(result: BatchResult, who: str) -> tuple[Message, Frames]:
-    """A handler's result (or the exception it raised or returned) as a reply and frames."""
-    if isinstance(result, RemoteError):
-        return ErrorReply(code=result.code, message=_bounded(result.remote_message)), ()
-    if isinstance(result, ProtocolError):
-        return ErrorReply(code="malformed", message=_bounded(str(result))), ()
-    if isinstance(result, Exception):  # one bad request must not stop the service
-        log.error("%s failed: %s: %s", who, type(result).__name__, result, exc_info=result)
-        return _internal(f"{type(result).__name__}: {result}"), ()
-    if isinstance(result, tuple):
-        return result
-    if isinstance(result, Message):
-        return result, ()
-    return _internal(f"{who} returned {type(result).__name__}, not a message"), ()
-
-
-def _outcome_of(future: Future[Any], who: str) -> tuple[Message, Frames]:
-    """The reply a done future holds (what it raised, or its cancellation, as an error)."""
-    if future.cancelled():
-        return _internal("the server stopped before answering"), ()
-    error = future.exception()
-    if error is not None and not isinstance(error, Exception):  # SystemExit and the like
-        error = RuntimeError(f"{type(error).__name__}: {error}")
-    return _reply_for(error if error is not None else future.result(), who)
 
 
 def _identity_of(parts: Sequence[zmq.Frame]) -> bytes:

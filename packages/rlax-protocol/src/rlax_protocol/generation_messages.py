@@ -1,0 +1,202 @@
+"""Messages of generation: what a worker is asked to generate and what it answers."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from rlax_protocol.message_base import Message, reject_field
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def _check_mask(struct: str, field: str, mask: tuple[int, ...], num_tokens: int) -> None:
+    if mask and len(mask) != num_tokens:
+        reject_field(struct, field, f"<{len(mask)} values>", f"needs none or one per token ({num_tokens})")
+    if any(m != 0 and m != 1 for m in mask):
+        reject_field(struct, field, "<values>", "must hold only 0 and 1")
+
+
+class SamplingParams(Message, frozen=True):
+    """How to sample: `top_k` 0 and `top_p` 1.0 disable those filters; `temperature` 0 is greedy;
+    `top_logprobs` > 0 returns that many alternatives per token."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            reject_field("SamplingParams", "max_tokens", self.max_tokens, "must be > 0")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            reject_field("SamplingParams", "temperature", self.temperature, "must be finite and >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            reject_field("SamplingParams", "top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            reject_field("SamplingParams", "top_k", self.top_k, "must be >= 0 (0 disables)")
+        if self.top_logprobs < 0:
+            reject_field("SamplingParams", "top_logprobs", self.top_logprobs, "must be >= 0")
+
+
+class AgentSpec(Message, frozen=True):
+    """Make each sample a multi-turn trajectory: after a model turn the worker runs
+    environment `environment` (a registered `rlax_data.envs` name) on it, appends the
+    environment's turn and generates the next model turn, until the environment is done or
+    a limit is hit. `record`: the prompt's record as JSON (the environment's `reset` input);
+    `max_turns`: model turns per trajectory; `max_total_tokens`: tokens after the prompt
+    (model and environment turns together); `tool_timeout_s`: the limit of one environment
+    step (its tool calls)."""
+
+    environment: str
+    record: str = ""
+    max_turns: int = 4
+    max_total_tokens: int = 256
+    tool_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.environment:
+            reject_field("AgentSpec", "environment", self.environment, "must name a registered environment")
+        for name in ("max_turns", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                reject_field("AgentSpec", name, getattr(self, name), "must be >= 1")
+        if not (math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0):
+            reject_field("AgentSpec", "tool_timeout_s", self.tool_timeout_s, "must be a finite number > 0")
+
+
+class GenerateRequest(Message, frozen=True):
+    """Generate `n` samples continuing `prompt_token_ids`. `weight_version`: generate with
+    exactly this version of the weights (the controller's pinned versions); None: with
+    whichever the worker holds. `agent`: make every sample a multi-turn trajectory, all of
+    its turns generated with one version (`Sample.model_mask` tells its turns apart)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    n: int = 1
+    weight_version: int | None = None
+    agent: AgentSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.n <= 0:
+            reject_field("GenerateRequest", "n", self.n, "must be > 0")
+        if self.weight_version is not None and self.weight_version < 0:
+            reject_field("GenerateRequest", "weight_version", self.weight_version, "must be >= 0")
+        if not self.prompt_token_ids:
+            reject_field("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
+
+
+TrajectoryEnd = Literal["", "answer", "max_turns", "max_tokens", "abort", "error"]
+"""Why a trajectory ended; ``error``: its environment raised, overran or was refused (the
+worker's agent loop counts the kind in `tool_errors`)."""
+
+
+class Sample(Message, frozen=True):
+    """One generated continuation: `logprobs[t]` is the sampling policy's log-probability of
+    `token_ids[t]`; `top_logprobs[t]` maps alternative token ids to their log-probabilities.
+
+    A multi-turn trajectory (`GenerateRequest.agent`) holds every turn after the prompt:
+    `model_mask[t]` is 1 for a token the model sampled (trained, with its logprob) and 0 for
+    an environment token (context only; its logprob is 0); empty means every token is the
+    model's. `turns`: model turns; `tool_calls` / `tool_errors`: environment steps that ran
+    a tool / whose tool call failed (malformed, unknown tool, crash, timeout, too large);
+    `end`: why the trajectory ended (`answer`: the environment was done; `error`: the
+    environment failed); `env_reward`: the
+    environment's own reward, when it gives one (else the run's verifier scores)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    top_logprobs: tuple[dict[int, float], ...] = ()
+    model_mask: tuple[int, ...] = ()
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end: TrajectoryEnd = ""
+    env_reward: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_mask("Sample", "model_mask", self.model_mask, len(self.token_ids))
+        for name in ("turns", "tool_calls", "tool_errors"):
+            if getattr(self, name) < 0:
+                reject_field("Sample", name, getattr(self, name), "must be >= 0")
+        if self.env_reward is not None and not math.isfinite(self.env_reward):
+            reject_field("Sample", "env_reward", self.env_reward, "must be finite")
+        for name, values in (("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs)):
+            if values and len(values) != len(self.token_ids):
+                reject_field(
+                    "Sample",
+                    name,
+                    f"<{len(values)} values>",
+                    f"needs none or one per token ({len(self.token_ids)})",
+                )
+
+
+class WorkerStats(Message, frozen=True):
+    """A worker's running totals since it started; the controller differences two of them.
+
+    `active_s`: wall seconds with at least one unfinished request (generation as a run sees
+    it: engine steps plus the worker's own loop, socket and version checks; weight loads
+    and compilation are counted apart, in `reload_s` and `compile_s`); `engine_s`: seconds
+    inside engine steps; `compile_s`: start-up compilation of the shapes the run will use,
+    and engine steps that compiled a new one; `reload_s`: pulling and installing weights.
+    `shared_weight_bytes` (a reading, not a total): bytes of the loaded weights that are
+    the parameter server's state file mapped on this host, shared with every process that
+    maps it, rather than a copy of the worker's own."""
+
+    generated_tokens: int = 0
+    active_s: float = 0.0
+    engine_s: float = 0.0
+    compile_s: float = 0.0
+    reload_s: float = 0.0
+    reloads: int = 0
+    shared_weight_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("generated_tokens", "reloads", "shared_weight_bytes"):
+            if getattr(self, name) < 0:
+                reject_field("WorkerStats", name, getattr(self, name), "must be >= 0")
+        for name in ("active_s", "engine_s", "compile_s", "reload_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                reject_field("WorkerStats", name, value, "must be a finite number >= 0")
+
+
+class GenerateResult(Message, frozen=True):
+    """All samples of one request, generated by exactly one weight version; `stats`: the
+    worker's totals when it sent this result (optional)."""
+
+    request_id: str
+    samples: tuple[Sample, ...]
+    weight_version: int
+    stats: WorkerStats | None = None
+
+
+class Rollout(Message, frozen=True):
+    """One scored (or to-be-scored) sample of group `group_index` of prompt `prompt_id`.
+    `completion_mask`: `Sample.model_mask` (1: trained, 0: an environment token; empty: all 1)."""
+
+    prompt_id: str
+    group_index: int
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    worker_logprobs: tuple[float, ...]
+    policy_version: int
+    finish_reason: FinishReason = "stop"
+    reward: float | None = None
+    completion_mask: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_mask("Rollout", "completion_mask", self.completion_mask, len(self.completion_token_ids))
+        if len(self.worker_logprobs) != len(self.completion_token_ids):
+            reject_field(
+                "Rollout",
+                "worker_logprobs",
+                f"<{len(self.worker_logprobs)} values>",
+                f"needs one per completion token ({len(self.completion_token_ids)})",
+            )
