@@ -12,6 +12,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_paramserver import ParamClient
+from rlax_paramserver import persister as persister_module
 from rlax_paramserver import server as server_module
 from rlax_paramserver.persist import StateReadError, load_newest, state_path
 from rlax_paramserver.testing import running_server
@@ -85,7 +86,7 @@ def test_deep_metadata_push_is_refused_and_every_worker_keeps_serving() -> None:
 @pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])
 def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monkeypatch, by_file) -> None:
     writer = "install_staged" if by_file else "write_state"
-    real_write = getattr(server_module, writer)
+    real_write = getattr(persister_module, writer)
     failures = iter([RuntimeError("metadata the disk format cannot hold"), MemoryError()])
 
     def flaky_write(*args, **kwargs):
@@ -94,7 +95,7 @@ def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monke
             raise error
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(server_module, writer, flaky_write)
+    monkeypatch.setattr(persister_module, writer, flaky_write)
     with (
         running_server(tmp_path) as address,
         ParamClient(address, timeout_s=5, commit_timeout_s=10, local=by_file) as client,
@@ -114,7 +115,7 @@ def test_a_failed_persist_is_reported_and_the_persister_lives_on(tmp_path, monke
 @pytest.mark.parametrize("by_file", [True, False], ids=["pushed-by-file", "pushed-over-the-socket"])
 def test_a_version_is_never_visible_before_it_is_on_disk(tmp_path, monkeypatch, by_file) -> None:
     writer = "install_staged" if by_file else "write_state"
-    real_write = getattr(server_module, writer)
+    real_write = getattr(persister_module, writer)
     writing, release = threading.Event(), threading.Event()
 
     def slow_write(*args, **kwargs):
@@ -124,7 +125,7 @@ def test_a_version_is_never_visible_before_it_is_on_disk(tmp_path, monkeypatch, 
 
     with running_server(tmp_path) as address, ParamClient(address, timeout_s=5, local=by_file) as client:
         client.push(SMALL, 1)
-        monkeypatch.setattr(server_module, writer, slow_write)
+        monkeypatch.setattr(persister_module, writer, slow_write)
         result: list[rp.Committed] = []
         pusher = threading.Thread(target=lambda: result.append(client.push(SMALL, 2)))
         pusher.start()

@@ -1,0 +1,209 @@
+"""The pushes in flight of the parameter server's `VersionStore`: frames arriving, tensors
+verified as they complete, idle pushes expired.
+
+Every method but `hash_frames` and `verify` runs under the store's lock (the store takes it):
+the table itself holds no lock, so one lock orders pushes, versions and pulls together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from rlax_paramserver.persist import StagingFile, discard_staging
+from rlax_paramserver.store_error import StoreError
+from rlax_protocol import FrameSlot, TensorManifest
+
+
+@dataclass
+class PendingPush:
+    push_id: int
+    version: int
+    manifest: TensorManifest
+    metadata: dict[str, Any]
+    owner: bytes
+    slots: list[FrameSlot]
+    frames: list[memoryview | None]
+    missing: int
+    touched: float
+    tensor_missing: list[int]
+    verified: list[bool]
+    generation: list[int]
+    # A push written into a file on the server's host: no frames, verified on commit.
+    staging: StagingFile | None = None
+
+
+@dataclass
+class TensorCheck:
+    """A tensor of a pending push whose frames all arrived, to be hashed."""
+
+    push_id: int
+    tensor: int
+    generation: int
+    frames: list[memoryview]
+
+
+class PendingPushes:
+    """Pending pushes by push id (dict order is push order)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, PendingPush] = {}
+
+    def add(
+        self,
+        push_id: int,
+        version: int,
+        manifest: TensorManifest,
+        metadata: dict[str, Any],
+        owner: bytes,
+        slots: list[FrameSlot],
+        now: float,
+    ) -> None:
+        """A new push; `slots` is `frame_layout(manifest)` (worked out before the lock is taken)."""
+        counts = manifest.frames_per_tensor()
+        self.pending[push_id] = PendingPush(
+            push_id,
+            version,
+            manifest,
+            dict(metadata),
+            owner,
+            slots,
+            [None] * len(slots),
+            len(slots),
+            now,
+            tensor_missing=counts,
+            verified=[False] * len(counts),
+            generation=[0] * len(counts),
+        )
+
+    def of_owner(self, owner: bytes) -> list[int]:
+        """The push ids `owner` has pending, oldest first."""
+        return sorted(p.push_id for p in self.pending.values() if p.owner == owner)
+
+    def get(self, push_id: int) -> PendingPush:
+        push = self.pending.get(push_id)
+        if push is None:
+            raise StoreError(
+                "out_of_order", f"push {push_id} is unknown (never begun, aborted, expired or committed)"
+            )
+        return push
+
+    def stage(self, push_id: int, staging: StagingFile) -> None:
+        push = self.pending.get(push_id)
+        if push is None:
+            discard_staging(staging)
+            raise StoreError("out_of_order", f"push {push_id} ended before its staging file was made")
+        push.staging = staging
+        push.frames = []
+        push.missing = 0
+        push.touched = time.monotonic()
+
+    def put_chunks(self, push_id: int, first_frame: int, frames: Sequence[memoryview]) -> list[TensorCheck]:
+        push = self.get(push_id)
+        if push.staging is not None:
+            raise StoreError(
+                "malformed", f"push {push_id} is written to its staging file: send no PushChunks"
+            )
+        end = first_frame + len(frames)
+        if first_frame < 0 or end > len(push.slots):
+            raise StoreError(
+                "out_of_order",
+                f"frames {first_frame}..{end - 1} outside push {push_id}'s {len(push.slots)} frames",
+            )
+        for offset, frame in enumerate(frames):
+            slot = push.slots[first_frame + offset]
+            if frame.nbytes != slot.nbytes:
+                name = push.manifest.tensors[slot.tensor].name
+                raise StoreError(
+                    "malformed",
+                    f"frame {first_frame + offset} (tensor {name!r}) holds {frame.nbytes} bytes, expected {slot.nbytes}",
+                )
+        touched: set[int] = set()
+        for offset, frame in enumerate(frames):
+            index = first_frame + offset
+            tensor = push.slots[index].tensor
+            if push.frames[index] is None:
+                push.missing -= 1
+                push.tensor_missing[tensor] -= 1
+            push.frames[index] = frame
+            push.verified[tensor] = False
+            push.generation[tensor] += 1
+            touched.add(tensor)
+        push.touched = time.monotonic()
+        return [
+            TensorCheck(push_id, t, push.generation[t], tensor_frames(push, t))
+            for t in sorted(touched)
+            if push.tensor_missing[t] == 0
+        ]
+
+    def record_check(self, check: TensorCheck, digest: int) -> None:
+        push = self.pending.get(check.push_id)
+        if push is None or push.generation[check.tensor] != check.generation:
+            return
+        tensor = push.manifest.tensors[check.tensor]
+        if digest != tensor.checksum:
+            # A corrupt tensor dooms the push: drop it now rather than at commit.
+            self.drop(check.push_id)
+            raise StoreError(
+                "checksum",
+                f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
+            )
+        push.verified[check.tensor] = True
+
+    def drop(self, push_id: int) -> None:
+        """Forget a pending push; a file push's staging file goes with it."""
+        push = self.pending.pop(push_id, None)
+        if push is not None and push.staging is not None:
+            discard_staging(push.staging)
+
+    def take_complete(self, push_id: int) -> PendingPush:
+        """Remove and return a push whose every frame arrived."""
+        push = self.get(push_id)
+        if push.missing:
+            absent = [i for i, f in enumerate(push.frames) if f is None]
+            raise StoreError(
+                "out_of_order", f"push {push_id} misses {len(absent)} frames (first: {absent[:5]})"
+            )
+        del self.pending[push_id]
+        return push
+
+    def expire(self, now: float, idle_timeout_s: float) -> None:
+        for push_id in [p.push_id for p in self.pending.values() if now - p.touched > idle_timeout_s]:
+            self.drop(push_id)
+
+    def frame_bytes(self) -> int:
+        """Bytes of the frames received so far, every pending push together."""
+        return sum(f.nbytes for p in self.pending.values() for f in p.frames if f is not None)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+
+def tensor_frames(push: PendingPush, tensor: int) -> list[memoryview]:
+    return [f for s, f in zip(push.slots, push.frames) if s.tensor == tensor and f is not None]
+
+
+def hash_frames(frames: Sequence[memoryview]) -> int:
+    hasher = xxhash.xxh3_64()
+    for frame in frames:
+        hasher.update(frame)
+    return hasher.intdigest()
+
+
+def verify_push(push: PendingPush) -> None:
+    """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one.
+    A file push is verified where its file is installed (`persist.install_staged`)."""
+    if push.staging is not None:
+        return
+    for index, tensor in enumerate(push.manifest.tensors):
+        if push.verified[index]:
+            continue
+        if hash_frames(tensor_frames(push, index)) != tensor.checksum:
+            raise StoreError(
+                "checksum",
+                f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
+            )
