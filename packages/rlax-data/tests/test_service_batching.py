@@ -14,7 +14,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_data import Record
-from rlax_data import verifier_process as service
+from rlax_data import verifier_wire as service
 from rlax_data.tasks import ArithmeticTask
 from rlax_data.verifier_process import RemoteVerifier, VerifierService, encode_batch
 from rlax_data.verify.answers import ExactMatchVerifier

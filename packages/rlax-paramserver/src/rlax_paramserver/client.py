@@ -9,9 +9,7 @@ flight and verifies every tensor's checksum before returning it.
 
 from __future__ import annotations
 
-import collections
 import logging
-import pathlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +19,15 @@ from typing import Any, Literal
 import msgspec
 import zmq
 
-from rlax_paramserver.persist import CorruptStateError, map_state, write_staged
+from rlax_paramserver.client_errors import (
+    LeaseExpiredError,
+    StaleVersionError,
+    VersionNotFoundError,
+    typed_error,
+)
+from rlax_paramserver.local_pull import map_granted_version
+from rlax_paramserver.persist import write_staged
+from rlax_paramserver.pipelined_requests import Part, run_pipelined, split_into_messages
 from rlax_protocol import (
     DEFAULT_CHUNK_BYTES,
     Ack,
@@ -33,7 +39,6 @@ from rlax_protocol import (
     LatestVersion,
     MalformedMessageError,
     NotNewer,
-    ProtocolError,
     ProtocolTimeoutError,
     PullBegin,
     PullEnd,
@@ -55,33 +60,17 @@ from rlax_protocol import (
     frame_layout,
     unflatten_tree,
 )
-from rlax_protocol.messages import Chunks, ErrorReply, Message
+from rlax_protocol.messages import Chunks, Message
+
+__all__ = [
+    "LeaseExpiredError",
+    "ParamClient",
+    "PulledWeights",
+    "StaleVersionError",
+    "VersionNotFoundError",
+]
 
 log = logging.getLogger(__name__)
-
-Part = memoryview | zmq.Frame | bytes
-
-
-class StaleVersionError(RemoteError):
-    """The pushed version is not newer than the server's latest."""
-
-
-class VersionNotFoundError(RemoteError):
-    """The requested version is not held (never pushed, or already freed)."""
-
-
-class LeaseExpiredError(RemoteError):
-    """The server dropped this pull's lease (the pull was too slow or the server restarted)."""
-
-
-def _typed(err: RemoteError) -> RemoteError:
-    if err.code == "stale_version":
-        return StaleVersionError(err.code, err.remote_message, peer=err.peer)
-    if err.code == "not_found" and "lease" in err.remote_message:
-        return LeaseExpiredError(err.code, err.remote_message, peer=err.peer)
-    if err.code == "not_found":
-        return VersionNotFoundError(err.code, err.remote_message, peer=err.peer)
-    return err
 
 
 @dataclass(frozen=True)
@@ -95,20 +84,6 @@ class PulledWeights:
     version: int
     metadata: dict[str, Any]
     mapped: bool = False
-
-
-def _batches(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """Split frames (by size) into consecutive (first, count) runs of at most `budget` bytes (>= 1 frame each)."""
-    runs: list[tuple[int, int]] = []
-    first, total = 0, 0
-    for index, size in enumerate(sizes):
-        if index > first and total + size > budget:
-            runs.append((first, index - first))
-            first, total = index, 0
-        total += size
-    if sizes:
-        runs.append((first, len(sizes) - first))
-    return runs
 
 
 class ParamClient:
@@ -199,48 +174,7 @@ class ParamClient:
         try:
             return self._rpc.call(message, frames, **kwargs)
         except RemoteError as err:
-            raise _typed(err) from None
-
-    # ------------------------------------------------------------------ pipelining
-
-    def _pipeline(
-        self,
-        requests: list[tuple[Message, Sequence[Part]]],
-        operation: str,
-        on_reply: Callable[[int, Reply], None],
-    ) -> None:
-        """Send `requests` with up to `window` in flight and hand each reply to `on_reply(index, reply)`
-        as it arrives. A timeout resends exactly the requests still unanswered, on a fresh
-        connection, with bounded retries and backoff (the server treats repeats as idempotent)."""
-        queue = collections.deque(range(len(requests)))
-        in_flight: dict[int, int] = {}  # request id -> index
-        attempt = 0
-        rpc = self._rpc
-        while queue or in_flight:
-            try:
-                while queue and len(in_flight) < self.window:
-                    index = queue[0]
-                    message, frames = requests[index]
-                    in_flight[rpc.send_request(message, frames)] = index
-                    queue.popleft()
-                request_id, reply = rpc.recv_reply(
-                    set(in_flight), timeout_s=rpc.timeout_s, operation=operation
-                )
-            except ProtocolTimeoutError:
-                attempt += 1
-                rpc.reset()
-                if attempt > rpc.retries:
-                    raise ProtocolTimeoutError(rpc.peer, operation, rpc.timeout_s, attempts=attempt) from None
-                queue.extendleft(sorted(in_flight.values(), reverse=True))
-                in_flight.clear()
-                time.sleep(rpc.backoff(attempt - 1))
-                continue
-            index = in_flight.pop(request_id)
-            if isinstance(reply.message, ErrorReply):
-                # Replies still in flight are dropped later by their request ids.
-                raise _typed(RemoteError(reply.message.code, reply.message.message, peer=rpc.peer))
-            on_reply(index, reply)
-            attempt = 0
+            raise typed_error(err) from None
 
     # ------------------------------------------------------------------ push
 
@@ -269,7 +203,7 @@ class ParamClient:
                 ready = self._call(begin, expect=PushReady).message
                 assert isinstance(ready, PushReady)
             budget = min(self.message_bytes, ready.max_message_bytes)
-            runs = _batches([f.nbytes for f in encoded.frames], budget)
+            runs = split_into_messages([f.nbytes for f in encoded.frames], budget)
             requests: list[tuple[Message, Sequence[Part]]] = [
                 (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count])
                 for first, count in runs
@@ -282,7 +216,7 @@ class ParamClient:
                     )
 
             try:
-                self._pipeline(requests, "PushChunks", acked)
+                run_pipelined(self._rpc, requests, self.window, "PushChunks", acked)
                 return self._commit(ready.push_id, version)
             except BaseException:
                 self._abort_quietly(ready.push_id)
@@ -352,7 +286,7 @@ class ParamClient:
                 assert isinstance(lease, PullGranted)
                 if lease.state_file and granted.frames:
                     raise MalformedMessageError("PullGranted names a state file and carries frames")
-                mapped = self._map(lease) if lease.state_file else None
+                mapped = map_granted_version(lease, verify=self.verify) if lease.state_file else None
                 if mapped is not None:
                     self._end_quietly(lease.lease_id)
                     return PulledWeights(mapped, lease.version, dict(lease.metadata), mapped=True)
@@ -380,7 +314,9 @@ class ParamClient:
         assembler.add(0, prefetched)
         sizes = [s.nbytes for s in frame_layout(lease.manifest)]
         start = lease.first_frames
-        runs = [(start + first, count) for first, count in _batches(sizes[start:], self.message_bytes)]
+        runs = [
+            (start + first, count) for first, count in split_into_messages(sizes[start:], self.message_bytes)
+        ]
         requests: list[tuple[Message, Sequence[Part]]] = [
             (FetchChunks(lease.lease_id, first, count), ()) for first, count in runs
         ]
@@ -394,25 +330,8 @@ class ParamClient:
                 )
             assembler.add(first, reply.frames)
 
-        self._pipeline(requests, "FetchChunks", received)
+        run_pipelined(self._rpc, requests, self.window, "FetchChunks", received)
         return unflatten_tree(assembler.result())
-
-    def _map(self, lease: PullGranted) -> dict[str, Any] | None:
-        """The granted version as views of its state file, or None when this host cannot
-        use the file (another host, gone since, or not the promised bytes)."""
-        path = pathlib.Path(lease.state_file)
-        try:
-            # Private pages: a write through a view (a donated buffer) never reaches the file.
-            state = map_state(path, verify=False, expect=lease.manifest, copy_on_write=True)
-            if state.version != lease.version:
-                raise CorruptStateError(f"{path}: holds version {state.version}, not {lease.version}")
-            assembler = TreeAssembler(lease.manifest, verify=self.verify)
-            for index, data in enumerate(state.tensors):
-                assembler.add_tensor(index, data)
-            return unflatten_tree(assembler.result())
-        except (OSError, ProtocolError) as err:  # ChecksumError and CorruptStateError are ProtocolErrors
-            log.info("pulling version %d over the network: cannot map %s: %s", lease.version, path, err)
-            return None
 
     def _end_quietly(self, lease_id: int) -> None:
         try:

@@ -14,9 +14,10 @@ from typing import Any
 
 import xxhash
 
+from rlax_paramserver.config import ServerConfig
 from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_paramserver.store_error import StoreError
-from rlax_protocol import FrameSlot, TensorManifest
+from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest
 
 
 @dataclass
@@ -207,3 +208,25 @@ def verify_push(push: PendingPush) -> None:
                 "checksum",
                 f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
             )
+
+
+def check_push_size(manifest: TensorManifest, config: ServerConfig) -> None:
+    """Refuse a push whose protocol version or sizes the server does not take."""
+    if manifest.protocol_version != PROTOCOL_VERSION:
+        raise StoreError(
+            "version_mismatch",
+            f"manifest written with protocol version {manifest.protocol_version}, server speaks version {PROTOCOL_VERSION}",
+        )
+    largest = max((min(manifest.chunk_bytes, t.nbytes) for t in manifest.tensors), default=0)
+    if largest > config.max_frame_bytes:
+        raise StoreError(
+            "too_large",
+            f"frames of {largest} bytes (chunk_bytes={manifest.chunk_bytes}) exceed max_frame_bytes={config.max_frame_bytes}",
+        )
+    if manifest.total_bytes > config.max_version_bytes:
+        raise StoreError(
+            "too_large",
+            f"version of {manifest.total_bytes} bytes exceeds max_version_bytes={config.max_version_bytes}",
+        )
+    if manifest.num_frames > config.max_frames:
+        raise StoreError("too_large", f"{manifest.num_frames} frames exceed max_frames={config.max_frames}")

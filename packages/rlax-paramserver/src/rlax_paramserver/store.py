@@ -22,10 +22,17 @@ from typing import Any
 from rlax_paramserver.config import ServerConfig
 from rlax_paramserver.leases import Lease, LeaseTable
 from rlax_paramserver.long_polls import LongPolls, Waiter, Wakeup
-from rlax_paramserver.pending_pushes import PendingPush, PendingPushes, TensorCheck, hash_frames, verify_push
+from rlax_paramserver.pending_pushes import (
+    PendingPush,
+    PendingPushes,
+    TensorCheck,
+    check_push_size,
+    hash_frames,
+    verify_push,
+)
 from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_paramserver.store_error import StoreError
-from rlax_protocol import PROTOCOL_VERSION, TensorManifest, frame_layout
+from rlax_protocol import TensorManifest, frame_layout
 
 __all__ = [
     "Lease",
@@ -88,26 +95,7 @@ class VersionStore:
     def begin_push(
         self, version: int, manifest: TensorManifest, metadata: dict[str, Any], owner: bytes
     ) -> int:
-        if manifest.protocol_version != PROTOCOL_VERSION:
-            raise StoreError(
-                "version_mismatch",
-                f"manifest written with protocol version {manifest.protocol_version}, server speaks version {PROTOCOL_VERSION}",
-            )
-        largest = max((min(manifest.chunk_bytes, t.nbytes) for t in manifest.tensors), default=0)
-        if largest > self.config.max_frame_bytes:
-            raise StoreError(
-                "too_large",
-                f"frames of {largest} bytes (chunk_bytes={manifest.chunk_bytes}) exceed max_frame_bytes={self.config.max_frame_bytes}",
-            )
-        if manifest.total_bytes > self.config.max_version_bytes:
-            raise StoreError(
-                "too_large",
-                f"version of {manifest.total_bytes} bytes exceeds max_version_bytes={self.config.max_version_bytes}",
-            )
-        if manifest.num_frames > self.config.max_frames:
-            raise StoreError(
-                "too_large", f"{manifest.num_frames} frames exceed max_frames={self.config.max_frames}"
-            )
+        check_push_size(manifest, self.config)
         if version < 0:
             raise StoreError("malformed", f"version={version}: must be >= 0")
         slots = frame_layout(manifest)

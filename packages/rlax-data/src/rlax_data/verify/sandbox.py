@@ -25,12 +25,10 @@ private session only); it is never chosen implicitly, and the sandbox logs a war
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -39,13 +37,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
-
-import msgspec
+from typing import Any
 
 from rlax_data.verify import _channel, _isolation
 from rlax_data.verify._process import JobProcess, await_uid_gone, processes_of
 from rlax_data.verify.plain_values import from_plain, to_plain
+from rlax_data.verify.sandbox_jobs import CaseOutcome, ExecJob, JobResult, SandboxConfig
+from rlax_data.verify.verdicts import compare_reply, exit_reason, io_outcome, limit_label
 
 __all__ = ["CaseOutcome", "ExecJob", "JobResult", "Sandbox", "SandboxConfig", "bwrap_available"]
 
@@ -56,124 +54,9 @@ _HERE = Path(__file__).parent
 _RUNNER = (_HERE / "plain_values.py").read_text() + "\n" + (_HERE / "_harness.py").read_text()
 
 
-class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Limits and isolation of one sandboxed run.
-
-    timeout_s: wall-clock limit per job. cpu_s: RLIMIT_CPU (whole seconds).
-    memory_mb: RLIMIT_AS. file_size_mb: RLIMIT_FSIZE. max_procs: processes and threads
-    the program may have, itself included. tmpfs_mb: what the job's files may take in all,
-    in `/work`, `/tmp` and `/dev/shm` together (shared memory is host memory: it counts
-    here like any file). tmpfs_files: files and folders they may hold in all (each costs
-    kernel memory).
-    isolation: "bwrap" (required unless "process" is chosen explicitly: limits only).
-    uid_base/uid_count: the host-wide pool of private uids (used when running as root).
-    python: interpreter for the jobs ("" = this one, or a system one of the same version
-    when a private uid cannot read this one). workers: parallel jobs (0 = CPU count).
-    """
-
-    timeout_s: float = 10.0
-    cpu_s: int = 10
-    memory_mb: int = 1024
-    file_size_mb: int = 16
-    max_open_files: int = 64
-    max_procs: int = 4
-    tmpfs_mb: int = 64
-    tmpfs_files: int = 4096
-    isolation: Literal["bwrap", "process"] = "bwrap"
-    uid_base: int = 61000
-    uid_count: int = 4096
-    workers: int = 0
-    python: str = ""
-    max_output_bytes: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        for name in (
-            "timeout_s",
-            "cpu_s",
-            "memory_mb",
-            "file_size_mb",
-            "max_open_files",
-            "max_procs",
-            "tmpfs_mb",
-            "tmpfs_files",
-        ):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"field `sandbox.{name}`: must be > 0, got {value!r}")
-        if self.workers < 0:
-            raise ValueError(f"field `sandbox.workers`: must be >= 0 (0 = CPU count), got {self.workers}")
-        if not (1000 <= self.uid_base and self.uid_count > 0 and self.uid_base + self.uid_count < 2**31):
-            raise ValueError(
-                "field `sandbox.uid_base`: [uid_base, uid_base + uid_count) must lie in [1000, 2**31)"
-            )
-
-
-class CaseOutcome(msgspec.Struct, frozen=True, kw_only=True):
-    """One test case: `case` is "script", a call index, or "io"."""
-
-    case: str | int
-    passed: bool
-    error: str = ""
-
-
-class ExecJob(msgspec.Struct, frozen=True, kw_only=True):
-    """One process to run.
-
-    mode "tests": run `program`, then the `script` (if any; run outside the sandbox after
-    `prelude`, with `entry_point` forwarded to the job) and each `calls` case
-    ({"args", "kwargs", "expected"}; only the arguments reach the job).
-    mode "io": run `program` with `stdin`; it passes if it exits with status 0 and its
-    stdout equals `expected_stdout` (trailing whitespace of each line ignored).
-    mode "run": run `program` with `stdin` and judge nothing: the result has no cases,
-    its status says how the program ended (ok: exit status 0) and `stdout` / `stderr`
-    hold what it wrote (for tools that show a program's output, not tests).
-    """
-
-    mode: Literal["tests", "io", "run"]
-    program: str
-    script: str = ""
-    prelude: str = ""
-    entry_point: str | None = None
-    calls: list[dict[str, Any]] = []
-    stdin: str = ""
-    expected_stdout: str | None = None
-    timeout_s: float | None = None
-
-
-class JobResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one job did. status: ok | failed | timeout | killed | crashed ("run" jobs
-    have no cases and are never "failed").
-    `reason` says why the process ended early (which limit, or a signal from outside)."""
-
-    cases: list[CaseOutcome]
-    status: str
-    returncode: int | None
-    stdout: str
-    stderr: str
-    elapsed_s: float
-    reason: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.cases) and all(c.passed for c in self.cases)
-
-
 def bwrap_available() -> bool:
     """Whether bubblewrap is installed (whether it works here is `Sandbox.self_check`'s job)."""
     return shutil.which("bwrap") is not None
-
-
-def _normalise_stdout(text: str) -> str:
-    return "\n".join(line.rstrip() for line in text.strip().splitlines())
-
-
-def _json_view(value: Any) -> Any:
-    """Tuples as lists (expected values of call cases come from JSON)."""
-    if type(value) is tuple or type(value) is list:
-        return [_json_view(v) for v in value]
-    if type(value) is dict:
-        return {k: _json_view(v) for k, v in value.items()}
-    return value
 
 
 class Sandbox:
@@ -328,7 +211,7 @@ class Sandbox:
         elif job.mode == "tests" and all(o is not None for o in outcomes):
             status, reason = "ok", ""  # every case was answered: how it ended later is moot
         elif ended.program is not None:
-            status, reason = self._exit_reason(ended.program[0], ended.program[1], stderr)
+            status, reason = exit_reason(ended.program[0], ended.program[1], stderr, self.config)
         elif ended.by_itself:
             status = "crashed"
             reason = (
@@ -341,7 +224,7 @@ class Sandbox:
         if job.mode == "run":
             cases = []
         elif job.mode == "io":
-            cases = [self._io_outcome(job, status, reason, stdout)]
+            cases = [io_outcome(job, status, reason, stdout)]
         else:
             why = reason or "no reply"
             if status == "ok" and ended.by_itself:
@@ -365,7 +248,9 @@ class Sandbox:
         """Fill `outcomes` (script first, then the calls) until the job stops answering."""
         loaded = chan.recv()
         if loaded.get("loaded") is not True:
-            error = "program failed: " + str(loaded.get("error", ""))[-2000:] + self._limit_label(loaded)
+            error = (
+                "program failed: " + str(loaded.get("error", ""))[-2000:] + limit_label(loaded, self.config)
+            )
             outcomes[:] = [CaseOutcome(case=cid, passed=False, error=error) for cid in _case_ids(job)]
             return
         first = 0
@@ -374,7 +259,7 @@ class Sandbox:
             first = 1
         for k, call in enumerate(job.calls):
             reply = chan.call(call.get("args", []), call.get("kwargs", {}))
-            outcomes[first + k] = self._compare(k, call.get("expected"), reply)
+            outcomes[first + k] = compare_reply(k, call.get("expected"), reply, self.config)
 
     def _run_script(self, job: ExecJob, program: _channel.Channel, tests: JobProcess) -> CaseOutcome:
         """Run the test script in its own sandbox, relaying each call of the entry point
@@ -414,7 +299,7 @@ class Sandbox:
             ended = tests.stop()
             why = "the wall-clock time limit" if tests.chan.timed_out else ""
             if ended.program is not None:
-                why = self._exit_reason(ended.program[0], ended.program[1], ended.stderr)[1]
+                why = exit_reason(ended.program[0], ended.program[1], ended.stderr, self.config)[1]
             return CaseOutcome(
                 case="script", passed=False, error=f"the tests did not finish: {why or tests.chan.stopped}"
             )
@@ -423,74 +308,6 @@ class Sandbox:
         return CaseOutcome(
             case="script", passed=False, error=str(msg.get("error", "the tests failed"))[-2000:]
         )
-
-    def _compare(self, case: int, expected: Any, reply: dict[str, Any]) -> CaseOutcome:
-        if "value" not in reply:
-            return CaseOutcome(
-                case=case, passed=False, error=str(reply["error"])[-2000:] + self._limit_label(reply)
-            )
-        got = _json_view(reply["value"])
-        try:
-            ok = got == expected  # both are built-in values: no code of the program runs here
-        except RecursionError:
-            ok = False
-        error = "" if ok else f"expected {expected!r:.300}, got {got!r:.300}"
-        return CaseOutcome(case=case, passed=ok, error=error)
-
-    def _io_outcome(self, job: ExecJob, status: str, reason: str, stdout: str) -> CaseOutcome:
-        if status != "ok":
-            return CaseOutcome(case="io", passed=False, error=reason)
-        want, got = _normalise_stdout(job.expected_stdout or ""), _normalise_stdout(stdout)
-        if got == want:
-            return CaseOutcome(case="io", passed=True)
-        return CaseOutcome(
-            case="io", passed=False, error=f"stdout mismatch: expected {want[:200]!r}, got {got[:200]!r}"
-        )
-
-    def _limit_label(self, failure: dict[str, Any]) -> str:
-        """Which limit an exception the program reported stands for, if any."""
-        c = self.config
-        kind, code = failure.get("type"), failure.get("errno")
-        if kind == "MemoryError":
-            return f" (memory limit {c.memory_mb} MB)"
-        if code == errno.EFBIG:
-            return f" (file size limit {c.file_size_mb} MB)"
-        if code == errno.EAGAIN and kind == "BlockingIOError":
-            return f" (process limit {c.max_procs})"
-        if code == errno.EMFILE:
-            return f" (open files limit {c.max_open_files})"
-        if code == errno.ENOSPC and c.isolation == "bwrap":
-            return (
-                f" (the job's files limit: {c.tmpfs_mb} MB and {c.tmpfs_files} files in all of "
-                "/work, /tmp and /dev/shm)"
-            )
-        return ""
-
-    def _exit_reason(self, rc: int, cpu_used: float, stderr: str) -> tuple[str, str]:
-        """Status and reason for a job that ended by itself with exit status `rc`."""
-        c = self.config
-        sig = -rc if rc < 0 else None
-        if sig is None:
-            if rc == 0:
-                return "ok", ""
-            last = stderr.strip().splitlines()[-1:] or [""]
-            kind = last[0].split(":", 1)[0]
-            code = next(
-                (n for n in (errno.EFBIG, errno.EAGAIN, errno.ENOSPC) if f"[Errno {n}]" in last[0]), None
-            )
-            label = self._limit_label({"type": kind, "errno": code})
-            return "crashed", f"exit status {rc}: {last[0][-300:]}{label}"
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= c.cpu_s - 0.05):
-            return "killed", f"CPU time limit ({c.cpu_s} s; used {cpu_used:.1f} s), {name}"
-        if sig == signal.SIGXFSZ:
-            return "killed", f"file size limit ({c.file_size_mb} MB), {name}"
-        if sig == signal.SIGKILL:
-            return "killed", (
-                f"SIGKILL that no limit of the job explains (used {cpu_used:.1f} s of {c.cpu_s} s CPU): sent "
-                "from outside the sandbox (the host's OOM killer, another process) or by the program itself"
-            )
-        return "crashed", f"killed by {name}"
 
 
 def _release_check(uid: int) -> None:
