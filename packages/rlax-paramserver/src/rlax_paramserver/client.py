@@ -176,6 +176,16 @@ class ParamClient:
         except RemoteError as err:
             raise typed_error(err) from None
 
+    def _pipeline(
+        self,
+        requests: list[tuple[Message, Sequence[Part]]],
+        operation: str,
+        on_reply: Callable[[int, Reply], None],
+    ) -> None:
+        """`requests` with up to `window` in flight, each reply to `on_reply(index, reply)`
+        (`pipelined_requests.run_pipelined`)."""
+        run_pipelined(self._rpc, requests, self.window, operation, on_reply)
+
     # ------------------------------------------------------------------ push
 
     def push(
@@ -216,7 +226,7 @@ class ParamClient:
                     )
 
             try:
-                run_pipelined(self._rpc, requests, self.window, "PushChunks", acked)
+                self._pipeline(requests, "PushChunks", acked)
                 return self._commit(ready.push_id, version)
             except BaseException:
                 self._abort_quietly(ready.push_id)
@@ -330,7 +340,7 @@ class ParamClient:
                 )
             assembler.add(first, reply.frames)
 
-        run_pipelined(self._rpc, requests, self.window, "FetchChunks", received)
+        self._pipeline(requests, "FetchChunks", received)
         return unflatten_tree(assembler.result())
 
     def _end_quietly(self, lease_id: int) -> None:
