@@ -172,12 +172,14 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff, plus import contracts: dependencies point one way, no JAX below the model."""
+    """ruff, plus import contracts: dependencies point one way, no JAX below the model, and
+    no modules that import each other in a circle (imports inside functions included)."""
     install_checkout(session, extras="")
     session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", str(ROOT / "tools" / "check_layers.py"))
+    session.run("python", str(ROOT / "tools" / "check_import_cycles.py"))
     session.run("lint-imports", "--config", str(ROOT / ".importlinter"))
 
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rlax_controller import launcher
-from rlax_controller.launcher import build_specs, resolve_addresses, run_keys
-from rlax_controller.supervisor import SupervisorReport
+from rlax_controller import launcher, local_backend
+from rlax_controller.process_plan import build_specs, resolve_addresses, run_keys
+from rlax_controller.run_report import SupervisorReport
 from rlax_core.cli import main as rlax_main
 from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, load_config
 from rlax_protocol.control_messages import BatchRequest, decode_control, encode_control
@@ -56,7 +56,7 @@ def test_config_a_component_rejects_stops_the_launch_before_any_process_starts(
     def no_supervisor(*args: object, **kwargs: object) -> None:
         raise AssertionError("rlax launch started processes with a config a component rejects")
 
-    monkeypatch.setattr(launcher, "Supervisor", no_supervisor)
+    monkeypatch.setattr(local_backend, "Supervisor", no_supervisor)
     with pytest.raises(ConfigError) as info:
         launcher.launch(None, [f"run.output_dir={out}", override])
     for needle in needles:

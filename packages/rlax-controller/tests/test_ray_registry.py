@@ -8,14 +8,14 @@ report of a lost node. Whole runs on a Ray cluster are in tests/test_ray_launche
 
 from __future__ import annotations
 
-from rlax_controller.ray_launcher import LOST_EXIT, _registry_class
+from rlax_controller.ray_actors import LOST_EXIT, registry_class
 
 NODE_A = {"node_id": "a", "node_ip": "10.0.0.1"}
 NODE_B = {"node_id": "b", "node_ip": "10.0.0.2"}
 
 
 def test_each_exit_names_the_life_it_ended() -> None:
-    registry = _registry_class()()
+    registry = registry_class()()
     first = registry.started("trainer0", NODE_A)
     other = registry.started("trainer1", NODE_A)
     registry.exited("trainer1", -9, False, other)
@@ -28,7 +28,7 @@ def test_each_exit_names_the_life_it_ended() -> None:
 
 
 def test_a_life_lost_with_its_node_is_closed_when_the_process_starts_again() -> None:
-    registry = _registry_class()()
+    registry = registry_class()()
     life = registry.started("worker0", {**NODE_A, "pid": 10})
     # The node vanished: the actor never reported an exit; Ray restarted it elsewhere.
     again = registry.started("worker0", {**NODE_B, "pid": 11})
@@ -40,7 +40,7 @@ def test_a_life_lost_with_its_node_is_closed_when_the_process_starts_again() -> 
 
 
 def test_a_sigkilled_component_is_not_a_lost_life() -> None:
-    registry = _registry_class()()
+    registry = registry_class()()
     life = registry.started("worker0", NODE_A)
     registry.exited("worker0", -9, False, life)
     registry.started("worker0", NODE_A)
@@ -49,7 +49,7 @@ def test_a_sigkilled_component_is_not_a_lost_life() -> None:
 
 
 def test_a_server_restarted_on_another_node_waits_as_moved() -> None:
-    registry = _registry_class()()
+    registry = registry_class()()
     life = registry.started("paramserver", NODE_A)
     registry.moved("paramserver", NODE_B)
     entry = registry.snapshot()["procs"]["paramserver"]
@@ -63,7 +63,7 @@ def test_a_server_restarted_on_another_node_waits_as_moved() -> None:
 
 
 def test_a_final_exit_is_kept() -> None:
-    registry = _registry_class()()
+    registry = registry_class()()
     life = registry.started("controller", NODE_A)
     registry.exited("controller", 0, True, life)
     assert registry.snapshot()["procs"]["controller"]["final"] == 0
@@ -73,25 +73,25 @@ def test_a_moved_server_restarts_only_the_processes_that_learn_its_address_at_st
     """Issue 29: losing a worker's node restarted the trainer too. Every client now reads a
     moved server's address in the run's address book; only a trainer gang's coordinator
     and the environments' verifier service are learnt once, at start."""
-    from rlax_controller.ray_launcher import _address_dependents
+    from rlax_controller.ray_cluster import address_dependents
     from rlax_core.config import load_config
 
     config = load_config(None, ["workers.count=2", "verifier.mode=service"])
     for name in ("worker0", "worker1", "paramserver", "controller", "verifier"):
-        assert _address_dependents(config, name) == [], name
+        assert address_dependents(config, name) == [], name
     gang = load_config(None, ["trainer.hosts=3"])
-    assert _address_dependents(gang, "trainer0") == ["trainer1", "trainer2"]
+    assert address_dependents(gang, "trainer0") == ["trainer1", "trainer2"]
     agents = load_config(
         None,
         ["workers.count=2", "verifier.mode=service", "agent.environment=calculator", "agent.where=service"],
     )
-    assert _address_dependents(agents, "verifier") == ["worker0", "worker1"]
+    assert address_dependents(agents, "verifier") == ["worker0", "worker1"]
 
 
 def test_health_check_settings_a_cluster_does_not_have_stop_the_launch() -> None:
     import pytest
 
-    from rlax_controller.ray_launcher import _check_health_config, _health_check_text
+    from rlax_controller.ray_cluster import check_health_config, health_check_text
     from rlax_core.config import ConfigError, load_config
 
     cluster = {
@@ -99,19 +99,19 @@ def test_health_check_settings_a_cluster_does_not_have_stop_the_launch() -> None
         "health_check_timeout_ms": 10000,
         "health_check_failure_threshold": 5,
     }
-    assert "given up after ~15s" in _health_check_text(cluster)
-    _check_health_config(load_config(None, []), cluster)  # nothing asked: the cluster's own
+    assert "given up after ~15s" in health_check_text(cluster)
+    check_health_config(load_config(None, []), cluster)  # nothing asked: the cluster's own
     same = load_config(None, ["launcher.health_check={period_s: 3, failure_threshold: 5}"])
-    _check_health_config(same, cluster)
+    check_health_config(same, cluster)
     other = load_config(None, ["launcher.health_check.period_s=1"])
     with pytest.raises(ConfigError, match=r"health_check_period_ms=3000 \(asked: 1000\).*--system-config"):
-        _check_health_config(other, cluster)
+        check_health_config(other, cluster)
     with pytest.raises(ConfigError, match="cannot be read"):
-        _check_health_config(other, {})
+        check_health_config(other, {})
 
 
 def test_the_report_names_each_lost_node_and_its_stall(tmp_path) -> None:
-    from rlax_controller.ray_launcher import RayReport
+    from rlax_controller.run_report import RayReport
 
     stall = {
         "event": "node_lost",

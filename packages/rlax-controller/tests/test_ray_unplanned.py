@@ -1,6 +1,6 @@
 """The Ray launcher tells planned exits from unplanned ones, as the local supervisor does.
 
-`_Supervision` runs here on fakes (no Ray cluster): the real registry class as a plain
+`RaySupervision` runs here on fakes (no Ray cluster): the real registry class as a plain
 object, actors whose `kill_component` reports the exit the way `RoleProcess` does, and a
 `ray` that calls them directly. An exit with code 1 that nothing the launcher did explains
 is unplanned, with the end of that life's log, in events.jsonl and in the report; a chaos
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from rlax_controller.ray_launcher import LOST_EXIT, _registry_class, _Supervision
-from rlax_controller.supervisor import ProcessSpec
+from rlax_controller.process_plan import ProcessSpec
+from rlax_controller.ray_actors import LOST_EXIT, registry_class
+from rlax_controller.ray_supervision import RaySupervision
 from rlax_controller.testing import check_no_unplanned_restarts, unplanned_restarts
 from rlax_core.config import load_config
 
@@ -75,7 +76,7 @@ class _Ray:
 
 
 class _Run:
-    """The part of `_RayRun` that `_Supervision` uses."""
+    """The part of `RayRun` that `RaySupervision` uses."""
 
     def __init__(self, tmp: pathlib.Path, overrides: list[str]) -> None:
         self.config = load_config(None, overrides)
@@ -89,7 +90,7 @@ class _Run:
             ProcessSpec("controller", "controller", [], completes_run=True),
         ]
         self.roles = {s.name: s.role for s in self.specs}
-        self.registry_obj = _registry_class()()
+        self.registry_obj = registry_class()()
         self.registry = _Handle(self.registry_obj)
         self.actors = {s.name: _Handle(_Actor(s.name, self.registry_obj)) for s in self.specs}
         self.ray = _Ray(alive=["a", "b"])
@@ -102,7 +103,7 @@ class _Run:
         with open(self.events, "a") as handle:
             handle.write(json.dumps({"event": kind, **fields}) + "\n")
 
-    def _write_placement(self) -> None:
+    def write_placement(self) -> None:
         pass
 
     def start(self, name: str, node: dict[str, Any], output: str = "") -> int:
@@ -119,18 +120,18 @@ class _Run:
         return [e for e in map(json.loads, self.events.read_text().splitlines()) if e["event"] == "exit"]
 
 
-def _tick(supervision: _Supervision) -> dict[str, Any]:
+def _tick(supervision: RaySupervision) -> dict[str, Any]:
     procs = supervision.run.registry_obj.snapshot()["procs"]
     for name, entry in procs.items():
         assert supervision.observe(name, entry, supervision.run.registry_obj.seq, procs) is None
     return procs
 
 
-def _running(run: _Run, nodes: dict[str, dict[str, Any]] | None = None, output: str = "") -> _Supervision:
+def _running(run: _Run, nodes: dict[str, dict[str, Any]] | None = None, output: str = "") -> RaySupervision:
     """Every process's first life (worker0's writes `output`), on NODE_A unless `nodes` says."""
     for name in ("worker0", "worker1", "controller"):
         run.start(name, (nodes or {}).get(name, NODE_A), output if name == "worker0" else "")
-    supervision = _Supervision(run)  # type: ignore[arg-type]
+    supervision = RaySupervision(run)  # type: ignore[arg-type]
     _tick(supervision)
     return supervision
 

@@ -7,8 +7,9 @@ run summary. Importing this package imports no JAX; the trainer and worker proce
 """
 
 from rlax_controller.controller import Controller, RolloutScorer
-from rlax_controller.launcher import build_specs, launch, resolve_addresses
+from rlax_controller.launcher import launch
 from rlax_controller.metrics import MetricsWriter, ProgressDisplay, plot_run, read_metrics, summary_table
+from rlax_controller.process_plan import build_specs, resolve_addresses
 from rlax_controller.rollout_scheduler import (
     Batch,
     BatchNotReady,

@@ -1,133 +1,66 @@
 """`rlax launch`: validate the config (the run config, then every component's own typed
-config: `preflight`), resolve addresses, start and supervise every component as a local
-process, show progress, and summarise the run at the end."""
+config: `preflight`), plan every process's address, write the resolved config and the
+address book, start and supervise every component with the run's backend (`local`: local
+processes, `ray`: Ray actors), show progress, and summarise the run at the end.
+
+The launch sequence is written once, here; a backend (`Backend`) says where the processes
+run: `local_backend.LocalBackend` or `ray_backend.RayBackend`. Both restart by the one
+policy of `restart_policy`.
+"""
 
 from __future__ import annotations
 
 import pathlib
 import shutil
-import socket
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from rich.console import Console
 
+from rlax_controller.local_backend import LocalBackend
 from rlax_controller.metrics import ProgressDisplay, plot_run, read_metrics, summary_table
 from rlax_controller.preflight import validate_components
-from rlax_controller.supervisor import ProcessSpec, Supervisor, SupervisorReport
-from rlax_core.addresses import ADDRESS_BOOK, server_addresses, write_address_book
-from rlax_core.config import AUTO, EXIT_CONFIG_ERROR, RunConfig, dump_config, load_config, paramserver_dirs
-from rlax_protocol.auth import INSECURE_ENV, RunKeys
+from rlax_controller.process_plan import resolve_addresses, run_keys, write_run_files
+from rlax_controller.run_report import SupervisorReport
+from rlax_core.addresses import ADDRESS_BOOK
+from rlax_core.config import EXIT_CONFIG_ERROR, RunConfig, load_config
+from rlax_protocol.auth import RunKeys
 
-__all__ = ["build_specs", "launch", "resolve_addresses", "run_keys"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+__all__ = ["Backend", "MetricsTail", "backend_for", "launch", "main", "summarise"]
 
 
-def resolve_addresses(config: RunConfig) -> RunConfig:
-    """Replace every `auto` address by a free loopback (or `addresses.host`) TCP port (and
-    a multi-host trainer's `auto` coordinator by HOST:PORT)."""
-    host = config.addresses.host
+class Backend(Protocol):
+    """Where a run's processes run. The launch sequence calls, in order: `plan` (the
+    addresses known before anything starts), `place` (reserve where each process runs: the
+    config with every address), `supervise` (start every process in order, restart by
+    `restart_policy`, until the run ends) and, whatever happened, `stop_all`."""
 
-    def pick(address: str) -> str:
-        return f"tcp://{host}:{_free_port(host)}" if address == AUTO else address
+    where: str  # how the banner says where the run is (empty: this machine)
 
-    workers = list(config.workers.addresses) or [AUTO] * config.workers.count
-    coordinator = config.trainer.coordinator
-    if coordinator == AUTO and config.trainer.hosts > 1:
-        coordinator = f"{host}:{_free_port(host)}"
-    return msgspec.structs.replace(
-        config,
-        trainer=msgspec.structs.replace(config.trainer, coordinator=coordinator),
-        controller=msgspec.structs.replace(config.controller, address=pick(config.controller.address)),
-        paramserver=msgspec.structs.replace(config.paramserver, address=pick(config.paramserver.address)),
-        verifier=msgspec.structs.replace(config.verifier, address=pick(config.verifier.address)),
-        workers=msgspec.structs.replace(config.workers, addresses=[pick(a) for a in workers]),
-    )
+    def plan(self, config: RunConfig) -> RunConfig: ...
+
+    def place(self, config: RunConfig, output: pathlib.Path, keys: RunKeys | None) -> RunConfig: ...
+
+    def supervise(self, resolved: pathlib.Path, on_tick: Callable[[], None]) -> SupervisorReport: ...
+
+    def interrupted(self, why: str, log_dir: pathlib.Path) -> SupervisorReport: ...
+
+    def stop_all(self) -> None: ...
 
 
-def python_of(config: RunConfig, role: str) -> str:
-    """The interpreter that runs `role`: `supervisor.interpreters[role]`, else this one (so a
-    launch from a virtualenv runs its components there too)."""
-    return config.supervisor.interpreters.get(role, sys.executable)
+def backend_for(config: RunConfig) -> Backend:
+    """The backend `launcher.backend` names; the Ray one fails here, as a config error, when
+    its cluster does not answer or Ray is not installed."""
+    if config.launcher.backend == "ray":
+        from rlax_controller.ray_backend import RayBackend  # imports ray: the optional extra
+
+        return RayBackend(config)
+    return LocalBackend(config)
 
 
-def _rlax(config: RunConfig, role: str, *args: str) -> list[str]:
-    # The front door of the role's environment runs whichever component is installed there.
-    return [python_of(config, role), "-m", "rlax_core.cli", role, *args]
-
-
-def _paramserver_command(config: RunConfig) -> list[str]:
-    # A parameter-server node installs rlax-paramserver alone: its own entry point, no run config.
-    state_dir, rest_dir = paramserver_dirs(config)
-    flags = ["--bind", config.paramserver.address, "--keep", str(config.paramserver.keep)]
-    if not config.paramserver.fsync:
-        flags.append("--no-fsync")
-    if rest_dir is not None:
-        flags += ["--rest-dir", str(rest_dir)]
-    return [python_of(config, "paramserver"), "-m", "rlax_paramserver", *flags, "--state-dir", str(state_dir)]
-
-
-def run_keys(config: RunConfig) -> RunKeys | None:
-    """Fresh secrets for one run (None with ``security.insecure``): PLAIN tokens when every
-    address is loopback, CURVE key pairs otherwise (`rlax_protocol.auth`)."""
-    if config.security.insecure:
-        return None
-    addresses = [
-        config.controller.address,
-        config.paramserver.address,
-        config.verifier.address,
-        *config.workers.addresses,
-        f"tcp://{config.addresses.host}:0",
-    ]
-    return RunKeys.for_addresses(addresses)
-
-
-def _role_env(keys: RunKeys | None, role: str) -> dict[str, str]:
-    """The environment that gives one process its role's credential, and nothing more."""
-    if keys is None:
-        return {"PYTHONUNBUFFERED": "1", INSECURE_ENV: "1"}
-    return {"PYTHONUNBUFFERED": "1", **keys.environment(role)}
-
-
-def build_specs(config: RunConfig, config_path: pathlib.Path, keys: RunKeys | None) -> list[ProcessSpec]:
-    """The processes of a local run, in start order (servers before their clients), each
-    with its role's credential from `keys` (give the same keys for the whole run: a
-    restarted process must present what the others accept; None: ``security.insecure``)."""
-    path = str(config_path)
-    specs = [
-        ProcessSpec("paramserver", "paramserver", _paramserver_command(config), _role_env(keys, "server"))
-    ]
-    if config.verifier.mode == "service":
-        command = _rlax(config, "verifier", "--bind", config.verifier.address)
-        if config.agent.where == "service" and ":" in config.agent.environment:
-            command += ["--environment", config.agent.environment]  # a user's module path
-        specs.append(ProcessSpec("verifier", "verifier", command, _role_env(keys, "server")))
-    for i in range(config.workers.count):
-        command = _rlax(config, "worker", "--config", path, "--index", str(i))
-        specs.append(ProcessSpec(f"worker{i}", "worker", command, _role_env(keys, "worker")))
-    hosts = config.trainer.hosts
-    if hosts == 1:
-        command = _rlax(config, "trainer", "--config", path)
-        specs.append(ProcessSpec("trainer", "trainer", command, _role_env(keys, "trainer")))
-    for i in range(hosts if hosts > 1 else 0):  # one gang, joined by jax.distributed
-        command = _rlax(config, "trainer", "--config", path, "--process-id", str(i))
-        specs.append(
-            ProcessSpec(f"trainer{i}", "trainer", command, _role_env(keys, "trainer"), gang="trainer")
-        )
-    command = _rlax(config, "controller", "--config", path)
-    specs.append(
-        ProcessSpec("controller", "controller", command, _role_env(keys, "controller"), completes_run=True)
-    )
-    return specs
-
-
-class _MetricsTail:
+class MetricsTail:
     """Feeds new lines of metrics.jsonl to the progress display."""
 
     def __init__(self, path: pathlib.Path, display: ProgressDisplay) -> None:
@@ -155,6 +88,17 @@ class _MetricsTail:
                 self.display.update(record)
 
 
+def _banner(config: RunConfig, output: pathlib.Path, resumed: bool, where: str) -> str:
+    return (
+        f"[bold]RLAX[/bold] run [cyan]{config.run.name}[/cyan]{where} in {output} "
+        f"({'resuming' if resumed else 'new'}; {config.workers.count} workers, j={config.workers.j}, "
+        f"k={config.trainer.k}, preset {config.trainer.preset}"
+        + (f", trainer gang of {config.trainer.hosts}" if config.trainer.hosts > 1 else "")
+        + (f", chaos every ~{config.chaos.interval:g}s" if config.chaos.interval else "")
+        + ")"
+    )
+
+
 def launch(
     config_path: str | pathlib.Path | None,
     overrides: list[str] | None = None,
@@ -162,45 +106,43 @@ def launch(
     overwrite: bool = False,
     console: Console | None = None,
 ) -> SupervisorReport:
-    """Run a whole RL job locally (or on Ray with `launcher.backend: ray`). Raises `ConfigError` before anything starts (or is
-    written) on a config that the run config or any component rejects."""
+    """Run a whole RL job with the backend `launcher.backend` names (local processes, or Ray
+    actors). Raises `ConfigError` before anything starts (or is written) on a config that
+    the run config or any component rejects."""
     console = console or Console()
     config = load_config(config_path, overrides)
-    if config.launcher.backend == "ray":
-        from rlax_controller import ray_launcher  # imports ray: the optional extra
-
-        return ray_launcher.launch(config_path, overrides, overwrite=overwrite, console=console)
-    config = resolve_addresses(config)
-    validate_components(config)
-    output = config.output_dir
+    # The checks need every address; where the backend learns them only at placement (Ray),
+    # free local ports stand in for them.
+    validate_components(resolve_addresses(config))
+    backend = backend_for(config)
+    config = backend.plan(config)
+    output = config.output_dir.resolve()
     if overwrite and output.exists():
         shutil.rmtree(output)
     resumed = (output / "snapshots").is_dir()
     output.mkdir(parents=True, exist_ok=True)
     # The address book: clients read a server's address there when they reconnect (the Ray
-    # launcher moves servers; here the addresses stay, and the clients take the same path).
-    book = output.resolve() / ADDRESS_BOOK
-    config = msgspec.structs.replace(
-        config, addresses=msgspec.structs.replace(config.addresses, book=str(book))
-    )
-    write_address_book(book, server_addresses(config))
-    resolved = dump_config(config, output / "config.yaml")
-    console.print(
-        f"[bold]RLAX[/bold] run [cyan]{config.run.name}[/cyan] in {output} "
-        f"({'resuming' if resumed else 'new'}; {config.workers.count} workers, j={config.workers.j}, "
-        f"k={config.trainer.k}, preset {config.trainer.preset}"
-        + (f", chaos every ~{config.chaos.interval:g}s" if config.chaos.interval else "")
-        + ")"
-    )
-    display = ProgressDisplay(config.run.steps)
-    tail = _MetricsTail(output / "metrics.jsonl", display)
-    specs = build_specs(config, resolved, run_keys(config))
-    supervisor = Supervisor(specs, output / "logs", config.supervisor, config.chaos)
+    # backend moves servers; the local one keeps them, and its clients take the same path).
+    book = str(output / ADDRESS_BOOK)
+    config = msgspec.structs.replace(config, addresses=msgspec.structs.replace(config.addresses, book=book))
+    keys = run_keys(config)  # once per run: a restarted process presents what the others accept
+    display: ProgressDisplay | None = None
+    tail: MetricsTail | None = None
     try:
-        report = supervisor.run(on_tick=tail)
+        config = backend.place(config, output, keys)
+        resolved = write_run_files(config, output)
+        console.print(_banner(config, output, resumed, backend.where))
+        display = ProgressDisplay(config.run.steps)
+        tail = MetricsTail(output / "metrics.jsonl", display)
+        report = backend.supervise(resolved, tail)
+    except KeyboardInterrupt as interrupt:
+        report = backend.interrupted(f"interrupted ({interrupt or 'Ctrl-C'})", output / "logs")
     finally:
-        tail()
-        display.close()
+        if tail is not None:
+            tail()
+        if display is not None:
+            display.close()
+        backend.stop_all()
     summarise(console, config, output, report)
     return report
 

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from rlax_controller.process_plan import rlax_command
 from rlax_core.config import ConfigError, RunConfig, dump_config, paramserver_dirs, rejected_by
 
 __all__ = [
@@ -75,26 +76,15 @@ def check_prompts_fit(config: RunConfig, task: Any) -> None:
 
 def check_components(config: RunConfig, roles: Sequence[tuple[str, list[str]]]) -> None:
     """Run `rlax ROLE --config RESOLVED --check-config [ARGS]` for each (role, args), all at
-    once, each with its role's interpreter; raise `ConfigError` with the first rejection."""
-    from rlax_controller.launcher import python_of
-
-    folder = config.output_dir.parent if config.output_dir.parent.exists() else pathlib.Path.cwd()
-    with tempfile.TemporaryDirectory(prefix=".rlax-check-", dir=folder) as tmp:
+    once, each with its role's interpreter; raise `ConfigError` with the first rejection.
+    The config they read lies in the system's temporary folder, never in the caller's."""
+    with tempfile.TemporaryDirectory(prefix="rlax-check-") as tmp:
         path = dump_config(config, pathlib.Path(tmp) / "config.yaml")
         started = [
             (
                 role,
                 subprocess.Popen(
-                    [
-                        python_of(config, role),
-                        "-m",
-                        "rlax_core.cli",
-                        role,
-                        "--config",
-                        str(path),
-                        "--check-config",
-                        *args,
-                    ],
+                    rlax_command(config, role, "--config", str(path), "--check-config", *args),
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
                     text=True,

@@ -1,18 +1,19 @@
-"""Local process supervisor behind `rlax launch`.
+"""The local backend's process supervisor behind `rlax launch`.
 
 Starts every component as a subprocess in its own process group (so a component's
-children die with it), restarts a process that exits or crashes with exponential
-back-off, stops the run with a report when one process needs too many restarts or
-exits with `EXIT_CONFIG_ERROR` (its config was rejected: a restart would fail the same
-way, so the run stops with the component's message), and
-shuts everything down on SIGINT/SIGTERM (SIGTERM to each group, SIGKILL after a grace
-period). Processes of one gang (a multi-host trainer joined by `jax.distributed`, which
-cannot continue without any of its members) live and die together: when a member exits
-for any reason, the others are stopped (SIGTERM, SIGKILL after the grace period) and all
-restart together once every member is down (`gang_restart` event); `max_restarts` counts
-the gang's restarts after failures, not the N exits one failure causes. Chaos mode SIGKILLs a random component at seeded random moments; each round
-of kills visits every targeted role once, in a shuffled order, so a short run still
-hits all of them. Every start, exit, restart and kill is appended to `events.jsonl`.
+children die with it) and applies the launcher's restart policy (`restart_policy`): a
+process that exits or crashes restarts with exponential back-off; the run stops with a
+report when one process needs too many restarts, or exits with `EXIT_CONFIG_ERROR` (its
+config was rejected) or `EXIT_MISSING_COMPONENT` (its role's package is not installed),
+which a restart would only repeat. Everything shuts down on SIGINT/SIGTERM (SIGTERM to
+each group, SIGKILL after a grace period). Processes of one gang (a multi-host trainer
+joined by `jax.distributed`, which cannot continue without any of its members) live and
+die together: when a member exits for any reason, the others are stopped (SIGTERM,
+SIGKILL after the grace period) and all restart together once every member is down
+(`gang_restart` event); `max_restarts` counts the gang's restarts after failures, not the
+N exits one failure causes. Chaos mode (`chaos.ChaosSchedule`) SIGKILLs a random
+component at seeded random moments. Every start, exit, restart and kill is appended to
+`events.jsonl`.
 
 Planned and unplanned exits. A chaos kill is planned, and so is the completing process's
 clean exit; every other exit (a crash, a component that exited on its own, one killed from
@@ -30,7 +31,6 @@ import json
 import math
 import os
 import pathlib
-import random
 import signal
 import subprocess
 import sys
@@ -39,13 +39,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlax_core.config import EXIT_CONFIG_ERROR, ChaosSection, SupervisorSection
+from rlax_controller.chaos import ChaosSchedule
+from rlax_controller.process_plan import ProcessSpec
+from rlax_controller.restart_policy import UNPLANNED_TAIL_LINES, ExitVerdict, RestartPolicy, log_tail
+from rlax_controller.run_report import SupervisorReport, UnplannedRestart
+from rlax_core.config import ChaosSection, SupervisorSection
 from rlax_core.fsutil import append_line_durable
 
+# The report and process types are part of this module's interface: callers build specs
+# and read reports without knowing where they are defined.
 __all__ = ["ManagedProcess", "ProcessSpec", "Supervisor", "SupervisorReport", "UnplannedRestart"]
 
-# Lines of a life's log that an unplanned exit carries (a traceback and what led to it).
-UNPLANNED_TAIL_LINES = 60
 PR_SET_PDEATHSIG = 1
 
 
@@ -74,21 +78,6 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return in_child
 
 
-@dataclasses.dataclass(frozen=True)
-class ProcessSpec:
-    """One component to run. `completes_run`: its clean exit (code 0) ends the whole run.
-    `gang`: processes that share a gang name live and die together (a multi-host trainer
-    joined by `jax.distributed`): when one exits, the others are stopped and all restart."""
-
-    name: str
-    role: str
-    argv: list[str]
-    env: dict[str, str] | None = None
-    cwd: str | None = None
-    completes_run: bool = False
-    gang: str = ""
-
-
 @dataclasses.dataclass
 class ManagedProcess:
     spec: ProcessSpec
@@ -104,54 +93,6 @@ class ManagedProcess:
     @property
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
-
-
-@dataclasses.dataclass(frozen=True)
-class UnplannedRestart:
-    """An exit that neither chaos nor the run's end explains: which process, its exit code
-    (negative: the signal that killed it), and the end of that life's log (its traceback)."""
-
-    name: str
-    role: str
-    code: int
-    log_tail: str
-
-    def describe(self) -> str:
-        how = f"killed by signal {-self.code}" if self.code < 0 else f"exited with code {self.code}"
-        tail = self.log_tail.strip() or "(its log of that life is empty)"
-        indented = "\n".join(f"    {line}" for line in tail.splitlines())
-        return f"{self.name} ({self.role}) {how}; the end of its log:\n{indented}"
-
-
-@dataclasses.dataclass
-class SupervisorReport:
-    """How a run ended. `config_error`: a component rejected its config (exit code
-    `EXIT_CONFIG_ERROR`); `reason` then carries that component's message.
-    `unplanned_restarts`: every exit that was not a chaos kill nor the run's end, in order."""
-
-    success: bool
-    reason: str
-    restarts: dict[str, int]
-    chaos_kills: list[tuple[str, str]]
-    exit_codes: dict[str, list[int]]
-    log_dir: pathlib.Path
-    config_error: bool = False
-    unplanned_restarts: list[UnplannedRestart] = dataclasses.field(default_factory=list)
-
-    def render(self) -> str:
-        lines = [f"run {'finished' if self.success else 'stopped'}: {self.reason}"]
-        for name, count in sorted(self.restarts.items()):
-            codes = ", ".join(str(c) for c in self.exit_codes.get(name, [])[-5:])
-            lines.append(f"  {name}: {count} restart(s); last exit codes [{codes}]")
-        if self.chaos_kills:
-            lines.append(
-                f"  chaos kills: {len(self.chaos_kills)} ({', '.join(n for n, _ in self.chaos_kills)})"
-            )
-        if self.unplanned_restarts:
-            names = ", ".join(f"{u.name} (code {u.code})" for u in self.unplanned_restarts)
-            lines.append(f"  unplanned exits: {len(self.unplanned_restarts)} ({names})")
-        lines.append(f"  logs: {self.log_dir}")
-        return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -173,17 +114,6 @@ class _Gang:
     started_at: float = 0.0
 
 
-def _tail(path: pathlib.Path, lines: int = 15, *, offset: int = 0) -> str:
-    """The last `lines` lines of `path` from byte `offset` on (one life's output)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            text = handle.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 class Supervisor:
     """Runs and supervises a set of `ProcessSpec`s until one with `completes_run` exits 0."""
 
@@ -200,6 +130,7 @@ class Supervisor:
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
         self.policy = policy or SupervisorSection()
+        self.restart = RestartPolicy(self.policy)
         self.chaos = chaos or ChaosSection()
         self.log_dir = pathlib.Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -212,10 +143,8 @@ class Supervisor:
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._stop_reason = ""
-        self._rng = random.Random(self.chaos.seed)
-        self._chaos_round: list[str] = []
-        self._next_kill = 0.0
-        self.chaos_kills: list[tuple[str, str]] = []
+        self._chaos = ChaosSchedule(self.chaos)
+        self.chaos_kills = self._chaos.kills  # (process, role) of every chaos kill, in order
         self.unplanned: list[UnplannedRestart] = []
 
     # -- events -------------------------------------------------------------------------
@@ -288,51 +217,42 @@ class Supervisor:
 
     # -- chaos --------------------------------------------------------------------------
     def _schedule_kill(self, now: float) -> None:
-        self._next_kill = now + self.chaos.interval * self._rng.uniform(0.5, 1.5)
+        self._chaos.schedule(now)
+
+    @property
+    def _next_kill(self) -> float:
+        return self._chaos.next_kill
 
     def _chaos_tick(self, now: float) -> None:
-        if self.chaos.interval <= 0 or now < self._next_kill:
+        def running(role: str) -> list[str]:
+            return [
+                p.spec.name for p in self.procs if p.spec.role == role and p.running and not self._stopping(p)
+            ]
+
+        picked = self._chaos.pick(now, [p.spec.role for p in self.procs], running)
+        if picked is None:
             return
-        if self.chaos.max_kills and len(self.chaos_kills) >= self.chaos.max_kills:
-            return
-        roles = sorted({p.spec.role for p in self.procs if p.spec.role in self.chaos.targets})
-        if not roles:
-            return
-        if not self._chaos_round:
-            self._chaos_round = self._rng.sample(roles, len(roles))
-        role = self._chaos_round[0]
-        candidates = [p for p in self.procs if p.spec.role == role and p.running and not self._stopping(p)]
-        if not candidates:
-            return  # that role is restarting; try again at the next tick
-        self._chaos_round.pop(0)
-        victim = self._rng.choice(candidates)
+        victim = next(p for p in self.procs if p.spec.name == picked[0])
         assert victim.popen is not None
-        self._event("chaos_kill", name=victim.spec.name, role=role, pid=victim.popen.pid)
+        self._event("chaos_kill", name=picked[0], role=picked[1], pid=victim.popen.pid)
         victim.killed_by_chaos = True
         self._signal_group(victim, signal.SIGKILL)
-        self.chaos_kills.append((victim.spec.name, role))
-        self._schedule_kill(now)
 
     # -- main loop ----------------------------------------------------------------------
-    def _backoff(self, proc: ManagedProcess) -> float:
-        return min(
-            self.policy.backoff_initial_s * 2 ** max(0, proc.consecutive_failures - 1),
-            self.policy.backoff_max_s,
-        )
-
     def _on_exit(self, proc: ManagedProcess, code: int, now: float) -> SupervisorReport | None:
         proc.exit_codes.append(code)
         by_chaos = proc.killed_by_chaos
         gang = self._gangs.get(proc.spec.gang)
         log_path = self.log_dir / f"{proc.spec.name}.log"
         fields: dict[str, Any] = {} if gang is None else {"gang": gang.name, "gang_stop": gang.stopping}
-        completes = proc.spec.completes_run and code == 0
+        verdict = self.restart.verdict(code, completes_run=proc.spec.completes_run, by_chaos=by_chaos)
+        completes = verdict is ExitVerdict.COMPLETED
         if not (by_chaos or completes or (gang is not None and gang.stopping)):
             unplanned = UnplannedRestart(
                 proc.spec.name,
                 proc.spec.role,
                 code,
-                _tail(log_path, UNPLANNED_TAIL_LINES, offset=proc.log_offset),
+                log_tail(log_path, UNPLANNED_TAIL_LINES, offset=proc.log_offset),
             )
             self.unplanned.append(unplanned)
             fields.update(unplanned=True, log_tail=unplanned.log_tail)
@@ -340,30 +260,28 @@ class Supervisor:
         if completes:
             self._stop_reason = f"{proc.spec.name} completed the run"
             return self._finish(True, self._stop_reason)
-        if code == EXIT_CONFIG_ERROR and not by_chaos:
-            reason = (
-                f"{proc.spec.name} rejected its configuration (exit code {code}); not restarted, "
-                f"since the same config would be rejected again. Last lines of {log_path}:\n{_tail(log_path)}"
+        if verdict in (ExitVerdict.CONFIG_REJECTED, ExitVerdict.MISSING_COMPONENT):
+            setting = (
+                f"supervisor.interpreters.{proc.spec.role}={proc.spec.argv[0] if proc.spec.argv else ''}"
             )
-            self._stop_reason = reason
-            return self._finish(False, reason, config_error=True)
+            self._stop_reason = self.restart.stop_reason(verdict, proc.spec.name, code, log_path, setting)
+            return self._finish(False, self._stop_reason, config_error=True)
         if gang is not None:
             return self._on_gang_exit(gang, proc, code, now)
         if by_chaos:
             proc.consecutive_failures = 0
         else:
-            if now - proc.started_at >= self.policy.stable_after_s:
-                proc.consecutive_failures = 0
-            proc.consecutive_failures += 1
-            if proc.restarts - self._chaos_restarts(proc) >= self.policy.max_restarts:
-                reason = (
-                    f"{proc.spec.name} exited with code {code} and was restarted {proc.restarts} time(s), "
-                    f"over the limit supervisor.max_restarts={self.policy.max_restarts}. "
-                    f"Last lines of {log_path}:\n{_tail(log_path)}"
+            proc.consecutive_failures = self.restart.failure_streak(
+                proc.consecutive_failures, now - proc.started_at
+            )
+            failures = proc.restarts - self._chaos.kills_of(proc.spec.name) + 1  # this exit's included
+            if self.restart.over_budget(failures):
+                self._stop_reason = self.restart.budget_reason(
+                    f"{proc.spec.name} exited with code {code} and was restarted {proc.restarts} time(s)",
+                    log_path,
                 )
-                self._stop_reason = reason
-                return self._finish(False, reason)
-        delay = self.policy.backoff_initial_s if by_chaos else self._backoff(proc)
+                return self._finish(False, self._stop_reason)
+        delay = self.restart.backoff_s(proc.consecutive_failures, by_chaos=by_chaos)
         proc.restart_at = now + delay
         self._event("restart_scheduled", name=proc.spec.name, delay_s=delay)
         return None
@@ -379,25 +297,18 @@ class Supervisor:
             return None
         if proc.killed_by_chaos:
             gang.consecutive_failures = 0
-            delay = self.policy.backoff_initial_s
         else:
-            if now - gang.started_at >= self.policy.stable_after_s:
-                gang.consecutive_failures = 0
-            gang.consecutive_failures += 1
-            if gang.failures >= self.policy.max_restarts:
-                log_path = self.log_dir / f"{proc.spec.name}.log"
-                reason = (
-                    f"{proc.spec.name} (gang {gang.name}) exited with code {code}; the gang was "
-                    f"restarted {gang.failures} time(s) after failures, over the limit "
-                    f"supervisor.max_restarts={self.policy.max_restarts}. "
-                    f"Last lines of {log_path}:\n{_tail(log_path)}"
-                )
-                self._stop_reason = reason
-                return self._finish(False, reason)
-            delay = min(
-                self.policy.backoff_initial_s * 2 ** max(0, gang.consecutive_failures - 1),
-                self.policy.backoff_max_s,
+            gang.consecutive_failures = self.restart.failure_streak(
+                gang.consecutive_failures, now - gang.started_at
             )
+            if self.restart.over_budget(gang.failures + 1):  # this exit's failure included
+                self._stop_reason = self.restart.budget_reason(
+                    f"{proc.spec.name} (gang {gang.name}) exited with code {code}; the gang was "
+                    f"restarted {gang.failures} time(s) after failures",
+                    self.log_dir / f"{proc.spec.name}.log",
+                )
+                return self._finish(False, self._stop_reason)
+        delay = self.restart.backoff_s(gang.consecutive_failures, by_chaos=proc.killed_by_chaos)
         gang.stopping, gang.cause, gang.cause_code = True, proc.spec.name, code
         gang.by_chaos, gang.delay_s = proc.killed_by_chaos, delay
         gang.kill_at = now + self.policy.shutdown_grace_s
@@ -442,9 +353,6 @@ class Supervisor:
     def _stopping(self, proc: ManagedProcess) -> bool:
         gang = self._gangs.get(proc.spec.gang)
         return gang is not None and gang.stopping
-
-    def _chaos_restarts(self, proc: ManagedProcess) -> int:
-        return sum(1 for name, _ in self.chaos_kills if name == proc.spec.name)
 
     def _finish(self, success: bool, reason: str, *, config_error: bool = False) -> SupervisorReport:
         self._shutdown()
