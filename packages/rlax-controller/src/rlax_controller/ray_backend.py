@@ -160,10 +160,10 @@ class RayRun:
         for spec in self.specs:
             members[spec.role].append(spec.name)
         for role, names in members.items():
-            bundle = resource_request(config, role)
-            if bundle:  # a role that asks for nothing needs no reservation
+            request = resource_request(config, role)
+            if request:  # a role that asks for nothing needs no reservation
                 self.groups[role] = placement_group(
-                    [dict(bundle) for _ in names],
+                    [dict(request) for _ in names],
                     strategy=config.launcher.of(role).placement,
                     name=f"{config.run.name}.{role}",
                 )
