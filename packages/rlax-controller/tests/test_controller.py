@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from rlax_controller import controller as controller_module
+from rlax_controller import trainer_endpoint
 from rlax_controller.controller import Controller
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_controller.rollout_scheduler import PromptItem
@@ -266,9 +266,9 @@ def test_trainer_rewind_to_older_checkpoint(tmp_path: pathlib.Path, toy: Any, fa
 
 def serve_trainer_side(controller: Controller) -> None:
     """One turn of the controller's trainer-side socket (a test thread drives it alone)."""
-    controller._serve_router()
-    controller._answer_held(time.monotonic())  # a held BatchRequest is answered within its hold
-    controller.router.poll(5)
+    controller.trainer.serve()
+    controller.trainer.answer_held(time.monotonic())  # a held BatchRequest is answered within its hold
+    controller.trainer.socket.poll(5)
 
 
 def test_controller_survives_ten_thousand_hostile_messages_then_answers_the_trainer(
@@ -450,7 +450,7 @@ def test_an_exception_from_decoding_one_request_is_answered_and_the_controller_k
         return decode_control(data)
 
     # Whatever the decoder raises on one message, the loop answers it and lives on.
-    monkeypatch.setattr(controller_module, "decode_control", decode_or_fail)
+    monkeypatch.setattr(trainer_endpoint, "decode_control", decode_or_fail)
     pump = loop_thread(lambda: serve_trainer_side(controller))
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.linger = 0
@@ -542,7 +542,7 @@ def test_a_batch_request_is_held_until_its_batch_is_ready_then_answered_within_t
         held = client.call(BatchRequest(trainer_step=0))
         waited = time.monotonic() - started
         assert isinstance(held, NoBatchYet) and held.retry_after_s == 0.0
-        assert waited >= controller_module.BATCH_HOLD_S * 0.9  # monotonic: never answered early
+        assert waited >= trainer_endpoint.BATCH_HOLD_S * 0.9  # monotonic: never answered early
     finally:
         client.close()
         pump.stop()
@@ -561,10 +561,10 @@ def test_a_worker_that_cannot_take_its_first_group_loses_every_group_of_that_dis
     nobody = f"tcp://127.0.0.1:{toy.port()}"  # nothing listens: every send is refused
     controller = Controller(config, source=toy.Source(), scorer=toy.Scorer(), worker_addresses=[nobody])
     try:
-        assert isinstance(controller._answer(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
-        worker = controller.workers["worker0"]
+        assert isinstance(controller.trainer.answer(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
+        worker = controller.pool.workers["worker0"]
         worker.alive = True  # it answered a Hello once, then went away
-        controller._dispatch(time.monotonic())
+        controller.dispatch.dispatch(time.monotonic())
         assert not worker.alive and not worker.requests
         groups = list(controller.scheduler.groups.values())
         assert groups and all(g.status.value == "pending" and g.request_id is None for g in groups)
@@ -572,7 +572,7 @@ def test_a_worker_that_cannot_take_its_first_group_loses_every_group_of_that_dis
         worker.alive = True
         sent: list[str] = []
         worker.link.send = lambda message, frames=(): sent.append(message.request_id) or len(sent)  # type: ignore[method-assign]
-        controller._dispatch(time.monotonic())
+        controller.dispatch.dispatch(time.monotonic())
         assert len(sent) == config.workers.max_inflight_groups == len(worker.requests)
     finally:
         controller.close()
@@ -609,7 +609,7 @@ def test_a_worker_that_moved_is_followed_through_the_address_book(
     ct.join()
     trained.update(rest)
     assert ct.code == 0 and sorted(trained) == list(range(6))
-    assert ct.controller.workers["worker0"].link.address == moved.address and moved.served > 0
+    assert ct.controller.pool.workers["worker0"].link.address == moved.address and moved.served > 0
     records = read_metrics(config.output_dir / "metrics.jsonl")
     dead = [r for r in records if r["kind"] == "worker" and r.get("event") == "dead"]
     assert [r["why"] for r in dead] == [f"moved to {moved.address}"]

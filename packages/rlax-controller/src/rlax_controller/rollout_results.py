@@ -1,0 +1,144 @@
+"""What becomes of the workers' work: results are scored into their group (the scheduler)
+or their evaluation prompt; the work of a lost request or worker goes back to the queue."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from rlax_controller.evaluation_jobs import EvaluationJobs
+from rlax_controller.rollout_scheduler import GroupStatus, PromptItem, RolloutScheduler, ScoredSample
+from rlax_controller.run_tally import RunTally
+from rlax_core.config import ConfigError
+from rlax_data.agent_turns import last_model_turn
+from rlax_protocol.errors import ProtocolError, RemoteError
+from rlax_protocol.messages import GenerateResult
+
+__all__ = ["EVAL_TAG_PREFIX", "RolloutResults", "RolloutScorer"]
+
+log = logging.getLogger("rlax.controller")
+
+EVAL_TAG_PREFIX = "eval"
+"""Evaluation requests are tagged eval<step>.<prompt>.<nonce>; the scheduler tags its groups otherwise."""
+
+
+class RolloutScorer(Protocol):
+    """Scores the completions of one prompt: one (reward, correct) per completion."""
+
+    def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]: ...
+
+
+class RolloutResults:
+    """The worker pool's `WorkOwner`: takes its results, hears of its lost requests."""
+
+    def __init__(
+        self,
+        scheduler: RolloutScheduler,
+        evaluations: EvaluationJobs,
+        scorer: RolloutScorer,
+        tally: RunTally,
+    ) -> None:
+        self.scheduler = scheduler
+        self.evaluations = evaluations
+        self.scorer = scorer
+        self.tally = tally
+
+    def take_result(self, worker: str, result: GenerateResult) -> None:
+        # A trajectory's final answer is its last model turn; its generated tokens, the model's.
+        completions = [last_model_turn(s.token_ids, s.model_mask) for s in result.samples]
+        self.tally.add_generated(
+            sum(sum(s.model_mask) if s.model_mask else len(s.token_ids) for s in result.samples)
+        )
+        if result.request_id.startswith(EVAL_TAG_PREFIX):
+            self._take_eval_result(result, completions)
+            return
+        group = self.scheduler.group_for_request(result.request_id)
+        if group is None:
+            self.tally.count("results_ignored")
+            return
+        if group.pinned is not None and result.weight_version != group.pinned:
+            log.error(
+                "%s generated %s with version %d, asked for %d; the group goes back to the queue",
+                worker,
+                result.request_id,
+                result.weight_version,
+                group.pinned,
+            )
+            self.tally.count("wrong_version_results")
+            self.scheduler.release(group)
+            return
+        try:
+            with self.tally.timed("controller_score_seconds"):
+                scores = self._score(group.item, completions)
+        except (ProtocolError, TimeoutError) as error:
+            # A verifier service that is down: generate this group again later.
+            log.error("scoring %s failed (%s); the group goes back to the queue", result.request_id, error)
+            self.tally.count("scoring_failures")
+            self.scheduler.release(group)
+            return
+        samples = [
+            ScoredSample(
+                tuple(s.token_ids),
+                tuple(s.logprobs),
+                s.finish_reason,
+                float(r) if s.env_reward is None else s.env_reward,
+                bool(c),
+                model_mask=tuple(s.model_mask),
+                turns=s.turns,
+                tool_calls=s.tool_calls,
+                tool_errors=s.tool_errors,
+                end=s.end,
+            )
+            for s, (r, c) in zip(result.samples, scores, strict=True)
+        ]
+        try:
+            self.scheduler.complete(result.request_id, result.weight_version, samples)
+        except ValueError as error:  # a worker that answered with the wrong number of samples
+            log.error("%s: %s; the group goes back to the queue", worker, error)
+            self.scheduler.release(group)
+
+    def _take_eval_result(self, result: GenerateResult, completions: list[tuple[int, ...]]) -> None:
+        index = self.evaluations.prompt_of(result.request_id)
+        if index is None:
+            return  # its evaluation is over, or was dropped with a restore
+        job = self.evaluations.job
+        assert job is not None
+        try:
+            scores = self._score(job.items[index], completions)
+        except (ProtocolError, TimeoutError) as error:
+            log.error("scoring evaluation prompt %d failed (%s); it will be generated again", index, error)
+            self.evaluations.retry(index)
+            return
+        self.evaluations.record(index, scores, result.weight_version, result.samples)
+
+    def _score(self, item: PromptItem, completions: list[tuple[int, ...]]) -> list[tuple[float, bool]]:
+        """The scorer's rewards; a verifier service without a route for the item's task
+        stops the run with a config error, since no retry could score it."""
+        try:
+            return self.scorer.score(item, completions)
+        except RemoteError as error:
+            if error.code == "not_found":
+                raise ConfigError(
+                    f"verifier: the verifier service cannot score this run's task: {error}"
+                ) from None
+            raise
+
+    # -- lost work -----------------------------------------------------------------------------
+    def release(self, tag: str) -> None:
+        group = self.scheduler.group_for_request(tag)
+        if group is not None:
+            self.scheduler.release(group)
+        else:
+            self.evaluations.release([tag])
+
+    def worker_lost(self, worker: str, tags: Collection[str]) -> None:
+        self.scheduler.worker_lost(worker)
+        self.evaluations.release(tags)
+
+    def release_orphans(self, live_tags: Collection[str]) -> None:
+        """A group marked dispatched whose request no worker link holds can never complete."""
+        for group in list(self.scheduler.groups.values()):
+            if group.status is GroupStatus.DISPATCHED and group.request_id not in live_tags:
+                log.warning("group %d had no live request; back to the queue", group.index)
+                self.scheduler.release(group)
