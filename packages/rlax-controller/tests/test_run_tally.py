@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlax_controller import run_tally
 from rlax_controller.run_tally import RunTally
 
 
@@ -16,14 +17,27 @@ def test_counts_go_into_the_dict_it_was_given() -> None:
     assert counters == {"groups_completed": 3, "scoring_failures": 1, "rollouts_trained": 8}
 
 
-def test_a_timed_block_adds_to_its_part_even_when_it_raises() -> None:
+class TickingClock:
+    """`time.monotonic` that moves 0.25 s each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 0.25
+        return self.now
+
+
+def test_a_timed_block_adds_to_its_part_even_when_it_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_tally, "time", TickingClock())
     tally = RunTally({})
     with tally.timed("controller_score_seconds"):
         pass
     with pytest.raises(ValueError), tally.timed("controller_score_seconds"):
         raise ValueError("scorer failed")
-    assert list(tally.step_seconds) == ["controller_score_seconds"]
-    assert tally.step_seconds["controller_score_seconds"] >= 0.0
+    with tally.timed("controller_snapshot_seconds"):
+        pass
+    assert tally.step_seconds == {"controller_score_seconds": 0.5, "controller_snapshot_seconds": 0.25}
 
 
 def test_closing_a_step_reports_its_fields_in_order_and_starts_the_next() -> None:
