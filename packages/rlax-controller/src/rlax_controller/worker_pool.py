@@ -35,7 +35,8 @@ log = logging.getLogger("rlax.controller")
 class WorkOwner(Protocol):
     """Whose work the pool's requests carry: given each result, told of each lost request."""
 
-    def take_result(self, worker: str, result: GenerateResult) -> None: ...
+    def take_result(self, worker: str, result: GenerateResult) -> None:
+        """A well-formed result `worker` sent for a request it was sent and still holds."""
 
     def release(self, tag: str) -> None:
         """The request `tag` will never be answered: its work goes back to the queue."""
