@@ -9,14 +9,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
-from child_processes import alive, events, py
+from child_processes import alive, completes_when, events, py, restarted_after_chaos, survivors
 
 from rlax_controller.supervisor import ProcessSpec, Supervisor
 from rlax_controller.testing import check_no_unplanned_restarts, unplanned_restarts
 from rlax_core.config import EXIT_CONFIG_ERROR, ChaosSection, SupervisorSection
+from rlax_core.testing import wait_until
 
 FAST = SupervisorSection(max_restarts=3, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=2.0)
 
@@ -132,11 +132,12 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
     )
     launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # A child writes its file once its grandchild is started: all three are up.
+        wait_until(lambda: len(list(pids.iterdir())) == 3, what="three children up")
+        wait_until(
+            lambda: all(p.read_text() for p in pids.iterdir()), what="their grandchildren's pids written"
+        )
         recorded = {int(p.name): int(p.read_text()) for p in pids.iterdir()}
-        assert len(recorded) == 3
         launcher.send_signal(signal.SIGINT)
         out, _ = launcher.communicate(timeout=30)
     finally:
@@ -145,10 +146,10 @@ def test_sigint_shuts_down_every_process_group_no_orphans(tmp_path: pathlib.Path
             launcher.wait()
     assert launcher.returncode == 0, out
     assert "received SIGINT" in out
-    time.sleep(0.2)
-    for child_pid, grandchild_pid in recorded.items():
-        assert not alive(child_pid)
-        assert not alive(grandchild_pid), "grandchild survived: the process group was not killed"
+    # The launcher waited for its children; an orphaned grandchild is reaped by init soon
+    # after its SIGKILL. A survivor (its process group was not killed) would run for 120 s.
+    left = survivors([*recorded, *recorded.values()])
+    assert not left, f"survived the launcher's shutdown: the process group was not killed: {left}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -174,21 +175,14 @@ def test_a_launcher_killed_with_sigkill_leaves_no_component_running(tmp_path: pa
     )
     launcher = subprocess.Popen([sys.executable, str(script)])
     try:
-        deadline = time.monotonic() + 60
-        while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(list(pids.iterdir())) == 3, what="three components up")
         children = [int(p.name) for p in pids.iterdir()]
-        assert len(children) == 3 and all(alive(pid) for pid in children)
+        assert all(alive(pid) for pid in children)
     finally:
         launcher.kill()
         launcher.wait()
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    survivors = [pid for pid in children if alive(pid)]
-    for pid in survivors:
-        os.kill(pid, signal.SIGKILL)
-    assert not survivors, f"components outlived their SIGKILLed launcher: {survivors}"
+    left = survivors(children)
+    assert not left, f"components outlived their SIGKILLed launcher: {left}"
 
 
 def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) -> None:
@@ -201,8 +195,10 @@ def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) 
         time.sleep(120)
         """
     )
-    done = py("import time; time.sleep(3.0)")
     roles = ["worker", "trainer", "paramserver"]
+    # The run completes once chaos killed a process of every role and that process is back.
+    every_role_back = " and ".join(restarted_after_chaos(role, starts) for role in roles)
+    done = completes_when(tmp_path / "logs", every_role_back)
     specs = [ProcessSpec(f"{r}0", r, child) for r in roles] + [ProcessSpec("w1", "worker", child)]
     specs.append(ProcessSpec("main", "controller", done, completes_run=True))
     chaos = ChaosSection(interval=0.2, seed=3, targets=roles)
@@ -215,9 +211,16 @@ def test_chaos_kills_every_role_and_processes_come_back(tmp_path: pathlib.Path) 
         assert any(e["event"] == "exit" and e["name"] == name and e["chaos"] for e in log)
     check_no_unplanned_restarts(report)  # every exit was chaos's
     check_no_unplanned_restarts(tmp_path)
-    # Every chaos victim was started again.
-    n_starts = len(list(starts.iterdir()))
-    assert n_starts >= 4 + len({n for n, _ in report.chaos_kills}) - 1
+    # A victim of every role was started again and is up (what `done` waited for)...
+    for role in roles:
+        victims = {n for n, r in report.chaos_kills if r == role}
+        assert any(e["event"] == "start" and e["name"] in victims and e["restarts"] > 0 for e in log), role
+    # ... and every chaos victim was scheduled for a restart (the run may end before the last
+    # one's back-off does).
+    for i, e in enumerate(log):
+        if e["event"] == "exit" and e["chaos"]:
+            after = [f["event"] for f in log[i + 1 :] if f.get("name") == e["name"]]
+            assert after[:1] == ["restart_scheduled"], (e, after)
     for p in starts.iterdir():
         assert not alive(int(p.name))
 
@@ -266,7 +269,7 @@ def test_an_unplanned_crash_is_restarted_but_the_check_fails_with_its_traceback(
 ) -> None:
     """Issue 29: the controller died of an AssertionError, was restarted, and the chaos test
     passed. The run still finishes here; the check every such test makes does not."""
-    marker = tmp_path / "crashed"
+    marker, back = tmp_path / "crashed", tmp_path / "back"
     crashing = py(
         f"""
         import pathlib, time
@@ -277,13 +280,23 @@ def test_an_unplanned_crash_is_restarted_but_the_check_fails_with_its_traceback(
             def dispatch(groups):
                 assert groups, "a group released under the loop"
             dispatch([])
+        pathlib.Path({str(back)!r}).touch()
         time.sleep(120)
         """
+    )
+    trainer_killed_worker_back = (
+        f"any(e['event'] == 'chaos_kill' for e in events) and pathlib.Path({str(back)!r}).exists()"
     )
     specs = [
         ProcessSpec("worker0", "worker", crashing),
         ProcessSpec("trainer", "trainer", py("import time; time.sleep(120)")),
-        ProcessSpec("main", "controller", py("import time; time.sleep(2.0)"), completes_run=True),
+        # Completes once chaos killed the trainer and the crashed worker's second life is up.
+        ProcessSpec(
+            "main",
+            "controller",
+            completes_when(tmp_path / "logs", trainer_killed_worker_back),
+            completes_run=True,
+        ),
     ]
     chaos = ChaosSection(interval=0.3, seed=0, targets=["trainer"], max_kills=1)
     report = Supervisor(specs, tmp_path / "logs", FAST, chaos).run(install_signal_handlers=False)
@@ -315,20 +328,26 @@ def test_kills_the_test_made_itself_are_excused_once_each(tmp_path: pathlib.Path
     )
     specs = [
         ProcessSpec("worker0", "worker", child),
-        ProcessSpec("main", "controller", py("import time; time.sleep(3.0)"), completes_run=True),
+        # Completes once the test's two kills are done and worker0's third life is up.
+        ProcessSpec(
+            "main",
+            "controller",
+            completes_when(tmp_path / "logs", f"len(list(pathlib.Path({str(pids)!r}).iterdir())) >= 3"),
+            completes_run=True,
+        ),
     ]
 
     def kill_twice() -> None:  # the test's own kills, from outside the supervisor
         for count in (1, 2):
-            while len(list(pids.iterdir())) < count:
-                time.sleep(0.02)
+            wait_until(lambda n=count: len(list(pids.iterdir())) >= n, what=f"worker0's life {count} up")
             newest = max(pids.iterdir(), key=lambda p: p.stat().st_mtime_ns)
             os.killpg(int(newest.name), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_twice, daemon=True)
     killer.start()
     report = Supervisor(specs, tmp_path / "logs", FAST).run(install_signal_handlers=False)
-    killer.join(timeout=10)
+    killer.join(timeout=30)
+    assert not killer.is_alive()
     assert report.success and [u.code for u in report.unplanned_restarts] == [-signal.SIGKILL] * 2
     check_no_unplanned_restarts(report, caused=["worker0", "worker0"])
     with pytest.raises(AssertionError, match=r"worker0 \(worker\) killed by signal 9"):

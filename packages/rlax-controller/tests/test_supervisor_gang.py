@@ -16,9 +16,10 @@ POLICY = SupervisorSection(max_restarts=3, backoff_initial_s=0.05, backoff_max_s
 
 
 def member(starts: pathlib.Path, name: str, *, fail_on: tuple[int, ...] = (), code: int = 3,
-           ignore_sigterm: bool = False) -> list[str]:  # fmt: skip
+           ignore_sigterm: bool = False, peers: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """Appends `name pid` to `starts` at each start; exits `code` on the starts listed in
-    `fail_on` (0-based), else sleeps (optionally deaf to SIGTERM, so only SIGKILL ends it)."""
+    `fail_on` (0-based) once each of `peers` is up in the same life (its line written, after
+    its SIGTERM handler), else sleeps (optionally deaf to SIGTERM, so only SIGKILL ends it)."""
     return py(
         f"""
         import os, pathlib, signal, sys, time
@@ -29,7 +30,11 @@ def member(starts: pathlib.Path, name: str, *, fail_on: tuple[int, ...] = (), co
         with open(path, "a") as handle:
             handle.write(f"{name} {{os.getpid()}}\\n")
         if len(mine) in {fail_on!r}:
-            time.sleep(0.3)  # the others are up by now
+            deadline = time.monotonic() + 120  # bounds a hang; the test's checks then fail
+            def lives(peer):
+                return sum(1 for l in path.read_text().splitlines() if l.startswith(peer + " "))
+            while any(lives(p) <= len(mine) for p in {peers!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
             sys.exit({code})
         time.sleep(120)
         """
@@ -38,20 +43,19 @@ def member(starts: pathlib.Path, name: str, *, fail_on: tuple[int, ...] = (), co
 
 def finisher(starts: pathlib.Path, lines: int, log_dir: pathlib.Path, restarted: int) -> list[str]:
     """Completes the run once `restarted` restarts were logged and `starts` holds `lines`
-    lines (or after 30 s, so that a broken supervisor fails the test's checks, not hangs)."""
+    lines (or after 120 s, so that a broken supervisor fails the test's checks, not hangs)."""
     return py(
         f"""
         import json, pathlib, time
         path, log = pathlib.Path({str(starts)!r}), pathlib.Path({str(log_dir)!r}) / "events.jsonl"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         def restarts():
             lines = log.read_text().splitlines() if log.exists() else []
             return sum(1 for e in map(json.loads, lines) if e["event"] == "start" and e["restarts"] > 0)
         def started():
             return len(path.read_text().splitlines()) if path.exists() else 0
         while time.monotonic() < deadline and (restarts() < {restarted} or started() < {lines}):
-            time.sleep(0.05)
-        time.sleep(0.2)
+            time.sleep(0.02)
         """
     )
 
@@ -67,7 +71,12 @@ def test_a_member_exit_stops_and_restarts_the_whole_gang(tmp_path: pathlib.Path)
     starts = tmp_path / "starts"
     specs = [
         ProcessSpec("trainer0", "trainer", member(starts, "trainer0"), gang="trainer"),
-        ProcessSpec("trainer1", "trainer", member(starts, "trainer1", fail_on=(0,)), gang="trainer"),
+        ProcessSpec(
+            "trainer1",
+            "trainer",
+            member(starts, "trainer1", fail_on=(0,), peers=("trainer0", "trainer2")),
+            gang="trainer",
+        ),
         ProcessSpec("trainer2", "trainer", member(starts, "trainer2", ignore_sigterm=True), gang="trainer"),
         ProcessSpec("worker0", "worker", member(starts, "worker0")),
         ProcessSpec("main", "controller", finisher(starts, 7, tmp_path / "logs", 3), completes_run=True),
@@ -107,7 +116,10 @@ def test_the_restart_limit_counts_gang_restarts_not_member_exits(tmp_path: pathl
     specs = [
         ProcessSpec("trainer0", "trainer", member(starts, "trainer0"), gang="trainer"),
         ProcessSpec(
-            "trainer1", "trainer", member(starts, "trainer1", fail_on=(0, 1, 2, 3, 4)), gang="trainer"
+            "trainer1",
+            "trainer",
+            member(starts, "trainer1", fail_on=(0, 1, 2, 3, 4), peers=("trainer0", "trainer2")),
+            gang="trainer",
         ),
         ProcessSpec("trainer2", "trainer", member(starts, "trainer2"), gang="trainer"),
         ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
@@ -133,7 +145,7 @@ def test_a_member_that_rejects_its_config_stops_the_run(tmp_path: pathlib.Path) 
         ProcessSpec(
             "trainer1",
             "trainer",
-            member(starts, "trainer1", fail_on=(0,), code=EXIT_CONFIG_ERROR),
+            member(starts, "trainer1", fail_on=(0,), code=EXIT_CONFIG_ERROR, peers=("trainer0",)),
             gang="trainer",
         ),
         ProcessSpec("main", "controller", py("import time; time.sleep(60)"), completes_run=True),
@@ -155,7 +167,7 @@ def test_a_chaos_kill_of_one_member_restarts_the_gang_without_counting_a_failure
     specs = [
         ProcessSpec("trainer0", "trainer", member(starts, "trainer0"), gang="trainer"),
         ProcessSpec("trainer1", "trainer", member(starts, "trainer1"), gang="trainer"),
-        ProcessSpec("main", "controller", finisher(starts, 3, tmp_path / "logs", 2), completes_run=True),
+        ProcessSpec("main", "controller", finisher(starts, 4, tmp_path / "logs", 2), completes_run=True),
     ]
     policy = SupervisorSection(
         max_restarts=0, backoff_initial_s=0.05, backoff_max_s=0.2, shutdown_grace_s=1.0

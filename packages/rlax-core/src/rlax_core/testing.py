@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-__all__ = ["CHATML", "LoopThread", "tiny_bpe"]
+__all__ = ["CHATML", "LoopThread", "tiny_bpe", "wait_until"]
+
+
+def wait_until(
+    condition: Callable[[], object], *, timeout_s: float = 120.0, what: str = "the condition"
+) -> None:
+    """Wait for another thread or process to reach a state: poll `condition` until it holds.
+
+    `timeout_s` only bounds a hang (an `AssertionError` naming `what`); it is no duration
+    the test relies on, so keep it generous: tests run beside others on loaded machines."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_s:g} s")
+        time.sleep(pause)  # polls the state itself; the pause only spaces the polls
+        pause = min(pause * 2, 0.05)
 
 
 class LoopThread:
