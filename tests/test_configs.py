@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+import importlib
 import pathlib
+from typing import Any
 
 import pytest
 
+from rlax_core import cli
 from rlax_core.config import load_config
+from rlax_data import verifier_process
+from rlax_paramserver import paramserver_process
 from rlax_trainer import PRESET_NAMES
 from rlax_trainer.trainer_process import learner_config
 
@@ -14,12 +20,59 @@ CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 FILES = sorted(CONFIGS.rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CONFIGS)) for p in FILES])
-def test_config_validates_for_every_component(path: pathlib.Path) -> None:
-    config = load_config(path)
+def heavy(path: pathlib.Path) -> bool:
+    # A GGUF model's configs read its tokenizer and shapes from the GGUF file: tens of
+    # seconds per component on loaded cores. `nox -s slow` checks those; the default
+    # session checks every other shipped config through the same entry points.
+    return load_config(path).model.source == "gguf"
+
+
+def component_cases() -> list[Any]:
+    cases = []
+    for path in FILES:
+        marks = [pytest.mark.slow] if heavy(path) else []
+        cases.append(pytest.param(path, marks=marks, id=str(path.relative_to(CONFIGS))))
+    return cases
+
+
+@pytest.mark.parametrize("path", component_cases())
+def test_config_validates_for_every_component(path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Each process `rlax launch` would start for this config reads it through its own entry
+    point and accepts it, in this process: the controller, the trainer and every worker with
+    `--check-config` (their typed configs, task, verifier, tokenizer and model shapes; no
+    server is started), the parameter server its flags; the verifier service has a route
+    for the run's task."""
+    from rlax_controller.launcher import build_specs, resolve_addresses  # where `rlax launch` builds them
+    from rlax_core.config import dump_config
+
+    config = resolve_addresses(load_config(path))
     learner_config(config, mode="rl")  # the trainer accepts the objective preset and sizes
     if config.trainer.sft_steps:
         learner_config(config, mode="sft")
+    resolved = dump_config(config, tmp_path / "config.yaml")  # as the components get it
+    checked = collections.Counter()
+    for spec in build_specs(config, resolved, None):
+        module, args = spec.argv[2], spec.argv[3:]
+        if module == "rlax_core.cli":
+            role, args = args[0], args[1:]
+        else:
+            role = {"rlax_paramserver": "paramserver"}[module]
+        if role == "paramserver":  # a node with rlax-paramserver alone: flags, no run config
+            server, _, _ = paramserver_process.parse_config(args)
+            assert server.keep == config.paramserver.keep
+        elif role == "verifier":  # the service reads no run config: its address, from flags
+            assert args[args.index("--bind") + 1] == config.verifier.address
+        else:
+            command = cli.COMMANDS[role]
+            main = getattr(importlib.import_module(command.module), command.function)
+            assert main([*args, "--check-config"]) == 0, f"{spec.name} rejects {path.name}"
+        checked[spec.role] += 1
+    # The verifier: in-process (`verifier.mode: local`) the controller's check above built the
+    # task's own; the service (`service`) serves the run's task by name.
+    assert config.data.task in verifier_process.default_routes().routes, config.data.task
+    assert checked["controller"] == 1 and checked["paramserver"] == 1
+    assert checked["worker"] == config.workers.count and checked["trainer"] == config.trainer.hosts
+    assert checked["verifier"] == (config.verifier.mode == "service")
 
 
 def test_cosine_learning_rate_ends_with_the_run() -> None:

@@ -143,13 +143,13 @@ def test_a_sigkilled_member_restarts_the_gang_from_its_checkpoint(runs: dict[str
 
 
 MEMBER = """
-import sys
+import sys, threading
 from rlax_core.config import load_config
 from rlax_trainer.gang import join_gang
 
 process_id, port = int(sys.argv[1]), sys.argv[2]
 config = load_config(sys.argv[3], ["trainer.hosts=2", f"trainer.coordinator=127.0.0.1:{port}",
-                                   "controller.heartbeat_timeout_s=5", "controller.request_timeout_s=60"])
+                                   "controller.heartbeat_timeout_s=30", "controller.request_timeout_s=600"])
 gang = join_gang(config, process_id)
 for n in (0, 5, 1024, 1025, 5000):  # across the padding buckets
     payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
@@ -157,14 +157,18 @@ for n in (0, 5, 1024, 1025, 5000):  # across the padding buckets
 assert gang.broadcast_flag(True if gang.leader else None) is True
 assert gang.broadcast_flag(False if gang.leader else None) is False
 print("ready", flush=True)
-gang.broadcast_bytes(b"never" if gang.leader else None)  # process 1 is killed before joining this
+if not gang.leader:
+    threading.Event().wait()  # the test kills process 1 here: it never joins the next collective
+gang.broadcast_bytes(b"never" if gang.leader else None)
 print("broadcast returned", flush=True)
 """
 
 
 def test_a_member_whose_peer_dies_exits_nonzero_instead_of_hanging(tmp_path: pathlib.Path) -> None:
     """Broadcasts reach every member; then process 1 is SIGKILLed while process 0 waits in a
-    collective: the JAX runtime (heartbeat timeout 5 s here) ends process 0 with an error."""
+    collective that process 1 never joins: the JAX runtime ends process 0 with an error.
+    The heartbeat timeout (30 s) must only outlast a loaded machine's pauses; the join's
+    (600 s) and the wait's (600 s) only bound a hang."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -187,7 +191,7 @@ def test_a_member_whose_peer_dies_exits_nonzero_instead_of_hanging(tmp_path: pat
         else:
             raise AssertionError(f"process 1 exited with {procs[1].wait()} before the broadcasts passed")
         procs[1].kill()
-        output = procs[0].communicate(timeout=300)[0]
+        output = procs[0].communicate(timeout=600)[0]
     finally:
         for proc in procs:
             if proc.poll() is None:

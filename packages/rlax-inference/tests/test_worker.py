@@ -5,7 +5,6 @@ inbox, hostile messages."""
 
 import dataclasses
 import threading
-import time
 
 import jax
 import msgspec
@@ -15,6 +14,7 @@ import zmq
 from tiny_model import CONFIG, PARAMS, naive_greedy, teacher_forced_logprobs
 
 import rlax_protocol as rp
+from rlax_core.testing import wait_until
 from rlax_inference.admission import RequestLimits
 from rlax_inference.engine import EngineConfig
 from rlax_inference.worker_process import Worker, WorkerConfig
@@ -38,7 +38,7 @@ PARAMS_V3 = init_params(CONFIG, jax.random.key(6), std=0.25)
 def push(address, params, version):
     tree = jax.tree_util.tree_map(np.asarray, params)
     meta = {"model_config": {k: v for k, v in dataclasses.asdict(CONFIG).items()}}
-    with ParamClient(address, timeout_s=10) as client:
+    with ParamClient(address, timeout_s=30) as client:
         client.push(tree, version, metadata=meta)
 
 
@@ -53,7 +53,7 @@ class RunningWorker:
 
     def close(self):
         self.worker.stop()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=300)
         assert not self.thread.is_alive()
         assert not self.worker.errors
 
@@ -67,7 +67,7 @@ def greedy_request(rid, prompt, max_tokens=6, n=1, **kw):
     )
 
 
-def roundtrip(client, messages, timeout_s=60):
+def roundtrip(client, messages, timeout_s=300):  # bounds a hang: a first compile on loaded cores
     ids = {client.send_request(m): i for i, m in enumerate(messages)}
     replies = [None] * len(messages)
     pending = set(ids)
@@ -78,11 +78,19 @@ def roundtrip(client, messages, timeout_s=60):
     return replies
 
 
-def wait_until(cond, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+def count_rounds(worker):
+    """Counts the worker loop's rounds (each waits up to weights_poll_s for requests, then
+    decides about weights): `counter[0]`. Lets a test wait until the worker had its chances
+    to do something it must not do, instead of sleeping for a while."""
+    counter = [0]
+    take_inbox = worker._take_inbox
+
+    def counted(wait_s):
+        counter[0] += 1
+        take_inbox(wait_s)
+
+    worker._take_inbox = counted
+    return counter
 
 
 @pytest.fixture
@@ -95,7 +103,7 @@ def test_worker_serves_requests_and_reloads_when_j_behind(paramserver):
     push(paramserver, PARAMS, 1)
     w = RunningWorker(paramserver, reload_staleness=2)
     try:
-        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             p1, p2 = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]
             r1, bad, r2 = roundtrip(
                 client,
@@ -144,7 +152,7 @@ def test_a_worker_told_not_to_map_weights_copies_them_and_generates_the_same(par
     prompt = [5, 6, 7, 8]
     w = RunningWorker(paramserver, map_weights=False)
     try:
-        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             (r,) = roundtrip(client, [greedy_request("a", prompt)])
         assert list(r.samples[0].token_ids) == naive_greedy(PARAMS_V2, prompt, 6)
         assert w.worker.shared_weight_bytes == 0
@@ -156,7 +164,7 @@ def test_worker_answers_unknown_messages_and_keeps_serving(paramserver):
     push(paramserver, PARAMS, 7)
     w = RunningWorker(paramserver)
     try:
-        with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+        with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             with pytest.raises(rp.RemoteError, match="unknown_message|not an inference-worker request"):
                 client.call(rp.LatestQuery(), retry=False)
             (r,) = roundtrip(client, [greedy_request("x", [3, 4, 5], max_tokens=3)])
@@ -175,7 +183,7 @@ def raw_dealer(address):
     socket.send_multipart(
         [(0).to_bytes(8, "little"), rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION))]
     )
-    assert socket.poll(10_000), "no Welcome"
+    assert socket.poll(30_000), "no Welcome"
     assert isinstance(rp.decode(socket.recv_multipart()[1]), rp.Welcome)
     return socket
 
@@ -200,7 +208,7 @@ def test_worker_survives_ten_thousand_hostile_messages_then_answers_a_correct_re
         assert w.thread.is_alive() and not w.worker.errors
         # The fuzz client is gone: what it left in flight is cancelled (beyond the bound the
         # worker answered busy), so the next client finds room.
-        wait_until(lambda: w.worker.io.num_inflight == 0, timeout_s=60)
+        wait_until(lambda: w.worker.io.num_inflight == 0)
         with rp.RpcClient(w.address, timeout_s=30, client_id="after-fuzz") as client:
             (r,) = roundtrip(client, [greedy_request("ok", [5, 6, 7], max_tokens=4)])
         assert isinstance(r, rp.GenerateResult), r
@@ -224,7 +232,7 @@ def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
     socket = raw_dealer(w.address)
     try:
         socket.send_multipart([(7).to_bytes(8, "little"), b"boom"])
-        assert socket.poll(10_000), "the failing message was not answered"
+        assert socket.poll(30_000), "the failing message was not answered"
         error = rp.decode(socket.recv_multipart()[1])
         assert (
             isinstance(error, rp.ErrorReply)
@@ -234,7 +242,7 @@ def test_an_exception_from_one_message_is_answered_and_the_worker_keeps_serving(
         socket.send_multipart(
             [(8).to_bytes(8, "little"), rp.encode(greedy_request("after", [3, 4], max_tokens=2))]
         )
-        assert socket.poll(60_000), "no answer after the failing message"
+        assert socket.poll(300_000), "no answer after the failing message"
         result = rp.decode(socket.recv_multipart()[1])
         assert isinstance(result, rp.GenerateResult) and list(result.samples[0].token_ids) == naive_greedy(
             PARAMS, [3, 4], 2
@@ -313,7 +321,7 @@ def test_requests_beyond_the_inflight_bound_are_answered_busy_at_once(paramserve
     try:
         with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
             ids = [client.send_request(greedy_request(f"r{i}", [5, 6, 7], max_tokens=3)) for i in range(3)]
-            rid, reply = client.recv_reply(set(ids), timeout_s=30, operation="busy")
+            rid, reply = client.recv_reply(set(ids), timeout_s=300, operation="busy")
             assert rid == ids[2]
             assert isinstance(reply.message, rp.ErrorReply) and reply.message.code == "busy"
             assert "r2" in reply.message.message and "max_inflight_requests=2" in reply.message.message
@@ -321,7 +329,7 @@ def test_requests_beyond_the_inflight_bound_are_answered_busy_at_once(paramserve
             push(paramserver, PARAMS, 1)
             results = {}
             while len(results) < 2:
-                rid, reply = client.recv_reply(set(ids[:2]) - set(results), timeout_s=60, operation="result")
+                rid, reply = client.recv_reply(set(ids[:2]) - set(results), timeout_s=300, operation="result")
                 results[rid] = reply.message
             for message in results.values():
                 assert isinstance(message, rp.GenerateResult) and message.weight_version == 1
@@ -349,7 +357,7 @@ def test_pinned_requests_are_generated_with_exactly_the_version_they_name(tmp_pa
             push(address, params, version)
         w = RunningWorker(address, follow_latest=False)
         try:
-            with rp.RpcClient(w.address, timeout_s=10, client_id="test") as client:
+            with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
                 r3, r2, gone, r4 = roundtrip(
                     client,
                     [
@@ -368,7 +376,8 @@ def test_pinned_requests_are_generated_with_exactly_the_version_they_name(tmp_pa
                 # The greedy tokens of the four weight sets differ, so the check above has teeth.
                 assert len({tuple(naive_greedy(p, prompt, 6)) for p in weights.values()}) > 1
                 reloads = w.worker.reloads
-                time.sleep(0.5)  # several weights_poll_s: no reload to the newest on its own
+                rounds = count_rounds(w.worker)
+                wait_until(lambda: rounds[0] >= 10)  # nine whole rounds: no reload to the newest
                 (again,) = roundtrip(client, [pinned("v2b", prompt, 2)])
                 assert again.weight_version == 2 and w.worker.reloads == reloads + 1
         finally:
