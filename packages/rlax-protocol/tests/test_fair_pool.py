@@ -39,8 +39,9 @@ def test_jobs_run_in_turns_across_clients() -> None:
     order: list[str] = []
     release = threading.Event()
     try:
-        blocker = pool.submit("x", lambda: release.wait(10))
-        time.sleep(0.05)  # the one thread is taken; the rest queue up
+        started = threading.Event()
+        blocker = pool.submit("x", lambda: started.set() or release.wait(60))
+        assert started.wait(60)  # the one thread is taken; the rest queue up
         futures = [pool.submit(c, lambda n=f"{c}{i}": order.append(n)) for c in "ab" for i in range(3)]
         release.set()
         for future in [blocker, *futures]:
@@ -54,9 +55,12 @@ def test_one_client_runs_at_most_half_the_threads() -> None:
     pool = FairPool(4, name="test")
     release = threading.Event()
     try:
-        slow = [pool.submit("a", lambda: release.wait(10)) for _ in range(4)]
-        time.sleep(0.1)
-        assert pool.running == 2 and pool.queued == 2  # two threads are left for others
+        slow = [pool.submit("a", lambda: release.wait(60)) for _ in range(4)]
+        # Two threads are left for others: the pool settles there (more running never would).
+        deadline = time.monotonic() + 60
+        while (pool.running, pool.queued) != (2, 2):
+            assert time.monotonic() < deadline, (pool.running, pool.queued)
+            time.sleep(0.01)
         assert pool.submit("b", lambda: "b ran").result(5) == "b ran"
         release.set()
         assert all(f.result(10) for f in slow)
@@ -70,8 +74,9 @@ def test_a_failing_job_fails_alone_and_close_cancels_what_waits() -> None:
     failing = pool.submit("a", lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.result(5)
-    running = pool.submit("a", lambda: release.wait(10))
-    time.sleep(0.05)
+    started = threading.Event()
+    running = pool.submit("a", lambda: started.set() or release.wait(60))
+    assert started.wait(60)  # the one thread is taken: the next job waits
     waiting = pool.submit("b", lambda: "never")
     pool.close()
     assert waiting.cancelled()
