@@ -29,7 +29,7 @@ YAML_FILES = sorted(DEPLOY.rglob("*.yaml"))
 RAYJOB_FILES = [p for p in YAML_FILES if p.name.startswith("rayjob-")]
 
 # The image (REGISTRY/<name>:<tag>) each role's package is installed in: the node-install
-# rule of README "Packages" (rlax-controller brings rlax-paramserver and rlax-data); a
+# rule of docs/deployment.md (rlax-controller brings rlax-paramserver and rlax-data); a
 # variant is named <image>-<variant> (rlax-worker-tpu).
 IMAGE_OF_ROLE = {
     "controller": "rlax-controller",
