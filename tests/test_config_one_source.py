@@ -53,7 +53,7 @@ def _options(section: type) -> list[str]:
 def test_every_option_of_the_run_has_one_dotted_name() -> None:
     options = _options(RunConfig)
     assert len(options) == len(set(options))
-    assert "trainer.optimizer.lr" in options and "trainer.optimizer.lr" not in options
+    assert "trainer.optimizer.lr" in options and "trainer.lr" not in options
 
 
 def test_the_trainer_uses_the_run_configs_optimizer_and_update_options_themselves() -> None:
@@ -121,7 +121,26 @@ def test_the_tiny_model_is_built_from_the_sections_shape_by_name() -> None:
         assert getattr(model, name) == getattr(config.model, name), name
 
 
-@pytest.mark.parametrize("old", ["trainer.optimizer.lr", "model.hidden_size", "workers.max_num_seqs"])
+@pytest.mark.parametrize("old", ["trainer.lr", "model.d_model", "workers.max_batch_seqs"])
 def test_an_old_field_name_says_where_its_value_goes_now(old: str) -> None:
     with pytest.raises(run_config.ConfigError, match=r"unknown config field .* \(it is `.*` now\)"):
         run_config.load_config(None, [f"{old}=1"])
+
+
+def test_the_configuration_reference_is_generated_from_the_structs() -> None:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "config_reference.py"
+    spec = importlib.util.spec_from_file_location("config_reference", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--check"]) == 0, "docs/configuration.md is stale: python tools/config_reference.py"
+    for name in (
+        "trainer.optimizer.lr",
+        "workers.block_size",
+        "model.hidden_size",
+        "launcher.health_check.period_s",
+    ):
+        assert f"| `{name}` |" in tool.DOCUMENT.read_text()

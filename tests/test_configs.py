@@ -109,7 +109,7 @@ def test_demo_is_the_documented_shape() -> None:
 
 
 def test_smollm2_configs_share_the_measured_task() -> None:
-    """Both SmolLM2 configs train the task whose starting pass rate README.md reports, and
+    """Both SmolLM2 configs train the task whose starting pass rate docs/benchmarks.md reports, and
     the CPU one keeps to the CPU sizes its comments measure (float32, <= 2 x 8 x 64, remat)."""
     cpu = load_config(CONFIGS / "smollm2-cpu.yaml")
     accelerator = load_config(CONFIGS / "smollm2-accelerator.yaml")

@@ -79,13 +79,6 @@ def test_the_docs_exist() -> None:
     }
 
 
-def test_the_configuration_reference_has_its_generated_section() -> None:
-    text = (ROOT / "docs/configuration.md").read_text()
-    marker = "<!-- generated: config reference -->"
-    assert text.count(marker) == 1
-    assert text.index(marker) > len(text) // 2, "the generated reference goes at the end"
-
-
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_every_relative_link_points_at_a_file(path: pathlib.Path) -> None:
     assert broken_links(path) == []

@@ -4,7 +4,7 @@ local processes) raise the training reward.
 
 The task is single-digit addition answered in one checked sentence ('What is 6 + 9? Start
 your reply with "The answer is".' -> "The answer is 15.", exact match on the first line),
-where the model starts at a 0.18 pass rate (README.md, "Real model"), so GRPO has signal
+where the model starts at a 0.18 pass rate (docs/benchmarks.md, "Choosing the task"), so GRPO has signal
 from the first step. 20 steps x 2 prompts x 8 samples are 320 rollouts: the mean reward of
 the last 5 steps must be above that of the first 5.
 

@@ -1,6 +1,6 @@
 """The demo at several pinned lags, with and without the off-policy correction, over
 several seeds: eval pass@1 at every evaluation and the steps to the reward target, as the
-Markdown table in the controller's README.
+Markdown table in docs/benchmarks.md ("Lag and off-policy correction").
 
     python tools/demo_lag_table.py [--lags 0 1 2 4] [--seeds 0 1 2] [--jobs 2] [--json F]
 

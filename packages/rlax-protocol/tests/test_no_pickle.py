@@ -1,4 +1,4 @@
-"""Nothing is ever pickled (DESIGN.md §3): scan every Python source of the monorepo.
+"""Nothing is ever pickled (docs/design.md, "Messages: the wire protocol"): scan every Python source of the monorepo.
 
 The scan reads the syntax tree, so prose in comments or docstrings is not flagged,
 while imports of pickling modules, `send_pyobj`/`recv_pyobj`, pandas' `read_pickle`/
@@ -120,4 +120,6 @@ def test_no_pickle_anywhere() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     scanned, offenders = json.loads(done.stdout.splitlines()[-1])
     assert scanned > 0, f"no Python source found under {ROOT}"
-    assert not offenders, "pickling is forbidden (DESIGN.md §3):\n" + "\n".join(offenders)
+    assert not offenders, (
+        "pickling is forbidden (docs/design.md, Messages: the wire protocol):\n" + "\n".join(offenders)
+    )

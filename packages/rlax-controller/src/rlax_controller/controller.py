@@ -1,4 +1,4 @@
-"""The controller process: the only component that decides (DESIGN.md §1).
+"""The controller process: the only component that decides (docs/design.md, "Architecture").
 
 One event loop over ZeroMQ sockets (no threads): a ROUTER where the trainer asks for
 batches (`trainer_endpoint`), one DEALER link per inference worker carrying

@@ -1,4 +1,4 @@
-"""What the controller keeps at each weight boundary (DESIGN.md §1): the run snapshot of
+"""What the controller keeps at each weight boundary (docs/design.md, "Architecture"): the run snapshot of
 step s+1 written before the batch of step s leaves, the `train` metrics record written when
 the trainer commits that batch, and the restore from a snapshot when a controller restarts
 or the trainer rewinds."""

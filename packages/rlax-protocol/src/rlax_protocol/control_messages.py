@@ -1,6 +1,6 @@
 """Controller <-> trainer messages, on top of `rlax_protocol`'s rules and framing.
 
-Same rules as the wire protocol (DESIGN.md §3): frozen, tagged `msgspec.Struct`s in
+Same rules as the wire protocol (docs/design.md, "Messages: the wire protocol"): frozen, tagged `msgspec.Struct`s in
 msgpack, a `Hello`/`Welcome` handshake carrying the protocol version, `ErrorReply` for a
 bad request, every receive with a deadline. The trainer *pulls*: it asks for the batch of
 the step its newest checkpoint is at, which also tells the controller which steps are

@@ -1,4 +1,4 @@
-"""The base of every RLAX wire message and the check its fields share (DESIGN.md §3).
+"""The base of every RLAX wire message and the check its fields share (docs/design.md, "Messages: the wire protocol").
 
 Kept apart from `rlax_protocol.messages` so that each family of messages (tensors,
 parameter server, generation, verification) can live in its own module and

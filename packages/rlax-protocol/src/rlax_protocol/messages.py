@@ -1,4 +1,4 @@
-"""Typed wire messages of RLAX (DESIGN.md §3).
+"""Typed wire messages of RLAX (docs/design.md, "Messages: the wire protocol").
 
 Every message is a frozen, tagged `msgspec.Struct` encoded with msgpack; the tag (the
 class name, in field ``type``) tells one message type from another, so a single
