@@ -10,7 +10,7 @@ import pytest
 
 import rlax_model
 from rlax_trainer import LearnerConfig, preset
-from rlax_trainer import learner as learner_mod
+from rlax_trainer.learner_passes import UpdateSpec, packed_outputs, policy_outputs
 from rlax_trainer.packing import pack_minibatches
 
 VOCAB = 64
@@ -28,15 +28,15 @@ def setup():
     # A large init scale: peaked, varied logits, so that rounding differences would show.
     params = {"policy": rlax_model.init_params(config, jax.random.key(0), std=0.3)}
     cfg = LearnerConfig(objective=preset("grpo"), group_size=4, global_batch=4, batch_invariant=True)
-    spec = learner_mod._Spec(config, cfg)
-    # The update's compiler options under batch_invariant (`learner._update_jit_aligned`).
+    spec = UpdateSpec(config, cfg)
+    # The update's compiler options under batch_invariant (`learner_update.batch_update_jit_aligned`).
     options = rlax_model.layers.ALIGNED_COMPILER_OPTIONS
     padded = jax.jit(
-        lambda p, t, v, s: learner_mod._policy_outputs(spec, p, t, v, s, remat=False)[0],
+        lambda p, t, v, s: policy_outputs(spec, p, t, v, s, remat=False)[0],
         compiler_options=options,
     )
     packed = jax.jit(
-        lambda p, row, src, tg, s: learner_mod._packed_outputs(spec, p, row, src, tg, s, remat=False)[0],
+        lambda p, row, src, tg, s: packed_outputs(spec, p, row, src, tg, s, remat=False)[0],
         compiler_options=options,
     )
     return params, padded, packed

@@ -240,7 +240,7 @@ def test_one_minibatch_without_reference_reuses_the_gradient_pass_as_pi_old(
 ) -> None:
     # One optimizer step per batch: pi_old is the policy the gradient pass evaluates, so its
     # log-probs (without gradient) replace the separate forward pass. Same update, same metrics.
-    from rlax_trainer import learner as learner_module
+    from rlax_trainer import learner_update
 
     config = rl_config(
         objective=preset("grpo", kl={"coef": 0.0}, importance={"tis_cap": None}), micro_batch=4
@@ -250,12 +250,12 @@ def test_one_minibatch_without_reference_reuses_the_gradient_pass_as_pi_old(
     m_reused = reused.update(batch)
     traced: list[bool] = []
     monkeypatch.setattr(
-        learner_module, "_reuses_policy_pass", lambda *args, **kwargs: traced.append(True) or False
+        learner_update, "_reuses_policy_pass", lambda *args, **kwargs: traced.append(True) or False
     )
-    learner_module._update_jit.clear_cache()  # the same spec must trace the other branch
+    learner_update.batch_update_jit.clear_cache()  # the same spec must trace the other branch
     separate = Learner(model_config, config, model_params)
     m_separate = separate.update(batch)
-    learner_module._update_jit.clear_cache()
+    learner_update.batch_update_jit.clear_cache()
     assert traced, "the separate-pass branch was not traced"
     np.testing.assert_allclose(flat(reused.host_params()), flat(separate.host_params()), atol=1e-6, rtol=0)
     for key in (
@@ -317,8 +317,8 @@ def test_small_logits_run_dense_and_match_the_chunked_projection(
     """Below `DENSE_LOGITS_ELEMENTS` the update skips the chunked vocabulary projection; forced
     to chunk (the limit at 0, a config of its own so the update traces anew) it gives the same
     update."""
-    from rlax_trainer import learner as learner_module
-    from rlax_trainer.learner import _chunk_size, _Spec
+    from rlax_trainer import learner_passes
+    from rlax_trainer.learner_passes import UpdateSpec, logprob_chunk_size
 
     def config(chunk: int) -> LearnerConfig:
         return LearnerConfig(
@@ -331,13 +331,13 @@ def test_small_logits_run_dense_and_match_the_chunked_projection(
         )
 
     tokens = np.zeros((8, 12), np.int32)
-    assert _chunk_size(_Spec(model_config, config(5)), tokens) is None  # 8 x 11 x 32 logits
+    assert logprob_chunk_size(UpdateSpec(model_config, config(5)), tokens) is None  # 8 x 11 x 32 logits
     big = np.zeros((4096, 1025), np.int32)
-    assert _chunk_size(_Spec(model_config, config(5)), big) == 5
+    assert logprob_chunk_size(UpdateSpec(model_config, config(5)), big) == 5
     batch = make_batch(11)
     dense = Learner(model_config, config(8), model_params)
     m_dense = dense.update(batch)
-    monkeypatch.setattr(learner_module, "DENSE_LOGITS_ELEMENTS", 0)
+    monkeypatch.setattr(learner_passes, "DENSE_LOGITS_ELEMENTS", 0)
     chunked = Learner(model_config, config(5), model_params)
     m_chunked = chunked.update(batch)
     assert np.abs(flat(dense.host_params()) - flat({"policy": model_params})).max() > 1e-4  # moved

@@ -15,7 +15,8 @@ from trainer_objective_reference import Reference
 
 import rlax_model
 from rlax_trainer import LearnerConfig, preset
-from rlax_trainer.learner import _loss, _Spec
+from rlax_trainer.learner_passes import UpdateSpec
+from rlax_trainer.learner_step import micro_batch_loss
 from rlax_trainer.objective import objective_to_dict, prepare_batch
 
 G = 4
@@ -77,7 +78,9 @@ def test_moved_policy_gradient_matches_reference(name, model_config, moved_polic
         advantages=prep.advantages,
         weights=prep.weights,
     )
-    loss_and_grad = jax.jit(jax.value_and_grad(lambda p, mb: _loss(_Spec(model_config, cfg), p, mb, 1.0)[0]))
+    loss_and_grad = jax.jit(
+        jax.value_and_grad(lambda p, mb: micro_batch_loss(UpdateSpec(model_config, cfg), p, mb, 1.0)[0])
+    )
     loss, got = loss_and_grad({"policy": m["moved"]}, mb)
 
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731

@@ -204,7 +204,7 @@ def setup(model_config, tmp_path_factory):
 
 def _learner(model_config, setup, **variant) -> tuple[Learner, np.ndarray]:
     """A learner and the row order its first update deals the minibatches in: the update
-    splits the state's key, the second half orders the rows (`learner._update`)."""
+    splits the state's key, the second half orders the rows (`learner_update.batch_update`)."""
     cfg = _learner_config(**variant)
     learner = Learner(model_config, cfg, setup["params"], seed=SEED)
     key = jax.random.split(jax.random.wrap_key_data(jnp.asarray(learner.state.rng)))[1]

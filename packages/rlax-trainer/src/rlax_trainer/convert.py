@@ -19,7 +19,19 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from rlax_core.config import RunConfig
+import jax
+import numpy as np
+
+from rlax_core.config import RunConfig, load_config
+from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
+from rlax_core.tokenizer import Tokenizer
+from rlax_data.task_from_config import build_task
+from rlax_model.gguf_import import load_gguf
+from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder
+from rlax_model.model_from_config import initial_params
+from rlax_trainer.checkpoint import CheckpointManager
+from rlax_trainer.learner import Learner
+from rlax_trainer.trainer_process import learner_config
 
 __all__ = ["load_checkpoint_params", "main"]
 
@@ -29,11 +41,6 @@ def load_checkpoint_params(
 ) -> tuple[Any, Any, int]:
     """(model config, policy params, step) of the run's newest RL checkpoint (or `step`);
     the initial weights (step -1) when the run has no checkpoint yet."""
-    from rlax_model.model_from_config import initial_params
-    from rlax_trainer import Learner
-    from rlax_trainer.checkpoint import CheckpointManager
-    from rlax_trainer.trainer_process import learner_config
-
     model_config, init = initial_params(config, tokenizer)
     folder = config.output_dir / "checkpoints" / "rl"
     if not folder.is_dir():
@@ -72,18 +79,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    import jax
-    import numpy as np
-
-    from rlax_model.hf_export import save_hf_folder
-
     out = pathlib.Path(args.out)
     if args.command == "gguf-to-hf":
-        from rlax_core.gguf_file import GGUFFile, find_smollm2_gguf
-        from rlax_core.tokenizer import Tokenizer
-        from rlax_model.gguf_import import load_gguf
-        from rlax_model.hf_export import gguf_sampling_defaults
-
         file = GGUFFile(args.gguf or find_smollm2_gguf())
         model_config, params = load_gguf(file)
         tokenizer = Tokenizer.from_gguf(file)
@@ -96,9 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"wrote {out} ({model_config.num_params():,} parameters)")
         return 0
-    from rlax_core.config import load_config
-    from rlax_data.task_from_config import build_task
-
     config = load_config(args.config, list(args.overrides))
     task = build_task(config)
     model_config, params, step = load_checkpoint_params(config, task.tokenizer, step=args.step)

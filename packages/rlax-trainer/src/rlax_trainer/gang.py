@@ -20,9 +20,12 @@ import math
 import os
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rlax_core.config import ConfigError, RunConfig
+from rlax_trainer.sharding import MeshConfig, make_mesh
 
 __all__ = ["Gang", "gang_mesh", "join_gang", "mesh_axes"]
 
@@ -51,8 +54,6 @@ class Gang:
         if self.size == 1:
             assert payload is not None
             return payload
-        from jax.experimental import multihost_utils
-
         if self.leader and payload is None:
             raise ValueError("the leader must pass the payload it broadcasts")
         n = np.asarray([len(payload) if self.leader else 0], np.int32)  # type: ignore[arg-type]
@@ -68,8 +69,6 @@ class Gang:
         """The leader's decision on every process (the others pass None); a collective."""
         if self.size == 1:
             return bool(value)
-        from jax.experimental import multihost_utils
-
         flag = np.asarray([1 if (self.leader and value) else 0], np.int32)
         return bool(int(multihost_utils.broadcast_one_to_all(flag)[0]))
 
@@ -97,8 +96,6 @@ def join_gang(config: RunConfig, process_id: int) -> Gang:
         raise ConfigError(f"--process-id {process_id}: trainer.hosts = {hosts} (ids 0..{hosts - 1})")
     if hosts == 1:
         return Gang()
-    import jax
-
     if _uses_cpu(config.trainer.platform):
         # XLA's CPU backend has no cross-process collectives of its own.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -134,10 +131,6 @@ def gang_mesh(config: RunConfig) -> Any:
     """The (data, fsdp, tensor) mesh over every device of the gang from `trainer.mesh`
     (axes not named are 1, except `fsdp`, which takes the devices left: an empty mesh puts
     every device on fsdp); None for a lone trainer without `trainer.mesh` (one device)."""
-    import jax
-
-    from rlax_trainer.sharding import MeshConfig, make_mesh
-
     if config.trainer.hosts == 1 and not config.trainer.mesh:
         return None
     axes = mesh_axes(config, jax.device_count())

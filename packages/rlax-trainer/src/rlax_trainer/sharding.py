@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import msgspec
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
@@ -118,8 +119,6 @@ def to_host(tree: Any) -> Any:
 
     def get(x: Any) -> np.ndarray:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
 

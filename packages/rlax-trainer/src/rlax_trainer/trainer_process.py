@@ -29,17 +29,27 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import msgspec
-import numpy as np
 
 from rlax_core.addresses import resolver
 from rlax_core.cli import component_main, exit_on_sigterm, select_platform
-from rlax_core.config import OptimizerConfig, RunConfig, rejected_by
+from rlax_core.config import ConfigError, OptimizerConfig, RunConfig, rejected_by
 from rlax_core.fsutil import append_line
+from rlax_data.task_from_config import build_task
+from rlax_model import dtype_policy
+from rlax_model.model_from_config import (
+    checked_model_config,
+    initial_params,
+    require_platform,
+    use_compile_cache,
+)
+from rlax_paramserver import ParamClient
 from rlax_protocol.control_messages import (
     BatchRequest,
     NoBatchYet,
@@ -48,9 +58,17 @@ from rlax_protocol.control_messages import (
     decode_control,
     encode_control,
 )
+from rlax_protocol.errors import ProtocolTimeoutError
 from rlax_protocol.request_links import ControlClient
+from rlax_trainer.buffer import collate
+from rlax_trainer.checkpoint import CheckpointManager
 from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
+from rlax_trainer.learner import Learner
+from rlax_trainer.memory import peak_memory_metrics, release_free_memory
+from rlax_trainer.padding import bucketed_length
+from rlax_trainer.sft_warm_start import sft_warm_start
+from rlax_trainer.weight_push import WeightPusher
 
 __all__ = ["TrainerLoop", "check", "learner_config", "main", "run"]
 
@@ -112,29 +130,10 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
         raise ValueError(f"trainer config ({mode}): {error}") from None
 
 
-def _to_numpy_tree(tree: Any, dtype: str) -> Any:
-    import jax
-    import ml_dtypes
-
-    target = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    # copy=False: a float32 publish of float32 params sends the host arrays as they are
-    # (a second copy of the policy was the trainer's peak on SmolLM2).
-    return jax.tree.map(lambda x: np.asarray(x).astype(target, copy=False), tree)
-
-
 class TrainerLoop:
     """State and steps of the trainer process (constructed once per process life)."""
 
     def __init__(self, config: RunConfig, gang: Gang | None = None) -> None:
-        import jax
-
-        from rlax_data.task_from_config import build_task
-        from rlax_model import dtype_policy
-        from rlax_model.model_from_config import initial_params
-        from rlax_paramserver import ParamClient
-        from rlax_trainer import Learner
-        from rlax_trainer.checkpoint import CheckpointManager
-
         self.config = config
         self.gang = gang or Gang()
         self.mesh = gang_mesh(config)
@@ -149,14 +148,18 @@ class TrainerLoop:
             self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True
         )
         # Only the leader talks to the parameter server (and writes the metrics).
-        self.params_client = (
+        self.pusher = WeightPusher(
+            self.gang,
             ParamClient(
                 config.paramserver.address,
                 timeout_s=config.controller.request_timeout_s,
                 resolve=resolver(config.addresses.book, "paramserver", config.paramserver.address),
             )
             if self.gang.leader
-            else None
+            else None,
+            address=config.paramserver.address,
+            timeout_s=config.controller.request_timeout_s,
+            dtype=config.trainer.publish_dtype,
         )
         self.metrics_path = self.output / "trainer_metrics.jsonl"
         self.journal = BatchJournal(self.output / "checkpoints" / "journal")
@@ -215,8 +218,6 @@ class TrainerLoop:
     def precompile(self) -> None:
         """Start compiling the update for each padded length a batch can have: the length
         buckets from the task's shortest prompt + 1 up to model.max_seq_len."""
-        from rlax_trainer.padding import bucketed_length
-
         try:
             shortest = min(len(self.task.encode_prompt(r)) for r in self.task.train_records()[:64])
         except Exception as error:  # the prompts are not readable here: compile on first use
@@ -263,47 +264,20 @@ class TrainerLoop:
     # ------------------------------------------------------------------ SFT
     def sft_warm_start(self, params: Any) -> Any:
         """Cross-entropy on the task's reference answers (deterministic order from data.seed)."""
-        from rlax_protocol import Rollout
-        from rlax_trainer import Learner, collate
-
         cfg = self.config
-        sft_config = learner_config(cfg, mode="sft")
-        learner = Learner(self.model_config, sft_config, params, mesh=self.mesh, seed=cfg.run.seed)
-        records = self.task.train_records()
-        order = np.random.default_rng(cfg.data.seed + 17).permutation(len(records))
-        batch_size = cfg.trainer.sft_batch
-        started = time.monotonic()
-        for step in range(cfg.trainer.sft_steps):
-            picked = [records[int(order[(step * batch_size + i) % len(records)])] for i in range(batch_size)]
-            groups = []
-            for record in picked:
-                target, model_mask = self.task.sft_example(record)
-                groups.append(
-                    [
-                        Rollout(
-                            prompt_id=record.id,
-                            group_index=0,
-                            prompt_token_ids=tuple(self.task.encode_prompt(record)),
-                            completion_token_ids=tuple(target),
-                            worker_logprobs=(0.0,) * len(target),
-                            policy_version=0,
-                            reward=0.0,
-                            completion_mask=tuple(model_mask),
-                        )
-                    ]
-                )
-            metrics = learner.update(collate(groups, pad_id=self.pad_id, seq_len=self.seq_len))
-            if step % 10 == 0 or step == cfg.trainer.sft_steps - 1:
-                log.info(
-                    "SFT step %d/%d: %s",
-                    step + 1,
-                    cfg.trainer.sft_steps,
-                    {k: round(v, 4) for k, v in metrics.items()},
-                )
-        self._log_metrics(
-            {"kind": "sft", "steps": cfg.trainer.sft_steps, "seconds": time.monotonic() - started, **metrics}
+        return sft_warm_start(
+            self.task,
+            self.model_config,
+            learner_config(cfg, mode="sft"),
+            params,
+            steps=cfg.trainer.sft_steps,
+            data_seed=cfg.data.seed,
+            seed=cfg.run.seed,
+            mesh=self.mesh,
+            pad_id=self.pad_id,
+            seq_len=self.seq_len,
+            log_metrics=self._log_metrics,
         )
-        return learner.host_params()["policy"]  # a gather across the gang: every process calls it
 
     def _log_metrics(self, record: dict[str, Any]) -> None:
         if self.gang.leader:
@@ -313,55 +287,13 @@ class TrainerLoop:
     def publish(self) -> None:
         """Push the weights of `self.step` unless the parameter server already has them,
         retrying while the parameter server restarts (up to controller.request_timeout_s).
-
-        Every process of the gang calls it (the gather of the weights is a collective);
-        the leader decides whether a push is needed, tells the others, and pushes."""
-        needed = self.gang.broadcast_flag(self._needs_push() if self.gang.leader else None)
-        if not needed:
-            return
-        tree = _to_numpy_tree(self.learner.host_params()["policy"], self.config.trainer.publish_dtype)
-        if self.gang.leader:
-            self._retrying(lambda: self._push(tree))
-
-    def _retrying(self, attempt: Any) -> Any:
-        from rlax_protocol.errors import ProtocolTimeoutError
-
-        deadline = time.monotonic() + self.config.controller.request_timeout_s
-        while True:
-            try:
-                return attempt()
-            except (ProtocolTimeoutError, ConnectionError) as error:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"cannot publish version {self.step} to {self.config.paramserver.address}: {error}"
-                    ) from None
-                log.warning("publishing version %d failed (%s); retrying", self.step, error)
-                time.sleep(0.5)
-
-    def _needs_push(self) -> bool:
-        assert self.params_client is not None
-        client = self.params_client
-        latest = self._retrying(client.latest)
-        return latest is None or latest < self.step
-
-    def _push(self, tree: Any) -> None:
-        from rlax_paramserver import StaleVersionError
-
-        assert self.params_client is not None
-        try:
-            self.params_client.push(tree, self.step, {"step": self.step})
-        except StaleVersionError:
-            # Pushed already: by a previous life of this process, concurrently, or by this
-            # call's first attempt whose reply was lost (`publish` checked `latest` just before).
-            return
-        log.info("published version %d", self.step)
+        Every process of the gang calls it (the gather of the weights is a collective)."""
+        self.pusher.publish(self.step, lambda: self.learner.host_params()["policy"])
 
     def _trim_memory(self) -> None:
         """Hand freed memory back to the OS when the model is big enough for it to matter
         (`TRIM_MIN_PARAM_BYTES`): `malloc_trim` walks the whole heap, and on the demo's tiny
         model it was half of the trainer's busy time (~35 ms a step) for nothing."""
-        from rlax_trainer.memory import release_free_memory
-
         if self.param_bytes >= TRIM_MIN_PARAM_BYTES:
             release_free_memory()
 
@@ -379,9 +311,6 @@ class TrainerLoop:
     def _train(
         self, batch: TrainBatch, *, replay: bool, compile_wait_s: float, waited_s: float
     ) -> dict[str, float]:
-        from rlax_trainer import collate
-        from rlax_trainer.memory import peak_memory_metrics
-
         if batch.step != self.step:
             raise RuntimeError(
                 f"controller sent the batch of step {batch.step}, the trainer is at step {self.step}"
@@ -454,8 +383,7 @@ class TrainerLoop:
     def close(self) -> None:
         self.learner.stop_precompile()
         self.checkpoints.close()
-        if self.params_client is not None:
-            self.params_client.close()
+        self.pusher.close()
 
 
 def run(config: RunConfig, process_id: int = 0) -> int:
@@ -524,8 +452,6 @@ def run(config: RunConfig, process_id: int = 0) -> int:
 
 def _ask(client: ControlClient, config: RunConfig, request: BatchRequest) -> Any:
     """The controller's reply, waiting through timeouts up to controller.request_timeout_s."""
-    from rlax_protocol.errors import ProtocolTimeoutError
-
     started = time.monotonic()
     while True:
         try:
@@ -544,18 +470,12 @@ def check(config: RunConfig, process_id: int = 0, *, backend: bool = True) -> No
     task, the model's shapes); a `ConfigError` names the component that rejects the config.
     `backend=False`: only what needs no JAX backend (a gang member must join the gang
     before JAX starts its backend; `run` checks the rest once it has joined)."""
-    from rlax_core.config import ConfigError
-    from rlax_data.task_from_config import build_task
-    from rlax_model.model_from_config import checked_model_config, require_platform
-
     select_platform(config.trainer.platform)  # before JAX starts a backend
     hosts = config.trainer.hosts
     if not 0 <= process_id < hosts:
         raise ConfigError(f"--process-id {process_id}: trainer.hosts = {hosts} (ids 0..{hosts - 1})")
     if not backend:
         return
-    import jax
-
     # The platform asked for, or an error: never a run on another device. Then the mesh
     # over the gang's devices (a gang not joined yet, as in `rlax launch`'s preflight,
     # counts this host's devices once per host).
@@ -572,8 +492,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`rlax-trainer --config FILE [--process-id I] [key=value ...]` (also `rlax trainer`)."""
 
     def start(config: RunConfig, args: argparse.Namespace) -> int:
-        from rlax_model.model_from_config import use_compile_cache
-
         use_compile_cache(config)
         exit_on_sigterm()
         return run(config, args.process_id)
@@ -599,6 +517,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())
