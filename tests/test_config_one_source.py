@@ -88,7 +88,8 @@ def test_the_learner_of_a_run_takes_the_sections_values_unrenamed() -> None:
 
 
 def test_the_engine_takes_its_defaults_and_the_runs_values_by_the_same_names() -> None:
-    from rlax_inference.engine import ENGINE_OPTIONS, EngineConfig
+    from rlax_inference.engine import EngineConfig
+    from rlax_inference.engine_config import ENGINE_OPTIONS
     from rlax_inference.worker_process import WorkerConfig, engine_config_fields
 
     section, engine = _defaults(WorkersSection), _defaults(EngineConfig)

@@ -48,21 +48,24 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlax_kernels
-from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
-from rlax_model import (
-    ModelConfig,
-    Params,
-    dense_attention_reference,
-    hidden_states,
-    project_logits,
+from rlax_inference.runner_attention import (
+    FusedDecodeContext,
+    KVCache,
+    PrefillContext,
+    aligned_prefill_attention,
+    decode_attend,
+    make_aligned_decode_attention,
+    make_fused_decode_attention,
+    prefill_attention,
+    write_all_layers,
 )
-from rlax_model.attention import KEY_BLOCK
+from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
+from rlax_model import ModelConfig, Params, hidden_states, project_logits
 from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_MIN_ROWS, padded_matmul_rows
 
 AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
 # Backends that keep a float32 cache (see `ModelRunner.cache_dtype`).
 _FLOAT32_CACHE = ("cpu", "xla")
-KVCache = dict[str, jax.Array]
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -73,182 +76,6 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
     while b < n:
         b *= 2
     return min(b, maximum)
-
-
-class _PrefillContext(NamedTuple):
-    cache: KVCache  # the whole cache, read only: [layers, kv_heads, pages, page_size, head_dim]
-    starts: jax.Array  # [rows] int32, tokens already in the cache (the chunk's first position)
-    lengths: jax.Array  # [rows] int32, the chunk's tokens (the rest of the row is padding)
-    block_tables: jax.Array  # [rows, width] int32, covering the first `starts` tokens
-    sliding_window: int | None  # ModelConfig.sliding_window (static)
-
-
-class _FusedDecodeContext(NamedTuple):
-    cache: KVCache  # the whole cache, read only: [layers, kv_heads, pages, page_size, head_dim]
-    lengths: jax.Array  # [batch] int32, tokens including the current one (not yet in the cache)
-    block_tables: jax.Array  # [batch, width] int32
-
-
-def _write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots: jax.Array) -> KVCache:
-    """Scatter every layer's new K/V `[layers, tokens, kv_heads, head_dim]` into `slots` `[tokens]`.
-
-    One scatter per tensor over all layers, in place when the caller donates the cache; slot
-    -1 (padding) is dropped, as in `rlax_kernels.write_kv`.
-    """
-    out = {}
-    for name, new in (("k", new_k), ("v", new_v)):
-        pages = cache[name]
-        num_pages, page_size = pages.shape[2], pages.shape[3]
-        page = jnp.where(slots >= 0, slots // page_size, num_pages)
-        offset = jnp.where(slots >= 0, slots % page_size, 0)
-        rows = new.astype(pages.dtype).transpose(0, 2, 1, 3)  # [layers, kv_heads, tokens, head_dim]
-        out[name] = pages.at[:, :, page, offset].set(rows, mode="drop")
-    return out
-
-
-def _prefill_attention(q, k, v, layer, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
-    """A chunk of each row's prompt attends to the row's cached tokens and causally to itself.
-
-    q: [rows, chunk, heads, head_dim]; k, v: [rows, chunk, kv_heads, head_dim]; layer: int32
-    scalar. The cached tokens (positions < starts) are gathered from the read-only cache
-    through the block tables (only this layer's pages of the table, never the whole cache)
-    and join the chunk's own K/V in one exact float32 softmax, in position order, so a prompt
-    fed in chunks gives the logits of a prompt fed at once up to float32 rounding. The chunk's
-    K/V leave the scan, to be written after it.
-    """
-    rows, chunk = q.shape[:2]
-    kv_heads, head_dim = k.shape[2:]
-    width, page_size = ctx.block_tables.shape[1], ctx.cache["k"].shape[3]
-
-    def cached(pages: jax.Array) -> jax.Array:  # -> [rows, width * page_size, kv_heads, head_dim]
-        got = pages[layer, :, ctx.block_tables]  # advanced indices around a slice go first
-        got = got.transpose(0, 1, 3, 2, 4)  # [rows, width, page_size, kv_heads, head_dim]
-        return got.reshape(rows, width * page_size, kv_heads, head_dim).astype(k.dtype)
-
-    keys = jnp.concatenate([cached(ctx.cache["k"]), k], axis=1)
-    values = jnp.concatenate([cached(ctx.cache["v"]), v], axis=1)
-    q_pos = ctx.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [rows, chunk]
-    ctx_pos = jnp.broadcast_to(jnp.arange(width * page_size, dtype=jnp.int32), (rows, width * page_size))
-    key_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
-    key_valid = jnp.concatenate(
-        [ctx_pos < ctx.starts[:, None], jnp.arange(chunk)[None, :] < ctx.lengths[:, None]], axis=1
-    )
-    mask = key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
-    if ctx.sliding_window is not None:
-        mask &= q_pos[:, :, None] - key_pos[:, None, :] < ctx.sliding_window
-    return dense_attention_reference(q, keys, values, mask[:, None]), {"k": k, "v": v}
-
-
-def _positioned(
-    pages: jax.Array, layer: jax.Array, tables: jax.Array, new: jax.Array, starts: jax.Array
-) -> jax.Array:
-    """A row's cached tokens and its new ones, each at the index of its position.
-
-    pages: one 5-D cache tensor; tables: [rows, width]; new: [rows, n, kv_heads, head_dim],
-    the tokens at positions starts..starts+n-1. Returns [rows, width * page_size + n,
-    kv_heads, head_dim] in new.dtype: index i < starts holds cached position i, starts <= i
-    < starts + n the new tokens, the rest whatever the pages or the new tokens hold there
-    (the caller masks it).
-    """
-    rows, n, kv_heads, head_dim = new.shape
-    width, (layers, _, num_pages, page_size, _) = tables.shape[1], pages.shape
-    # Whole pages as rows of one flat table: XLA:CPU copies each as one contiguous slice
-    # (indexing the 5-D cache with the tables took 22 ms instead of 14 ms for 30 layers of
-    # 8 rows x 8 pages, measured on a loaded CPU).
-    flat = pages.reshape(layers * kv_heads * num_pages, page_size * head_dim)
-    heads = (layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * num_pages
-    got = jnp.take(flat, heads[None, :, None] + tables[:, None, :], axis=0, mode="clip")
-    got = got.reshape(rows, kv_heads, width * page_size, head_dim).transpose(0, 2, 1, 3).astype(new.dtype)
-    got = jnp.pad(got, ((0, 0), (0, n), (0, 0), (0, 0)))
-    rel = jnp.arange(width * page_size + n, dtype=jnp.int32)[None, :] - starts[:, None]  # [rows, keys]
-    if n == 1:  # decode: a broadcast, not a gather
-        fresh = new
-    else:
-        fresh = jnp.take_along_axis(new, jnp.clip(rel, 0, n - 1)[:, :, None, None], axis=1)
-    return jnp.where(((rel >= 0) & (rel < n))[:, :, None, None], fresh, got)
-
-
-def _aligned_prefill_attention(q, k, v, layer, ctx: _PrefillContext):  # type: ignore[no-untyped-def]
-    """`_prefill_attention` as the trainer's batch-invariant pass computes it.
-
-    Every key sits at the index of its position (cached tokens first, then the chunk) and
-    the attention is `dense_attention_reference(key_block=KEY_BLOCK)`, the trainer's under
-    `trainer.batch_invariant`: a query's output depends only on its visible keys and their
-    positions, so (with `ALIGNED_COMPILER_OPTIONS`) it is bitwise the trainer's for the
-    same tokens, whatever the chunking, padding or batch.
-    """
-    chunk = q.shape[1]
-    keys = _positioned(ctx.cache["k"], layer, ctx.block_tables, k, ctx.starts)
-    values = _positioned(ctx.cache["v"], layer, ctx.block_tables, v, ctx.starts)
-    q_pos = ctx.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [rows, chunk]
-    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, None, :]
-    mask = (key_pos <= q_pos[:, :, None]) & (key_pos < (ctx.starts + ctx.lengths)[:, None, None])
-    if ctx.sliding_window is not None:
-        mask &= q_pos[:, :, None] - key_pos < ctx.sliding_window
-    out = dense_attention_reference(q, keys, values, mask[:, None], key_block=KEY_BLOCK)
-    return out, {"k": k, "v": v}
-
-
-def _make_aligned_decode_attention(sliding_window: int | None) -> Callable[..., Any]:
-    """Decode attention as the trainer's batch-invariant pass computes it (see
-    `_aligned_prefill_attention`): the cached pages gathered through the block tables, the
-    current token at its position, `dense_attention_reference(key_block=KEY_BLOCK)`.
-    Slower than the decode kernels (XLA gathers every page of the table width)."""
-
-    def attention(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
-        current = ctx.lengths - 1  # [batch] the token's position
-        keys = _positioned(ctx.cache["k"], layer, ctx.block_tables, k, current)
-        values = _positioned(ctx.cache["v"], layer, ctx.block_tables, v, current)
-        key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
-        mask = key_pos <= current[:, None]
-        if sliding_window is not None:
-            mask &= current[:, None] - key_pos < sliding_window
-        out = dense_attention_reference(
-            q, keys, values, mask[:, None, None, :], key_block=KEY_BLOCK, batched_blocks=True
-        )
-        return out, {"k": k[:, 0], "v": v[:, 0]}
-
-    return attention
-
-
-def _decode_attend(backend: str, interpret: bool) -> Callable[..., jax.Array]:
-    """The decode attention of `backend`: `paged_attention_cpu`/`_xla` or the Pallas kernel of
-    `rlax_kernels.paged_attention`; each takes the 5-D cache, a layer index and the new K/V."""
-    if backend == "cpu":
-        return rlax_kernels.paged_attention_cpu
-    if backend == "xla":
-        return rlax_kernels.paged_attention_xla
-    return functools.partial(rlax_kernels.paged_attention, backend=backend, interpret=interpret)  # type: ignore[arg-type]
-
-
-def _make_fused_decode_attention(
-    attend: Callable[..., jax.Array], sliding_window: int | None
-) -> Callable[..., Any]:
-    """Decode attention: cached tokens (read in place through the block tables) plus the current token.
-
-    The current token's K/V join the softmax directly (`attend` is `_decode_attend`'s: the
-    CPU/XLA paths or a Pallas kernel, which reads layer `layer` of the 5-D cache through a
-    scalar-prefetched index) and leave as this layer's output, to be written into the cache
-    once after the layer scan. Threading the cache through the scan instead would copy all
-    of it every step (measured: 1.5-2.1x the cache in temporaries with the Pallas kernels).
-    """
-
-    def attention(q, k, v, layer, ctx: _FusedDecodeContext):  # type: ignore[no-untyped-def]
-        """q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar."""
-        out = attend(
-            q[:, 0],
-            ctx.cache["k"],
-            ctx.cache["v"],
-            ctx.lengths - 1,
-            ctx.block_tables,
-            new_k=k[:, 0],
-            new_v=v[:, 0],
-            layer=layer,
-            sliding_window=sliding_window,
-        )
-        return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
-
-    return attention
 
 
 COMPILATIONS: collections.Counter[str] = collections.Counter()
@@ -300,13 +127,13 @@ def _prefill_impl(
             tokens,
             positions,
             config=config,
-            attention=_aligned_prefill_attention if aligned else _prefill_attention,
-            attention_context=_PrefillContext(cache, starts, lengths, block_tables, config.sliding_window),
+            attention=aligned_prefill_attention if aligned else prefill_attention,
+            attention_context=PrefillContext(cache, starts, lengths, block_tables, config.sliding_window),
             kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
         )
         layers, rows, length = config.num_layers, tokens.shape[0], tokens.shape[1]
         flat = {n: a.reshape(layers, rows * length, *a.shape[3:]) for n, a in new.items()}
-        cache = _write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
+        cache = write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
         last = hidden[jnp.arange(rows), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
         logits = project_logits(last[row_of_sample], params, config)
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned), cache
@@ -336,9 +163,9 @@ def _decode_one(
     """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
     if aligned:
-        attend = _make_aligned_decode_attention(config.sliding_window)
+        attend = make_aligned_decode_attention(config.sliding_window)
     else:
-        attend = _make_fused_decode_attention(_decode_attend(attention, interpret), config.sliding_window)
+        attend = make_fused_decode_attention(decode_attend(attention, interpret), config.sliding_window)
     with padded_matmul_rows(ALIGNED_MIN_ROWS if aligned else 0):
         hidden, new = hidden_states(
             params,
@@ -346,10 +173,10 @@ def _decode_one(
             positions,
             config=config,
             attention=attend,
-            attention_context=_FusedDecodeContext(cache, lengths, block_tables),
+            attention_context=FusedDecodeContext(cache, lengths, block_tables),
             kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
         )
-        cache = _write_all_layers(cache, new["k"], new["v"], slots)
+        cache = write_all_layers(cache, new["k"], new["v"], slots)
         logits = project_logits(hidden[:, 0], params, config)
     return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned), cache
 

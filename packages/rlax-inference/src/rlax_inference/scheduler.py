@@ -321,18 +321,18 @@ class Scheduler:
         if not self.waiting:
             return
         num_running = len(self.running) + sum(len(j.seqs) for j in self.prefilling)
-        reserved = self._next_decode_blocks(out) + sum(
-            self._first_decode_blocks(len(j.tokens), len(j.seqs)) for j in self.prefilling
+        reserved = next_decode_blocks(self.kv, out, self.config.max_model_len) + sum(
+            first_decode_blocks(len(j.tokens), len(j.seqs), self.kv.block_size) for j in self.prefilling
         )
         while self.waiting:
             job = self.waiting[0]
             if not admit_new and job.seqs[0].num_generated == 0:
                 break
-            sibling = self._live_prompt_blocks(job)
+            sibling = live_prompt_blocks(job, self.kv.block_size)
             hits = kv.cached_prefix(job.tokens)
             shared = hits if len(hits) > len(sibling) else sibling
             alloc = kv.blocks_to_allocate(len(job.tokens), shared)
-            next_step = self._first_decode_blocks(len(job.tokens), len(job.seqs))
+            next_step = first_decode_blocks(len(job.tokens), len(job.seqs), self.kv.block_size)
             fits = alloc + next_step + reserved + self.watermark_blocks <= kv.num_free
             # Liveness: with nothing running or admitted, the head only needs its prompt's blocks.
             forced = (
@@ -367,46 +367,6 @@ class Scheduler:
             reserved += next_step
             self.prefilling.append(job)
             out.prefills.append(job)
-
-    def _next_decode_blocks(self, out: SchedulerOutput) -> int:
-        """Blocks the next step's decode token of every running sequence will take.
-
-        An upper bound: a shared tail counts once per sharer (its last sharer writes in place),
-        and a sample may stop early on EOS. A sequence whose tokens of this step reach its
-        max_tokens or the context finishes in this step and needs nothing more.
-        """
-        kv, max_len = self.kv, self.config.max_model_len
-        return sum(
-            kv.blocks_needed_to_append(seq.table)  # type: ignore[arg-type]
-            for seq, slots in zip(out.decodes, out.decode_slots, strict=True)
-            if seq.num_generated + len(slots) < seq.request.params.max_tokens
-            and len(seq.tokens) + len(slots) < max_len
-        )
-
-    def _first_decode_blocks(self, num_tokens: int, n: int) -> int:
-        """Blocks the first decode step of a job's `n` samples takes after a prefill of `num_tokens`.
-
-        The samples share every prompt block. A partly filled last block is copied for each
-        sample but the last to write (which then owns it): n - 1 copies. A full last block
-        leaves each sample to start a new one: n blocks.
-        """
-        return n if num_tokens % self.kv.block_size == 0 else n - 1
-
-    def _live_prompt_blocks(self, job: PrefillJob) -> list[int]:
-        """The full prompt blocks a preempted sample can share with a running sibling ([] if none).
-
-        Full prompt blocks are never written after the group's prefill (copy-on-write only ever
-        copies a partly filled last block), so a running sibling's first `prompt_len // block_size`
-        blocks hold exactly the K/V the recompute would produce. Only running siblings count:
-        their K/V are already in the cache, whatever order this step's prefills run in.
-        """
-        if len(job.seqs) != 1 or job.seqs[0].num_generated == 0:
-            return []  # a fresh group: nothing of it is in the cache yet
-        seq = job.seqs[0]
-        for sibling in seq.request.sequences:
-            if sibling is not seq and sibling.status is SequenceStatus.RUNNING and sibling.table is not None:
-                return sibling.table.blocks[: seq.prompt_len // self.kv.block_size]
-        return []
 
     # -- results of a step -------------------------------------------------------
     def finish_chunk(self, job: PrefillJob) -> bool:
@@ -450,3 +410,46 @@ class Scheduler:
     def finish_many(self, seqs: Iterable[Sequence], reason: FinishReason) -> None:
         for seq in list(seqs):
             self.finish(seq, reason)
+
+
+# -- block accounting of admission ------------------------------------------------
+def next_decode_blocks(kv: KVCacheManager, out: SchedulerOutput, max_model_len: int) -> int:
+    """Blocks the next step's decode token of every running sequence in `out` will take.
+
+    An upper bound: a shared tail counts once per sharer (its last sharer writes in place),
+    and a sample may stop early on EOS. A sequence whose tokens of this step reach its
+    max_tokens or the context finishes in this step and needs nothing more.
+    """
+    return sum(
+        kv.blocks_needed_to_append(seq.table)  # type: ignore[arg-type]
+        for seq, slots in zip(out.decodes, out.decode_slots, strict=True)
+        if seq.num_generated + len(slots) < seq.request.params.max_tokens
+        and len(seq.tokens) + len(slots) < max_model_len
+    )
+
+
+def first_decode_blocks(num_tokens: int, n: int, block_size: int) -> int:
+    """Blocks the first decode step of a job's `n` samples takes after a prefill of `num_tokens`.
+
+    The samples share every prompt block. A partly filled last block is copied for each
+    sample but the last to write (which then owns it): n - 1 copies. A full last block
+    leaves each sample to start a new one: n blocks.
+    """
+    return n if num_tokens % block_size == 0 else n - 1
+
+
+def live_prompt_blocks(job: PrefillJob, block_size: int) -> list[int]:
+    """The full prompt blocks a preempted sample can share with a running sibling ([] if none).
+
+    Full prompt blocks are never written after the group's prefill (copy-on-write only ever
+    copies a partly filled last block), so a running sibling's first `prompt_len // block_size`
+    blocks hold exactly the K/V the recompute would produce. Only running siblings count:
+    their K/V are already in the cache, whatever order this step's prefills run in.
+    """
+    if len(job.seqs) != 1 or job.seqs[0].num_generated == 0:
+        return []  # a fresh group: nothing of it is in the cache yet
+    seq = job.seqs[0]
+    for sibling in seq.request.sequences:
+        if sibling is not seq and sibling.status is SequenceStatus.RUNNING and sibling.table is not None:
+            return sibling.table.blocks[: seq.prompt_len // block_size]
+    return []

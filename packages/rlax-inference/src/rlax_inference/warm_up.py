@@ -1,0 +1,84 @@
+"""The shapes a worker compiles at its first weights (`WarmUp`), so that generation runs at
+the engine's warm speed from the first request on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlax_core.config import RunConfig
+from rlax_inference.engine import LLMEngine
+from rlax_inference.sequence import SamplingParams
+
+__all__ = ["WarmUp", "compile_run_shapes"]
+
+log = logging.getLogger("rlax.worker")
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """The shapes to compile at the first weights: decode for up to `rows` rows at every
+    block-table width and each of `decode_steps`; prefill of `sampling.n` samples of dummy
+    prompts of `prompt_lengths` tokens (one token each), and of `prompt_counts` prompts
+    prefilled together (groups that arrive at once share one prefill call, whose row
+    buckets would otherwise compile in the middle of the run)."""
+
+    rows: int
+    decode_steps: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    sampling: SamplingParams
+    prompt_counts: tuple[int, ...] = ()
+
+    @classmethod
+    def for_run(cls, config: RunConfig, task: Any) -> WarmUp:
+        """One group's rows (up to the worker's in-flight groups), the shortest and the
+        longest of the task's first prompts."""
+        data, workers = config.data, config.workers
+        try:
+            lengths = sorted({len(task.encode_prompt(r)) for r in task.train_records()[:64]})
+        except Exception as error:  # the prompts are not readable here: prefill compiles on first use
+            log.warning("prefill warm-up skipped: cannot read the task's prompts (%s)", error)
+            lengths = []
+        room = config.model.max_seq_len - 1
+        # Row buckets are powers of two: 2, 4, 8, ... prompts up to the groups a worker can
+        # hold at once reach every prefill shape of the run.
+        together = min(workers.max_inflight_groups, max(1, workers.max_num_seqs // data.group_size))
+        counts = {min(2**i, together) for i in range(1, together.bit_length() + 1)} if together > 1 else set()
+        return cls(
+            prompt_counts=tuple(sorted(counts)),
+            rows=min(workers.max_num_seqs, data.group_size * max(1, workers.max_inflight_groups)),
+            decode_steps=tuple(sorted({1, workers.num_decode_steps})),
+            prompt_lengths=tuple(sorted({max(1, min(n, room)) for n in (lengths[:1] + lengths[-1:])})),
+            sampling=SamplingParams(
+                n=min(data.group_size, workers.max_num_seqs),
+                temperature=data.temperature,
+                top_p=data.top_p,
+                top_k=data.top_k,
+                max_tokens=1,
+            ),
+        )
+
+
+def compile_run_shapes(engine: LLMEngine, plan: WarmUp) -> float:
+    """Compile the shapes of `plan` on `engine`; -> the seconds it took.
+
+    Decode: padding rows only (the cache is not written); prefill: a one-token request on a
+    dummy prompt of each length (its blocks go back to the pool).
+    """
+    started = time.monotonic()
+    row_count = min(8, plan.rows)
+    while True:
+        engine.runner.warmup(row_count, plan.decode_steps)
+        if row_count >= plan.rows:
+            break
+        row_count = min(plan.rows, row_count * 2)
+    for length in plan.prompt_lengths:
+        engine.generate([[0] * length], plan.sampling)
+    if plan.prompt_lengths:
+        vocab, length = engine.runner.config.vocab_size, plan.prompt_lengths[-1]
+        for count in plan.prompt_counts:
+            # Distinct first tokens: no prompt shares another's prefix (or its cache).
+            engine.generate([[i % vocab] + [0] * (length - 1) for i in range(count)], plan.sampling)
+    return time.monotonic() - started
