@@ -42,7 +42,7 @@ def test_config_validates_for_every_component(path: pathlib.Path, tmp_path: path
     `--check-config` (their typed configs, task, verifier, tokenizer and model shapes; no
     server is started), the parameter server its flags; the verifier service has a route
     for the run's task."""
-    from rlax_controller.launcher import build_specs, resolve_addresses  # where `rlax launch` builds them
+    from rlax_controller.process_plan import build_specs, resolve_addresses  # where `rlax launch` builds them
     from rlax_core.config import dump_config
 
     config = resolve_addresses(load_config(path))
