@@ -185,11 +185,22 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) on the packages that every node installs, the kernels and the model
-    (settings and third-party gaps: [tool.mypy] in pyproject.toml)."""
+    """mypy (strict) on the packages that every node installs, the kernels, the model, the
+    data package and the controller (settings and third-party gaps: [tool.mypy] in
+    pyproject.toml). The controller's `ray` extra comes along: its Ray launcher is checked
+    against Ray's own annotations."""
     install_checkout(session, extras="")
+    session.install("-e", f"{ROOT / 'packages/rlax-controller'}[ray]")
     session.install("mypy>=1.10", "types-PyYAML")
-    checked = {"rlax-protocol", "rlax-core", "rlax-paramserver", "kernels", "rlax-model"}
+    checked = {
+        "rlax-protocol",
+        "rlax-core",
+        "rlax-paramserver",
+        "kernels",
+        "rlax-model",
+        "rlax-data",
+        "rlax-controller",
+    }
     strict = [str(p / "src") for p in existing_packages() if p.name in checked]
     session.run("mypy", "--strict", *strict)
 

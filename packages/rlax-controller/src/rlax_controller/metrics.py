@@ -292,7 +292,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
     train = latest_per_step(r for r in records if r.get("kind") == "train")
     if train:
         first, last = train[0], train[-1]
-        keys = (
+        keys = [
             "reward_mean",
             "pass_rate",
             "tool_use_rate",
@@ -302,7 +302,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
             "logprob_delta_p95",
             "gen_tokens_per_s",
             "worker_gen_tokens_per_s",
-        )
+        ]
         for key in keys:
             if key in last:
                 a, b = first.get(key), last.get(key)

@@ -155,7 +155,8 @@ def registry_class() -> type:
         def health_check(self) -> dict[str, int]:
             """The cluster's health-check settings, as this actor's process got them."""
             try:
-                from ray._raylet import Config
+                # ray's _raylet.pyi stub declares only part of the compiled module; Config is there.
+                from ray._raylet import Config  # type: ignore[attr-defined]
             except ImportError:
                 return {}
             names = ("health_check_period_ms", "health_check_timeout_ms", "health_check_failure_threshold")

@@ -121,17 +121,18 @@ class NodeLosses:
             alive = {n["NodeID"] for n in run.ray.nodes() if n.get("Alive")}
             lost_at = min(loss.lost_at for loss in lost)
             steps = read_metrics(run.output / "metrics.jsonl", "train")
+            event = "process_lost" if node in alive else "node_lost"
             stall = {
                 "kind": "event",
                 "step": max((r["step"] for r in steps), default=0),
-                "event": "process_lost" if node in alive else "node_lost",
+                "event": event,
                 "node": node,
                 "processes": names,
                 "stall_s": round(max(serving) - lost_at, 2),
                 "detect_s": round(max(loss.detected_at for loss in lost) - lost_at, 2),
             }
             self.stalls.append(stall)
-            run.event(stall["event"], **{k: v for k, v in stall.items() if k not in ("kind", "event")})
+            run.event(event, **{k: v for k, v in stall.items() if k not in ("kind", "event")})
             # A file of the launcher's own, as the trainer has: two hosts appending to one
             # file on shared storage (NFS) can overwrite each other's lines.
             append_line(run.output / LAUNCHER_METRICS, json.dumps({"time": time.time(), **stall}))

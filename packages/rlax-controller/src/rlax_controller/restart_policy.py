@@ -109,7 +109,8 @@ class RestartPolicy:
         launcher's own kills restart after the shortest wait."""
         if by_chaos:
             return self.limits.backoff_initial_s
-        return min(self.limits.backoff_initial_s * 2 ** max(0, streak - 1), self.limits.backoff_max_s)
+        growth: int = 2 ** max(0, streak - 1)  # int ** int is typed Any (negative powers)
+        return min(self.limits.backoff_initial_s * growth, self.limits.backoff_max_s)
 
     def stop_reason(
         self, verdict: ExitVerdict, name: str, code: int, log_path: pathlib.Path, setting: str

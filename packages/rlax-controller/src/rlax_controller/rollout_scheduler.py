@@ -163,7 +163,7 @@ class RolloutScheduler:
         self.next_index = 0
         self.step = 0
         self.base_stream_state: dict[str, Any] = source.state_dict()
-        self.base_rng_state: dict[str, Any] = self.rng.bit_generator.state
+        self.base_rng_state: dict[str, Any] = dict(self.rng.bit_generator.state)
         self.counters: dict[str, int] = {
             "prompts_drawn": 0,
             "groups_dispatched": 0,
@@ -229,7 +229,7 @@ class RolloutScheduler:
                 item=item,
                 seed=seed,
                 stream_state_after=self.source.state_dict(),
-                rng_state_after=self.rng.bit_generator.state,
+                rng_state_after=dict(self.rng.bit_generator.state),
             )
             self.groups[group.index] = group
             self.next_index += 1

@@ -372,7 +372,7 @@ class Supervisor:
     ) -> SupervisorReport:
         """Start everything and supervise until the run completes, fails or is stopped.
         `on_tick` runs every ~0.25 s in the supervising thread (progress display)."""
-        previous: dict[int, Any] = {}
+        previous: dict[signal.Signals, Any] = {}
         if install_signal_handlers:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._handle_signal)

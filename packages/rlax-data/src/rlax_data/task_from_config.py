@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlax_core.config import RunConfig
+
+if TYPE_CHECKING:
+    from rlax_data.agent_turns import AgentTurns
 
 __all__ = ["PromptItem", "RunTask", "build_task", "build_tokenizer"]
 
@@ -55,7 +58,9 @@ def _make_task(config: RunConfig) -> Any:
     data = config.data
     if data.task not in TASK_NAMES:
         raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(TASK_NAMES)}")
-    task = make_task(data.task, data.difficulty)
+    # Any: every built-in task is a dataclass, which the `Task` protocol cannot say and
+    # `dataclasses.replace` needs.
+    task: Any = make_task(data.task, data.difficulty)
     if data.task_args:
         try:
             task = dataclasses.replace(task, **data.task_args)
@@ -97,11 +102,12 @@ class RunTask:
     def encode_prompt(self, record: Any) -> list[int]:
         if self.config.agent.enabled:
             # The environment's first observation, and for a chat model the tools it offers.
-            env = self.agent_turns().environment(self.config.agent.environment)
+            turns: AgentTurns = self.agent_turns()
+            env = turns.environment(self.config.agent.environment)
             text = env.reset(record)
             if self.chat:
                 schema = env.tools_schema() if hasattr(env, "tools_schema") else []
-                return self.agent_turns().prompt_ids(text, schema)
+                return turns.prompt_ids(text, schema)
             return list(self.tokenizer.encode(text, add_bos=True))
         return self.encode_text(record.prompt_text())
 
@@ -120,7 +126,7 @@ class RunTask:
         """(completion ids, model mask) the SFT warm start trains on: the reference answer, or
         for a multi-turn task its demonstrated trajectory (environment turns masked out)."""
         if self.config.agent.enabled and hasattr(self.task, "demonstration"):
-            turns = self.agent_turns()
+            turns: AgentTurns = self.agent_turns()
             segments = self.task.demonstration(
                 record, use_tool=self.task.uses_tool_in_demonstration(record), tool_format=turns.format
             )

@@ -45,7 +45,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import yaml
 
@@ -63,7 +63,13 @@ from rlax_data.verifier_wire import (
 from rlax_data.verify.answers import ExactMatchConfig, MathConfig
 from rlax_data.verify.code import CodeConfig
 from rlax_data.verify.countdown import CountdownConfig
-from rlax_data.verify.registry import RoutingConfig, RoutingVerifier, build_verifier, load_verifier_config
+from rlax_data.verify.registry import (
+    LeafConfig,
+    RoutingConfig,
+    RoutingVerifier,
+    build_verifier,
+    load_verifier_config,
+)
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -83,6 +89,13 @@ __all__ = [
 log = logging.getLogger("rlax_data.verifier_process")
 
 
+class _ConfiguredVerifier(Protocol):
+    """A leaf verifier and the config it was built from, as every built-in task's is (the
+    `Task` protocol only promises a `Verifier`)."""
+
+    config: LeafConfig
+
+
 def default_routes() -> RoutingConfig:
     """Routes served when no config is given: the general verifiers, and every built-in task
     under its name with the verifier the task itself uses (so a run scores the same with
@@ -95,7 +108,7 @@ def default_routes() -> RoutingConfig:
         "countdown": CountdownConfig(),
         "code": CodeConfig(),
     }
-    tasks = {name: make_task(name).verifier().config for name in TASK_NAMES}
+    tasks = {name: cast(_ConfiguredVerifier, make_task(name).verifier()).config for name in TASK_NAMES}
     return RoutingConfig(routes={**general, **tasks})
 
 

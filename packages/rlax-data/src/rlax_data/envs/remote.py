@@ -26,7 +26,6 @@ import itertools
 import threading
 from collections.abc import Collection
 from concurrent.futures import Future
-from typing import Any
 
 import msgspec
 
@@ -75,7 +74,9 @@ class EnvStepServer:
     def submit(self, request: rp.EnvStepRequest) -> Future[rp.EnvStepResult]:
         return self._threads.submit(lambda: self._step(request))
 
-    def answer(self, request: rp.EnvStepRequest, future: Future[rp.EnvStepResult], wait_s: float) -> Any:
+    def answer(
+        self, request: rp.EnvStepRequest, future: Future[rp.EnvStepResult], wait_s: float
+    ) -> rp.EnvStepResult | rp.RemoteError:
         """The reply to `request`: its result, or a `RemoteError` naming what went wrong."""
         try:
             return future.result(timeout=max(wait_s, 0.0))

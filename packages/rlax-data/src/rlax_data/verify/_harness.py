@@ -23,6 +23,9 @@ status (stdout is what gets judged).
 Mode "tests": reply {"loaded": true} or {"loaded": false, "error", "type"} after running
 the program; then for each request {"args", "kwargs"} call `entry_point` and reply
 {"value": plain} or {"error", "type", "errno"}; end at EOF.
+
+As in `plain_values.py` (which runs before this file, in one source), `typing` is
+imported for the type checker only: annotations that name it are strings.
 """
 
 import json
@@ -32,9 +35,21 @@ import sys
 import traceback
 import types
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any, TypedDict
 
-def _set_limits(limits):
-    def both(which, value):
+    from rlax_data.verify.plain_values import from_plain, to_plain
+
+    class _Failure(TypedDict):
+        error: str
+        type: str
+        errno: int | None
+
+
+def _set_limits(limits: "dict[str, int]") -> None:
+    def both(which: int, value: int) -> None:
         resource.setrlimit(which, (value, value))
 
     # The CPU hard limit sits one second above the soft one: SIGXCPU first, then SIGKILL.
@@ -47,11 +62,11 @@ def _set_limits(limits):
 
 
 class _Lines:
-    def __init__(self, fd):
+    def __init__(self, fd: int) -> None:
         self.fd = fd
         self.buf = b""
 
-    def next(self):
+    def next(self) -> "Any":
         while b"\n" not in self.buf:
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
@@ -61,7 +76,7 @@ class _Lines:
         return json.loads(line)
 
 
-def _send(fd, obj):
+def _send(fd: int, obj: object) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -72,12 +87,12 @@ def _send(fd, obj):
         data = data[os.write(fd, data) :]
 
 
-def _failure(exc):
+def _failure(exc: BaseException) -> "_Failure":
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
     return {"error": text, "type": type(exc).__name__, "errno": getattr(exc, "errno", None)}
 
 
-def _exception_for(reply):
+def _exception_for(reply: "dict[str, Any]") -> Exception:
     """The exception a failed call raises in the tests: the built-in class of that name
     (so tests that expect, say, a ValueError work), else a plain Exception."""
     import builtins
@@ -92,13 +107,13 @@ def _exception_for(reply):
     return Exception(message)
 
 
-def _tests_failure(exc):
+def _tests_failure(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == "<tests>"]
     where = f" (tests line {frames[-1].lineno})" if frames else ""
     return ("".join(traceback.format_exception_only(type(exc), exc)).strip() + where)[-2000:]
 
 
-def _run_judge(spec, requests, reply_fd):
+def _run_judge(spec: "dict[str, Any]", requests: _Lines, reply_fd: int) -> None:
     """The tests' process (no program in it): run the dataset's test script with the
     entry point standing for the program, which the verifier calls in the other
     sandbox; every value that comes back is plain data."""
@@ -106,15 +121,15 @@ def _run_judge(spec, requests, reply_fd):
 
     # Tests that draw random cases get the same cases for every sample of a problem.
     random.seed(spec["seed"])
-    namespace = {"__name__": "__rlax_tests__"}
+    namespace: dict[str, object] = {"__name__": "__rlax_tests__"}
 
-    def candidate(*args, **kwargs):
-        _send(reply_fd, {"call": {"args": to_plain(list(args)), "kwargs": to_plain(dict(kwargs))}})  # noqa: F821
+    def candidate(*args: "Any", **kwargs: "Any") -> "Any":
+        _send(reply_fd, {"call": {"args": to_plain(list(args)), "kwargs": to_plain(dict(kwargs))}})
         reply = requests.next()
         if reply is None:
             os._exit(1)  # the verifier stopped the job
         if "value" in reply:
-            return from_plain(reply["value"])  # noqa: F821
+            return from_plain(reply["value"])
         raise _exception_for(reply)
 
     try:
@@ -132,7 +147,7 @@ def _run_judge(spec, requests, reply_fd):
     _send(reply_fd, {"done": True})
 
 
-def _run_program(spec, requests, reply_fd):
+def _run_program(spec: "dict[str, Any]", requests: _Lines, reply_fd: int) -> None:
     """The program's process: limits, then the program, then its test calls."""
     _set_limits(spec["limits"])
     if spec["mode"] == "judge":
@@ -161,14 +176,14 @@ def _run_program(spec, requests, reply_fd):
             function = module.__dict__.get(entry_point)
             if not callable(function):
                 raise NameError(f"the program does not define a function {entry_point!r}")
-            value = function(*from_plain(call["args"]), **from_plain(call["kwargs"]))  # noqa: F821
-            reply = {"value": to_plain(value)}  # noqa: F821
+            value = function(*from_plain(call["args"]), **from_plain(call["kwargs"]))
+            reply: Mapping[str, object] = {"value": to_plain(value)}
         except BaseException as exc:
             reply = _failure(exc)
         _send(reply_fd, reply)
 
 
-def _exit_code(exc):
+def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
     if isinstance(exc.code, int):
@@ -177,7 +192,7 @@ def _exit_code(exc):
     return 1
 
 
-def _mount_scratch(scratch):
+def _mount_scratch(scratch: "dict[str, Any]") -> None:
     """Mount the job's writable folders (folders of one bounded tmpfs), then drop every
     capability. Any failure ends the job: a job with unbounded folders, or that keeps a
     capability, does not run."""
@@ -185,7 +200,7 @@ def _mount_scratch(scratch):
 
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def check(rc, what):
+    def check(rc: int, what: str) -> None:
         if rc != 0:
             code = ctypes.get_errno()
             raise OSError(code, f"{what}: {os.strerror(code)}")
@@ -223,7 +238,7 @@ def _mount_scratch(scratch):
         raise OSError(0, f"capabilities left after dropping them: {list(left)}")
 
 
-def _main():
+def _main() -> None:
     request_fd, reply_fd, status_fd = (int(a) for a in sys.argv[1:4])
     if len(sys.argv) > 4:
         try:

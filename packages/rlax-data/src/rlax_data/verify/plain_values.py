@@ -8,23 +8,29 @@ containers and non-finite floats become one-key objects such as `{"tuple": [...]
 `from_plain` rebuilds it strictly: anything else is a `ValueError`.
 
 This module uses only the standard library and no relative imports: its source is also
-run inside the sandbox (see `_harness.py`), so both sides share one encoding.
+run inside the sandbox (see `_harness.py`), so both sides share one encoding. There it
+may run under another interpreter (`sandbox.python`) and must start fast: `typing` is
+imported for the type checker only, and annotations that name it are strings.
 """
 
 import math
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_DEPTH = 200
 
 _TAGS = ("tuple", "dict", "set", "frozenset", "bytes", "complex", "float")
 
 
-def _float_to_plain(value):
+def _float_to_plain(value: float) -> "float | dict[str, str]":
     if math.isfinite(value):
         return value
     return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
 
 
-def to_plain(value, depth=0):
+def to_plain(value: "Any", depth: int = 0) -> object:
     """JSON-ready data for a plain `value`; `TypeError` names the first type that is not."""
     if depth > MAX_DEPTH:
         raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
@@ -54,7 +60,7 @@ def to_plain(value, depth=0):
     )
 
 
-def _float_from_plain(data):
+def _float_from_plain(data: object) -> float:
     if type(data) is float:
         return data
     if type(data) is int:
@@ -64,7 +70,7 @@ def _float_from_plain(data):
     raise ValueError(f"not a float: {data!r:.80}")
 
 
-def from_plain(data, depth=0):
+def from_plain(data: "Any", depth: int = 0) -> "Any":
     """The value that `to_plain` encoded as `data` (decoded JSON); `ValueError` otherwise."""
     if depth > MAX_DEPTH:
         raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
