@@ -29,7 +29,6 @@ from rlax_data.task_from_config import build_task
 from rlax_model.gguf_import import load_gguf
 from rlax_model.hf_export import gguf_sampling_defaults, save_hf_folder
 from rlax_model.model_from_config import initial_params
-from rlax_trainer.checkpoint import CheckpointManager
 from rlax_trainer.learner import Learner
 from rlax_trainer.trainer_process import learner_config
 
@@ -41,6 +40,10 @@ def load_checkpoint_params(
 ) -> tuple[Any, Any, int]:
     """(model config, policy params, step) of the run's newest RL checkpoint (or `step`);
     the initial weights (step -1) when the run has no checkpoint yet."""
+    # Imported here: orbax, on import, puts a handler on the root logger, and the
+    # component's logging setup (`rlax_core.cli.setup_logging`) would then do nothing.
+    from rlax_trainer.checkpoint import CheckpointManager
+
     model_config, init = initial_params(config, tokenizer)
     folder = config.output_dir / "checkpoints" / "rl"
     if not folder.is_dir():

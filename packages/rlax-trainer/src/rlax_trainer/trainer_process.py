@@ -61,7 +61,6 @@ from rlax_protocol.control_messages import (
 from rlax_protocol.errors import ProtocolTimeoutError
 from rlax_protocol.request_links import ControlClient
 from rlax_trainer.buffer import collate
-from rlax_trainer.checkpoint import CheckpointManager
 from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
 from rlax_trainer.learner import Learner
@@ -134,6 +133,10 @@ class TrainerLoop:
     """State and steps of the trainer process (constructed once per process life)."""
 
     def __init__(self, config: RunConfig, gang: Gang | None = None) -> None:
+        # Imported here: orbax, on import, puts a handler on the root logger, and the
+        # component's logging setup (`rlax_core.cli.setup_logging`) would then do nothing.
+        from rlax_trainer.checkpoint import CheckpointManager
+
         self.config = config
         self.gang = gang or Gang()
         self.mesh = gang_mesh(config)
