@@ -111,6 +111,19 @@ def test_the_parameter_server_defaults_equal_the_run_configs() -> None:
     assert server["keep"] == section["keep"]
 
 
+def test_the_rollout_scheduler_defaults_equal_the_run_configs() -> None:
+    from rlax_controller.rollout_scheduler import RolloutSchedulerConfig
+
+    scheduler = _defaults(RolloutSchedulerConfig)
+    sections = {**_defaults(run_config.ControllerSection), **_defaults(run_config.DataSection)}
+    # `lag` is the resolved lag (RunConfig.pinned_lag), where the section's -1 means "the most k allows".
+    for name in (set(scheduler) & set(sections)) - {"lag"}:
+        assert scheduler[name] == sections[name], name
+    assert {"versions", "lookahead_steps", "dynamic_filter", "max_filter_draws"} <= set(scheduler) & set(
+        sections
+    )
+
+
 def test_the_tiny_model_is_built_from_the_sections_shape_by_name() -> None:
     from rlax_core.tokenizer import CharTokenizer
     from rlax_model.model_from_config import TINY_SHAPE_FIELDS, build_model_config

@@ -57,6 +57,7 @@ class Rig:
                 k=1,
                 max_inflight_per_worker=2,
                 versions=self.config.controller.versions,
+                lookahead_steps=None,
             ),
         )
         self.tally = RunTally(self.scheduler.counters)

@@ -51,7 +51,10 @@ class Rig:
             None, [f"run.output_dir={tmp_path / 'run'}", "eval.n_samples=2", "eval.pass_k=[1]", "run.steps=4"]
         )
         self.scheduler = RolloutScheduler(
-            toy.Source(), RolloutSchedulerConfig(group_size=2, prompts_per_step=2, k=1, versions=versions)
+            toy.Source(),
+            RolloutSchedulerConfig(
+                group_size=2, prompts_per_step=2, k=1, versions=versions, lookahead_steps=None
+            ),
         )
         self.tally = RunTally(self.scheduler.counters)
         self.metrics = MetricsWriter(config.output_dir, tensorboard=False)

@@ -49,7 +49,15 @@ def reward_of(record: int, group_size: int) -> list[float]:
     return [1.0] * group_size if record % 3 == 0 else [float(i % 2) for i in range(group_size)]
 
 
-CFG = RolloutSchedulerConfig(group_size=4, prompts_per_step=3, k=1, max_inflight_per_worker=2, seed=7)
+CFG = RolloutSchedulerConfig(
+    group_size=4,
+    prompts_per_step=3,
+    k=1,
+    max_inflight_per_worker=2,
+    seed=7,
+    versions="freshest",
+    lookahead_steps=None,
+)
 
 
 def test_dispatch_least_loaded_with_backpressure() -> None:
@@ -109,7 +117,15 @@ def test_worker_lost_reassigns_and_late_result_is_ignored() -> None:
 
 
 def test_dynamic_filter_drops_equal_reward_groups() -> None:
-    cfg = RolloutSchedulerConfig(group_size=4, prompts_per_step=3, k=1, dynamic_filter=True, seed=1)
+    cfg = RolloutSchedulerConfig(
+        group_size=4,
+        prompts_per_step=3,
+        k=1,
+        dynamic_filter=True,
+        seed=1,
+        versions="freshest",
+        lookahead_steps=None,
+    )
     sched = RolloutScheduler(ShuffledSource(seed=3), cfg)
     batch = None
     while batch is None:
@@ -127,7 +143,13 @@ def test_dynamic_filter_drops_equal_reward_groups() -> None:
 def run(steps: int, crash_prob: float, seed: int, dynamic_filter: bool) -> tuple[list[str], list[list[int]]]:
     """Drive the scheduler with random timing; 'crash' (rebuild from the snapshot fields) at random."""
     cfg = RolloutSchedulerConfig(
-        group_size=4, prompts_per_step=3, k=2, dynamic_filter=dynamic_filter, seed=11
+        group_size=4,
+        prompts_per_step=3,
+        k=2,
+        dynamic_filter=dynamic_filter,
+        seed=11,
+        versions="freshest",
+        lookahead_steps=None,
     )
     rnd = random.Random(seed)
     sched = RolloutScheduler(ShuffledSource(n=20, seed=5), cfg)

@@ -28,7 +28,14 @@ class Rig:
         )
         self.scheduler = RolloutScheduler(
             toy.Source(),
-            RolloutSchedulerConfig(group_size=2, prompts_per_step=2, k=1, max_inflight_per_worker=4),
+            RolloutSchedulerConfig(
+                group_size=2,
+                prompts_per_step=2,
+                k=1,
+                max_inflight_per_worker=4,
+                versions="freshest",
+                lookahead_steps=None,
+            ),
         )
         self.tally = RunTally(self.scheduler.counters)
         self.metrics = MetricsWriter(config.output_dir, tensorboard=False)

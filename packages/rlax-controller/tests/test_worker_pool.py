@@ -50,7 +50,10 @@ class Rig:
         }
         self.config = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
         self.scheduler = RolloutScheduler(
-            toy.Source(), RolloutSchedulerConfig(group_size=2, prompts_per_step=2, k=1)
+            toy.Source(),
+            RolloutSchedulerConfig(
+                group_size=2, prompts_per_step=2, k=1, versions="freshest", lookahead_steps=None
+            ),
         )
         self.tally = RunTally(self.scheduler.counters)
         self.metrics = MetricsWriter(self.config.output_dir, tensorboard=False)

@@ -114,8 +114,11 @@ class RolloutSchedulerConfig:
     max_filter_draws: int = 64
     max_inflight_per_worker: int = 2
     seed: int = 0
-    lookahead_steps: int | None = None  # None: k
-    versions: str = "freshest"  # or "pinned": see the module docstring
+    # The defaults of the options a run sets are the run config's (`controller:`), so a
+    # scheduler made by hand behaves as a run's does; `lag` is the resolved one
+    # (`RunConfig.pinned_lag`), never -1. None for `lookahead_steps`: k.
+    lookahead_steps: int | None = 1
+    versions: str = "pinned"  # or "freshest": see the module docstring
     lag: int = 0  # pinned: groups of step s use version j * floor(max(0, s - lag) / j)
     j: int = 1
 
