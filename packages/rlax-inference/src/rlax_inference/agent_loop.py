@@ -244,7 +244,7 @@ class AgentLoop:
         """A turn (or the first turns of all samples) finished in the engine."""
         key, sample = self._turns.pop(output.request_id, (None, -1))
         agent = None if key is None else self._requests.get(key)
-        if agent is None:
+        if key is None or agent is None:
             return []
         completions = sorted(output.outputs, key=lambda c: c.sample_index)
         if output.error:

@@ -186,7 +186,7 @@ class LLMEngine:
             res = self.runner.decode(
                 [s.tokens[-1] for s in seqs],
                 slots,
-                [s.table.blocks for s in seqs],  # type: ignore[union-attr]
+                [s.kv_table.blocks for s in seqs],
                 [len(s.tokens) for s in seqs],
                 [_sampling_row(s) for s in seqs],
                 num_steps=self.config.num_decode_steps if multi else 1,
@@ -206,7 +206,7 @@ class LLMEngine:
                         self._append_token(
                             seq, tokens[i][j], logprobs[i][j], res.top_ids[j, i], res.top_logprobs[j, i]
                         )
-                        if seq.status is SequenceStatus.FINISHED:
+                        if seq.finished:  # (`_append_token` may have finished it)
                             break  # stopped inside a multi-step call: its later tokens are dropped
                 else:
                     self._append_plain_tokens(seq, tokens[i][:made], logprobs[i][:made])
@@ -343,6 +343,7 @@ class LLMEngine:
 
 def _sampling_row(seq: Seq) -> tuple[float, float, int, int, int, int]:
     p = seq.request.params
+    assert p.seed is not None  # `add_request` draws one when the request has none
     return (float(p.temperature), float(p.top_p), p.top_k, p.seed, seq.sample_index, seq.num_generated)
 
 
@@ -350,6 +351,7 @@ def prefill_chunk(job: PrefillJob, block_size: int) -> PrefillChunk:
     """This step's chunk of `job`: its tokens, the slots their K/V go to, and the block table
     through which they read the job's earlier tokens (computed, shared or prefix-cached)."""
     bs = block_size
-    blocks = job.table.blocks  # type: ignore[union-attr]
+    assert job.table is not None  # the scheduler allocated it when it started the job
+    blocks = job.table.blocks
     slots = [blocks[i // bs] * bs + i % bs for i in range(job.chunk_start, job.chunk_end)]
     return PrefillChunk(job.chunk, job.chunk_start, slots, blocks)

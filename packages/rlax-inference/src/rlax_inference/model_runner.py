@@ -102,21 +102,21 @@ def _jits(fn: Callable[..., Any], **jit_kwargs: Any) -> tuple[Callable[..., Any]
 
 
 def _prefill_impl(
-    params,
-    cache,
-    tokens,
-    starts,
-    lengths,
-    slots,
-    block_tables,
-    row_of_sample,
-    sampling,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    starts: jax.Array,
+    lengths: jax.Array,
+    slots: jax.Array,
+    block_tables: jax.Array,
+    row_of_sample: jax.Array,
+    sampling: SamplingBatch,
     *,
-    config,
-    use_filters,
-    num_top,
-    aligned=False,
-):  # type: ignore[no-untyped-def]
+    config: ModelConfig,
+    use_filters: bool,
+    num_top: int,
+    aligned: bool = False,
+) -> tuple[SamplerOutput, KVCache]:
     """Prefill one chunk per row: row i's `lengths[i]` tokens sit at positions `starts[i]`... and
     attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other.
     aligned: the trainer's batch-invariant formulation (`ModelRunner`'s `aligned`)."""
@@ -145,21 +145,21 @@ _prefill_step, _prefill_step_aligned = _jits(
 
 
 def _decode_one(
-    params,
-    cache,
-    tokens,
-    slots,
-    block_tables,
-    lengths,
-    sampling,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    slots: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    sampling: SamplingBatch,
     *,
-    config,
-    attention,
-    interpret,
-    use_filters,
-    num_top,
-    aligned,
-):  # type: ignore[no-untyped-def]
+    config: ModelConfig,
+    attention: str,
+    interpret: bool,
+    use_filters: bool,
+    num_top: int,
+    aligned: bool,
+) -> tuple[SamplerOutput, KVCache]:
     """One decode step of every row: token i sits at position lengths[i] - 1 and its K/V go to slots[i]."""
     positions = (lengths - 1)[:, None]
     if aligned:
@@ -182,21 +182,21 @@ def _decode_one(
 
 
 def _decode_impl(
-    params,
-    cache,
-    tokens,
-    slots,
-    block_tables,
-    lengths,
-    sampling,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,
+    slots: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    sampling: SamplingBatch,
     *,
-    config,
-    attention,
-    interpret,
-    use_filters,
-    num_top,
-    aligned=False,
-):  # type: ignore[no-untyped-def]
+    config: ModelConfig,
+    attention: str,
+    interpret: bool,
+    use_filters: bool,
+    num_top: int,
+    aligned: bool = False,
+) -> tuple[SamplerOutput, KVCache]:
     """`num_steps = slots.shape[0]` decode steps in one program, each step's token fed to the next.
 
     tokens, lengths: [rows] for the first step; slots: [num_steps, rows], -1 where a row has
@@ -204,7 +204,7 @@ def _decode_impl(
     outputs from there on are discarded by the caller). Sampling keys advance with the step,
     so the tokens equal those of `num_steps` single steps. Returns outputs stacked [num_steps, rows, ...].
     """
-    statics = dict(
+    statics: dict[str, Any] = dict(
         config=config,
         attention=attention,
         interpret=interpret,
@@ -219,7 +219,9 @@ def _decode_impl(
     allowed = (slots >= 0).sum(axis=0)  # [rows] tokens each row makes in this call
     last_allowed = jnp.maximum(allowed - 1, 0)
 
-    def one(carry, step):  # type: ignore[no-untyped-def]
+    def one(
+        carry: tuple[KVCache, jax.Array], step: tuple[jax.Array, jax.Array]
+    ) -> tuple[tuple[KVCache, jax.Array], SamplerOutput]:
         cache, tok = carry
         i, step_slots = step
         offset = jnp.minimum(i, last_allowed)
@@ -242,7 +244,7 @@ _decode_steps, _decode_steps_aligned = _jits(
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 @_counted("copy")
-def _copy_blocks(cache, src, dst):  # type: ignore[no-untyped-def]
+def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return {name: pages.at[:, :, dst].set(pages[:, :, src]) for name, pages in cache.items()}
 
 
@@ -337,7 +339,10 @@ class ModelRunner:
         than 32-bit ones; a float32 cache holds bfloat16 K/V exactly (the attention math is
         float32 either way), at twice the memory.
         """
-        return jnp.dtype(jnp.float32 if self.attention in _FLOAT32_CACHE else self.config.compute_jnp_dtype)
+        dtype: jnp.dtype = jnp.dtype(
+            jnp.float32 if self.attention in _FLOAT32_CACHE else self.config.compute_jnp_dtype
+        )
+        return dtype
 
     @property
     def num_compilations(self) -> collections.Counter[str]:

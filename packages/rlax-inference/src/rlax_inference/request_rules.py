@@ -21,7 +21,8 @@ class SeedStream:
 
     def __init__(self, seed: int) -> None:
         a, b = np.random.default_rng(seed).integers(2**32, size=2, dtype=np.uint64).tolist()
-        self._a, self._b = a | 1, b
+        self._a: int = a | 1
+        self._b: int = b
         self._drawn = 0
 
     def next(self) -> int:

@@ -68,7 +68,9 @@ def write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots: 
     return out
 
 
-def prefill_attention(q, k, v, layer, ctx: PrefillContext):  # type: ignore[no-untyped-def]
+def prefill_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: PrefillContext
+) -> tuple[jax.Array, KVCache]:
     """A chunk of each row's prompt attends to the row's cached tokens and causally to itself.
 
     q: [rows, chunk, heads, head_dim]; k, v: [rows, chunk, kv_heads, head_dim]; layer: int32
@@ -130,7 +132,9 @@ def _positioned(
     return jnp.where(((rel >= 0) & (rel < n))[:, :, None, None], fresh, got)
 
 
-def aligned_prefill_attention(q, k, v, layer, ctx: PrefillContext):  # type: ignore[no-untyped-def]
+def aligned_prefill_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: PrefillContext
+) -> tuple[jax.Array, KVCache]:
     """`prefill_attention` as the trainer's batch-invariant pass computes it.
 
     Every key sits at the index of its position (cached tokens first, then the chunk) and
@@ -157,7 +161,9 @@ def make_aligned_decode_attention(sliding_window: int | None) -> Callable[..., A
     current token at its position, `dense_attention_reference(key_block=KEY_BLOCK)`.
     Slower than the decode kernels (XLA gathers every page of the table width)."""
 
-    def attention(q, k, v, layer, ctx: FusedDecodeContext):  # type: ignore[no-untyped-def]
+    def attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: FusedDecodeContext
+    ) -> tuple[jax.Array, KVCache]:
         current = ctx.lengths - 1  # [batch] the token's position
         keys = _positioned(ctx.cache["k"], layer, ctx.block_tables, k, current)
         values = _positioned(ctx.cache["v"], layer, ctx.block_tables, v, current)
@@ -195,7 +201,9 @@ def make_fused_decode_attention(
     of it every step (measured: 1.5-2.1x the cache in temporaries with the Pallas kernels).
     """
 
-    def attention(q, k, v, layer, ctx: FusedDecodeContext):  # type: ignore[no-untyped-def]
+    def attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: FusedDecodeContext
+    ) -> tuple[jax.Array, KVCache]:
         """q: [batch, 1, heads, head_dim]; k, v: [batch, 1, kv_heads, head_dim]; layer: int32 scalar."""
         out = attend(
             q[:, 0],

@@ -21,14 +21,15 @@ from rlax_model import token_logprobs_from_logits
 
 
 class SamplingBatch(NamedTuple):
-    """Per-row sampling settings of one step (all `[batch]`)."""
+    """Per-row sampling settings of one step (all `[batch]`): host numpy arrays as `from_rows`
+    builds them, device arrays (or tracers) inside the jitted steps."""
 
-    temperature: jax.Array  # float32; 0 = greedy
-    top_p: jax.Array  # float32 in (0, 1]
-    top_k: jax.Array  # int32; 0 = off
-    seed: jax.Array  # uint32
-    sample_index: jax.Array  # int32
-    step: jax.Array  # int32: index of the generated token within its sample
+    temperature: jax.Array | np.ndarray  # float32; 0 = greedy
+    top_p: jax.Array | np.ndarray  # float32 in (0, 1]
+    top_k: jax.Array | np.ndarray  # int32; 0 = off
+    seed: jax.Array | np.ndarray  # uint32
+    sample_index: jax.Array | np.ndarray  # int32
+    step: jax.Array | np.ndarray  # int32: index of the generated token within its sample
 
     @staticmethod
     def from_rows(rows: list[tuple[float, float, int, int, int, int]]) -> SamplingBatch:

@@ -249,13 +249,12 @@ class Scheduler:
         most = -(-(num_steps - 1) // kv.block_size) + 1
         if kv.num_free < most * len(self.running):
             need = sum(
-                kv.blocks_needed_to_append(s.table, n)  # type: ignore[arg-type]
-                for s, n in zip(self.running, counts, strict=True)
+                kv.blocks_needed_to_append(s.kv_table, n) for s, n in zip(self.running, counts, strict=True)
             )
             if need > kv.num_free:
                 return False
         for seq, n in zip(self.running, counts, strict=True):
-            slots, copies = kv.append_slots(seq.table, n)  # type: ignore[arg-type]
+            slots, copies = kv.append_slots(seq.kv_table, n)
             out.copies.extend(copies)
             out.decode_slots.append(slots)
         out.decodes.extend(self.running)
@@ -421,7 +420,7 @@ def next_decode_blocks(kv: KVCacheManager, out: SchedulerOutput, max_model_len: 
     max_tokens or the context finishes in this step and needs nothing more.
     """
     return sum(
-        kv.blocks_needed_to_append(seq.table)  # type: ignore[arg-type]
+        kv.blocks_needed_to_append(seq.kv_table)
         for seq, slots in zip(out.decodes, out.decode_slots, strict=True)
         if seq.num_generated + len(slots) < seq.request.params.max_tokens
         and len(seq.tokens) + len(slots) < max_model_len

@@ -140,6 +140,16 @@ class Sequence:
     num_preemptions: int = 0
 
     @property
+    def kv_table(self) -> BlockTable:
+        """`table` of a sample that holds KV blocks (running, or handed a prefill's table)."""
+        assert self.table is not None, f"sequence {self.seq_id} holds no KV blocks"
+        return self.table
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
     def output_tokens(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 

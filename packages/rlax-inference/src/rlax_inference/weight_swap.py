@@ -21,7 +21,8 @@ def check_same_structure(old: Params, new: Params) -> None:
     """ValueError unless `new` has `old`'s tree structure and each leaf's shape and dtype."""
     old_leaves = jax.tree_util.tree_flatten_with_path(old)[0]
     new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
-    if jax.tree_util.tree_structure(old) != new_def:
+    # jaxlib's PyTreeDef is a C++ extension type without a stub: mypy cannot see its __ne__.
+    if jax.tree_util.tree_structure(old) != new_def:  # type: ignore[operator]
         raise ValueError("update_weights: new params have a different tree structure than the loaded ones")
     for (path, a), (_, b) in zip(old_leaves, new_leaves, strict=True):
         if np.shape(a) != np.shape(b) or a.dtype != b.dtype:

@@ -38,6 +38,7 @@ class AttentionFn(Protocol):
         v: jax.Array,
         layer_cache: Any,
         attention_context: Any,
+        /,
     ) -> tuple[jax.Array, Any]: ...
 
 
