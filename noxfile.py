@@ -186,7 +186,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """mypy (strict) on the packages that every node installs, the kernels, the model, the
-    data package, the controller and the inference engine (settings and third-party gaps: [tool.mypy] in
+    data package, the controller, the inference engine and the trainer (settings and third-party gaps: [tool.mypy] in
     pyproject.toml). The controller's `ray` extra comes along: its Ray launcher is checked
     against Ray's own annotations."""
     install_checkout(session, extras="")
@@ -201,6 +201,7 @@ def typecheck(session: nox.Session) -> None:
         "rlax-data",
         "rlax-controller",
         "rlax-inference",
+        "rlax-trainer",
     }
     strict = [str(p / "src") for p in existing_packages() if p.name in checked]
     session.run("mypy", "--strict", *strict)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 
-from rlax_model.config import ModelConfig
+from rlax_model.config import DTypeName, ModelConfig
 
 __all__ = ["BF16_ON_CPU_ENV", "dtype_policy", "resolve_dtypes"]
 
@@ -44,12 +44,12 @@ def _allowed(allow_bf16_on_cpu: bool | None) -> bool:
 
 
 def resolve_dtypes(
-    param_dtype: str,
-    compute_dtype: str | None = None,
+    param_dtype: DTypeName,
+    compute_dtype: DTypeName | None = None,
     platform: str | None = None,
     *,
     allow_bf16_on_cpu: bool | None = None,
-) -> tuple[str, str]:
+) -> tuple[DTypeName, DTypeName]:
     """(param_dtype, compute_dtype) to run with on `platform` (default: JAX's default backend).
 
     compute_dtype None means the same as param_dtype. allow_bf16_on_cpu None reads

@@ -120,7 +120,8 @@ class RolloutBuffer:
 
     def expire(self, current_version: int) -> int:
         """Discard groups with `current_version - version > k`; returns how many went."""
-        keep, gone = [], []
+        keep: list[tuple[int, int, tuple[Rollout, ...]]] = []
+        gone: list[tuple[int, int, tuple[Rollout, ...]]] = []
         for e in self._groups:
             (gone if current_version - e[0] > self.max_staleness else keep).append(e)
         self._groups = keep

@@ -64,9 +64,10 @@ _OS_ERROR = re.compile(
 
 def _chain(exc: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
-    while exc is not None and exc not in out:
-        out.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    link: BaseException | None = exc
+    while link is not None and link not in out:
+        out.append(link)
+        link = link.__cause__ or link.__context__
     return out
 
 
@@ -111,7 +112,8 @@ def _as_u32(x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
     if bits == 64:
         pair = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        return pair[..., 0] ^ (pair[..., 1] * jnp.uint32(0x9E3779B1))
+        mixed: jax.Array = pair[..., 0] ^ (pair[..., 1] * jnp.uint32(0x9E3779B1))
+        return mixed
     raise TypeError(f"cannot fingerprint dtype {x.dtype}")
 
 
@@ -145,7 +147,8 @@ def _leaf_hash(leaf: jax.Array, index: jax.Array) -> jax.Array:
         )
     if n % _HASH_BLOCK:
         total = total + _block_hash(flat, full * _HASH_BLOCK, n % _HASH_BLOCK, salt)
-    return total ^ jnp.uint32(n)
+    salted: jax.Array = total ^ jnp.uint32(n)
+    return salted
 
 
 def state_fingerprint(state: Any) -> int:

@@ -140,7 +140,7 @@ def learner_config_from_dict(data: dict[str, Any]) -> LearnerConfig:
 
 
 def learner_config_to_dict(cfg: LearnerConfig) -> dict[str, Any]:
-    out = msgspec.to_builtins(msgspec.structs.replace(cfg, objective=None))
+    out: dict[str, Any] = msgspec.to_builtins(msgspec.structs.replace(cfg, objective=None))
     out["objective"] = None if cfg.objective is None else objective_to_dict(cfg.objective)
     return out
 

@@ -56,12 +56,13 @@ class Gang:
             return payload
         if self.leader and payload is None:
             raise ValueError("the leader must pass the payload it broadcasts")
-        n = np.asarray([len(payload) if self.leader else 0], np.int32)  # type: ignore[arg-type]
-        n = int(multihost_utils.broadcast_one_to_all(n)[0])
+        # (a leader's payload is not None: checked above)
+        size = np.asarray([len(payload) if self.leader and payload is not None else 0], np.int32)
+        n = int(multihost_utils.broadcast_one_to_all(size)[0])
         bucket = max(_MIN_BUCKET, 1 << math.ceil(math.log2(max(n, 1))))
         buf = np.zeros(bucket, np.uint8)
-        if self.leader:
-            buf[:n] = np.frombuffer(payload, np.uint8)  # type: ignore[arg-type]
+        if self.leader and payload is not None:
+            buf[:n] = np.frombuffer(payload, np.uint8)
         out = multihost_utils.broadcast_one_to_all(buf)
         return np.asarray(out, np.uint8)[:n].tobytes()
 

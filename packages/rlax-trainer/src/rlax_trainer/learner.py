@@ -121,7 +121,7 @@ class Learner:
         self.last_seq_len: int | None = None  # padded length the last update ran at
         self.last_compile_seconds = 0.0  # what the last update spent compiling (0: reused)
 
-    def _compile_update(self):
+    def _compile_update(self) -> Any:  # a jitted update, or one bound to its spec (`_lower` tells)
         spec = UpdateSpec(self.model_config, self.config)
         aligned = self.config.batch_invariant
         if self.mesh is None:
@@ -254,7 +254,9 @@ class Learner:
         # Packed batches keep the length they were padded to (the longest) and run at one of
         # a few row lengths; padded ones at their length bucket.
         s_max = max(seq_lens)
-        shapes = [(s_max, [n], r) for n in self.pack_lengths(s_max) for r in (1, 2)] if self._packs() else []
+        shapes: list[tuple[int, list[int] | None, int]] = (
+            [(s_max, [n], r) for n in self.pack_lengths(s_max) for r in (1, 2)] if self._packs() else []
+        )
         shapes = shapes or [(s, None, 0) for s in sorted(set(seq_lens))]
         for s, pack_length, packed_rows in shapes:
             # The arrays `batch_arrays` makes of a batch padded to s (their dtypes from it),

@@ -44,7 +44,10 @@ class UpdateSpec:
 
 def compute_dtype(cfg: LearnerConfig) -> jnp.dtype:
     """The forward pass's parameter dtype after `rlax_model.dtype_policy` (float32 for bfloat16 on a CPU)."""
-    return jnp.bfloat16 if rlax_model.resolve_dtypes(cfg.param_dtype)[0] == "bfloat16" else jnp.float32
+    dtype: jnp.dtype = (
+        jnp.bfloat16 if rlax_model.resolve_dtypes(cfg.param_dtype)[0] == "bfloat16" else jnp.float32
+    )
+    return dtype
 
 
 # Below this many logits elements ([rows, S-1, V] of one micro-batch, 16 MB in float32) the
@@ -99,7 +102,7 @@ def policy_outputs(
     scored: jax.Array,
     *,
     remat: bool = True,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """-> logprobs [b, S-1] f32, entropy [b, S-1] f32, values [b, S-1] f32 or None; the
     log-probs and entropies only where `scored` [b, S-1] (the loss mask), 0 elsewhere."""
     cfg, mc = spec.config, spec.model
@@ -202,11 +205,12 @@ def sampler_logprobs_of_hidden(
     tgt = jnp.pad(tgt, (0, pad)).reshape(n, chunk)
     w = rlax_model.lm_head_weight(policy, mc).astype(hid.dtype)
 
-    def one(xs):
+    def one(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
         logits = jnp.einsum("nh,hv->nv", xs[0], w, preferred_element_type=jnp.float32)
         return sampler_logprobs(logits, xs[1], temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
-    return jax.lax.map(one, (hid, tgt)).reshape(-1)[:total].reshape(lead)
+    out: jax.Array = jax.lax.map(one, (hid, tgt)).reshape(-1)[:total].reshape(lead)
+    return out
 
 
 @invariant_rows
@@ -255,7 +259,7 @@ def packed_outputs(
     scored: jax.Array,
     *,
     remat: bool = True,
-):
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """The policy's outputs for the rollouts of one packed row, in the padded row layout.
 
     row: one packed row; source [b, T-1]: where each rollout's predicting hidden state sits

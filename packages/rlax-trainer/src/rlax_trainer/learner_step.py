@@ -18,6 +18,11 @@ from rlax_trainer.objective import objective_loss
 
 __all__ = ["micro_batch_loss", "micro_view", "minibatch_step", "packed_minibatch_step"]
 
+# (params, optax state): the carry of the minibatch scan. Pytrees, and optax is untyped.
+StepCarry = tuple[Any, Any]
+# (metrics, the pass's log-probs without gradient): the auxiliary output of a loss.
+LossAux = tuple[dict[str, jax.Array], jax.Array]
+
 sg = jax.lax.stop_gradient
 _SUMMED = ("loss", "pg_loss", "regularizer_loss", "value_loss", "nll")
 _ROW_MEANS = ("behav_corrected_seq_fraction",)  # per-row means: micro-batches have equal rows
@@ -30,7 +35,9 @@ def micro_view(x: jax.Array, n_micro: int) -> jax.Array:
     return x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
 
 
-def micro_batch_loss(spec: UpdateSpec, params: Any, mb: dict[str, jax.Array], scale: float):
+def micro_batch_loss(
+    spec: UpdateSpec, params: Any, mb: dict[str, jax.Array], scale: float
+) -> tuple[jax.Array, LossAux]:
     """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1]))."""
     lp, ent, values = policy_outputs(spec, params, mb["tokens"], mb["valid"], mb["mask"] > 0)
     return _objective(spec, mb, mb["mask"], mb["weights"], lp, ent, values, scale)
@@ -45,7 +52,7 @@ def _objective(
     ent: jax.Array,
     values: jax.Array | None,
     scale: float,
-):
+) -> tuple[jax.Array, LossAux]:
     """The objective of the rollouts in `mb` whose tokens `mask` [rows, T-1] keeps, from the
     policy's outputs on them -> (loss * scale, (metrics, `lp` without gradient))."""
     if spec.config.mode == "sft":
@@ -54,6 +61,7 @@ def _objective(
             {"nll": nll, "entropy": (ent * mask).sum() / jnp.maximum(mask.sum(), 1.0)},
             sg(lp),
         )
+    assert spec.config.objective is not None  # LearnerConfig requires one for mode="rl"
     loss, metrics = objective_loss(
         spec.config.objective,
         logprobs=lp,
@@ -74,7 +82,14 @@ def _objective(
     return loss * scale, (metrics, sg(lp))
 
 
-def _packed_loss(spec: UpdateSpec, params: Any, row: dict[str, jax.Array], j: jax.Array, mb, scale: float):
+def _packed_loss(
+    spec: UpdateSpec,
+    params: Any,
+    row: dict[str, jax.Array],
+    j: jax.Array,
+    mb: dict[str, jax.Array],
+    scale: float,
+) -> tuple[jax.Array, LossAux]:
     """The objective of the rollouts packed in row j of minibatch `mb` (its padded-layout
     arrays and `pk_seq_row`/`pk_source`): the other rollouts are masked out, so the sum over
     the rows used is the minibatch's objective (every built-in loss adds up over rollouts)."""
@@ -86,10 +101,10 @@ def _packed_loss(spec: UpdateSpec, params: Any, row: dict[str, jax.Array], j: ja
 
 def _merge_metrics(
     cfg: LearnerConfig, metrics: dict[str, jax.Array], tokens: jax.Array, ran: jax.Array | None
-):
+) -> dict[str, jax.Array]:
     """Per-pass metrics [passes] -> one value each; `ran` [passes] bool marks passes that ran
     (None: all); `tokens` [passes]: response tokens per pass (the weights of token means)."""
-    merged = {}
+    merged: dict[str, jax.Array] = {}
     for k, v in metrics.items():
         if k in _SUMMED:
             # Weights were normalised over the whole batch: rescale to this minibatch's share.
@@ -107,14 +122,16 @@ def _merge_metrics(
     return merged
 
 
-def packed_minibatch_step(spec: UpdateSpec, carry, mb: dict[str, jax.Array]):
+def packed_minibatch_step(
+    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array]
+) -> tuple[StepCarry, dict[str, jax.Array]]:
     """`minibatch_step` over packed rows: one forward/backward pass per row used."""
     params, opt_state = carry
     cfg = spec.config
     b = mb["tokens"].shape[0]
     grad_fn = jax.grad(functools.partial(_packed_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
 
-    def row(j):
+    def row(j: jax.Array | int) -> dict[str, jax.Array]:
         return {k: mb[f"pk_{k}"][j] for k in PACKED_ROW_FIELDS}
 
     if mb["pk_tokens"].shape[0] == 1:  # one row holds the minibatch: one pass, no accumulator
@@ -131,7 +148,9 @@ def packed_minibatch_step(spec: UpdateSpec, carry, mb: dict[str, jax.Array]):
         jnp.zeros(mb["mask"].shape, jnp.float32),
     )
 
-    def body(state):
+    def body(
+        state: tuple[jax.Array, Any, dict[str, jax.Array], jax.Array, jax.Array],
+    ) -> tuple[jax.Array, Any, dict[str, jax.Array], jax.Array, jax.Array]:
         j, acc, metrics, tokens, logprobs = state
         grads, (m, lp) = grad_fn(params, row(j), j, mb)
         here = mb["pk_seq_row"] == j
@@ -145,7 +164,14 @@ def packed_minibatch_step(spec: UpdateSpec, carry, mb: dict[str, jax.Array]):
     return _apply_gradients(cfg, params, opt_state, grads, merged, logprobs)
 
 
-def _apply_gradients(cfg: LearnerConfig, params, opt_state, grads, merged, logprobs):
+def _apply_gradients(
+    cfg: LearnerConfig,
+    params: Any,
+    opt_state: Any,
+    grads: Any,
+    merged: dict[str, jax.Array],
+    logprobs: jax.Array,
+) -> tuple[StepCarry, dict[str, jax.Array]]:
     """One optax step; -> ((params, opt_state), metrics with `grad_norm` and the pass's `logprobs`)."""
     merged["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = make_optimizer(cfg.optimizer).update(grads, opt_state, params)
@@ -153,14 +179,18 @@ def _apply_gradients(cfg: LearnerConfig, params, opt_state, grads, merged, logpr
     return (optax.apply_updates(params, updates), opt_state), merged
 
 
-def minibatch_step(spec: UpdateSpec, carry, mb: dict[str, jax.Array]):
+def minibatch_step(
+    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array]
+) -> tuple[StepCarry, dict[str, jax.Array]]:
     params, opt_state = carry
     cfg = spec.config
     n_micro = mb["tokens"].shape[0] // cfg.micro
     micro = jax.tree.map(lambda x: micro_view(x, n_micro), mb)
     grad_fn = jax.grad(functools.partial(micro_batch_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
 
-    def body(acc, xs):
+    def body(
+        acc: Any, xs: dict[str, jax.Array]
+    ) -> tuple[Any, tuple[dict[str, jax.Array], jax.Array, jax.Array]]:
         grads, (metrics, lp) = grad_fn(params, xs)
         tokens = xs["mask"].sum()
         return jax.tree.map(jnp.add, acc, grads), (metrics, tokens, lp)

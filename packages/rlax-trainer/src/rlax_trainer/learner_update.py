@@ -48,8 +48,9 @@ class TrainState(NamedTuple):
 
     params: Any
     opt_state: Any
-    step: jax.Array  # int32 scalar: completed updates (= published weight version)
-    rng: jax.Array  # uint32 [2] raw PRNG key data, splits once per update
+    # Any: jax.Array in a state; `Learner._state_sh` holds the state's shardings in one.
+    step: Any  # int32 scalar: completed updates (= published weight version)
+    rng: Any  # uint32 [2] raw PRNG key data, splits once per update
 
 
 def _masked_quantiles(x: jax.Array, mask: jax.Array, qs: tuple[float, ...]) -> jax.Array:
@@ -82,7 +83,7 @@ def _packed_old_outputs(
     cfg = spec.config
     targets, scored = mb["tokens"][:, 1:], mb["mask"] > 0
 
-    def outputs(j):
+    def outputs(j: jax.Array) -> dict[str, jax.Array]:
         row = {k: mb[f"pk_{k}"][j] for k in PACKED_ROW_FIELDS}
         here = scored & (mb["pk_seq_row"] == j)[:, None]
         lp, ent, values, hidden = packed_outputs(
@@ -106,12 +107,13 @@ def _packed_old_outputs(
     shapes = jax.eval_shape(lambda: outputs(jnp.int32(0)))
     init = (jnp.int32(0), {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()})
 
-    def body(state):
+    def body(state: tuple[jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, dict[str, jax.Array]]:
         j, acc = state
         here = (mb["pk_seq_row"] == j)[:, None]
         return j + 1, {k: jnp.where(here, v, acc[k]) for k, v in outputs(j).items()}
 
-    return jax.lax.while_loop(lambda s: s[0] < mb["pk_rows_used"], body, init)[1]
+    old: dict[str, jax.Array] = jax.lax.while_loop(lambda s: s[0] < mb["pk_rows_used"], body, init)[1]
+    return old
 
 
 def minibatch_order(key: jax.Array, rows: int, cfg: LearnerConfig) -> jax.Array:
@@ -138,7 +140,9 @@ def _reuses_policy_pass(spec: UpdateSpec, has_values: bool, has_ref: bool) -> bo
 
 
 @invariant_rows
-def batch_update(spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str, jax.Array]):
+def batch_update(
+    spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str, jax.Array]
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One update -> (the next TrainState, metrics {name: scalar}).
 
     ref: the KL reference's params or None. batch: tokens, valid [B, S]; mask,
@@ -150,7 +154,7 @@ def batch_update(spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str,
     n_micro_all = b // cfg.micro
 
     # (1) pi_old (and values, reference) by the trainer's own forward pass, no gradient.
-    def old_body(_, xs):
+    def old_body(_: None, xs: dict[str, jax.Array]) -> tuple[None, dict[str, jax.Array]]:
         scored = xs["mask"] > 0
         lp, ent, values = policy_outputs(
             spec, sg(state.params), xs["tokens"], xs["valid"], scored, remat=False
@@ -175,7 +179,7 @@ def batch_update(spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str,
 
     def deal(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """Batch-order rows -> [minibatches, rows, ...] in `row_order`, with the packing."""
-        out = jax.tree.map(
+        out: dict[str, jax.Array] = jax.tree.map(
             lambda x: x[row_order].reshape(cfg.minibatches, b // cfg.minibatches, *x.shape[1:]), arrays
         )
         if packed:
@@ -197,6 +201,7 @@ def batch_update(spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str,
     rows.update({k: v for k, v in old.items() if k != "old_entropy"})
     metrics: dict[str, jax.Array] = {}
     if cfg.mode == "rl":
+        assert cfg.objective is not None  # LearnerConfig requires one for mode="rl"
         prep = prepare_batch(cfg.objective, batch["rewards"], mask, cfg.group_size, old.get("old_values"))
         rows["advantages"], rows["weights"] = prep.advantages, prep.weights
         if prep.returns is not None:

@@ -114,7 +114,7 @@ def _common_prefix(rows: list[np.ndarray]) -> int:
 
 def _pack_one(
     tokens: np.ndarray, lengths: np.ndarray, group_of: np.ndarray, length: int, align: int
-) -> tuple[np.ndarray, ...]:
+) -> tuple[np.ndarray | np.int32, ...]:
     """One minibatch: tokens [b, S], lengths [b], group_of [b] -> its layout arrays."""
     b, s = tokens.shape
     if lengths.max() > length:

@@ -57,7 +57,8 @@ def host_weights(params: Any, dtype: TransferDtype = "bfloat16") -> dict[str, An
         raise ValueError(f"transfer dtype must be one of {sorted(_NUMPY_DTYPES)}, got {dtype!r}")
     target = _NUMPY_DTYPES[dtype]
     host = to_host(params)
-    return jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x).astype(target)), host)
+    out: dict[str, Any] = jax.tree.map(lambda x: np.ascontiguousarray(np.asarray(x).astype(target)), host)
+    return out
 
 
 class _Push(NamedTuple):
@@ -88,6 +89,8 @@ class Publisher:
             self._thread.start()
 
     def _run(self) -> None:
+        client = self._client
+        assert client is not None  # the writer, the only process running this thread, has one
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._waiting is not None or self._closing)
@@ -96,7 +99,7 @@ class Publisher:
                 item, self._waiting = self._waiting, None
                 self._in_flight = item.version
             try:
-                committed = self._client.push(item.tree, item.version, item.metadata)
+                committed = client.push(item.tree, item.version, item.metadata)
             except BaseException as e:  # recorded and raised in the caller's thread
                 log.warning("publishing weights version %d failed: %s", item.version, e)
                 with self._cond:

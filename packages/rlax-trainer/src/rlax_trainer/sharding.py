@@ -107,9 +107,11 @@ def put_global(tree: Any, shardings: Any) -> Any:
             return x
         host = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) and x.is_fully_addressable else x
         if isinstance(host, jax.Array):
-            return jax.jit(lambda y: y, out_shardings=s)(host)
+            placed: jax.Array = jax.jit(lambda y: y, out_shardings=s)(host)
+            return placed
         host = np.asarray(host)
-        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+        out: jax.Array = jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+        return out
 
     return jax.tree.map(put, tree, shardings)
 

@@ -10,7 +10,7 @@ the padded token axis (prompt positions and padding are 0.0).
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,9 @@ class GroupNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.ddof not in (0, 1):
             raise ValueError(f"ddof must be 0 or 1, got {self.ddof}")
 
-    def compute(self, rewards, mask, group_size, values=None):
+    def compute(
+        self, rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         g = _grouped(rewards.astype(jnp.float32), group_size)
         if self.ddof == 1 and group_size < 2:
             raise ValueError("ddof=1 needs group_size >= 2")
@@ -90,7 +92,9 @@ class GroupCentered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: ClassVar[str] = "group_centered"
     needs_values: ClassVar[bool] = False
 
-    def compute(self, rewards, mask, group_size, values=None):
+    def compute(
+        self, rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         g = _grouped(rewards.astype(jnp.float32), group_size)
         return _broadcast((g - g.mean(axis=1, keepdims=True)).reshape(-1), mask), None
 
@@ -101,7 +105,9 @@ class LeaveOneOut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: ClassVar[str] = "leave_one_out"
     needs_values: ClassVar[bool] = False
 
-    def compute(self, rewards, mask, group_size, values=None):
+    def compute(
+        self, rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         if group_size < 2:
             raise ValueError(f"leave_one_out needs group_size >= 2, got {group_size}")
         g = _grouped(rewards.astype(jnp.float32), group_size)
@@ -121,7 +127,9 @@ class BatchNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
 
-    def compute(self, rewards, mask, group_size, values=None):
+    def compute(
+        self, rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         g = _grouped(rewards.astype(jnp.float32), group_size)
         if self.subtract_group_mean:
             g = g - g.mean(axis=1, keepdims=True)
@@ -149,7 +157,9 @@ class GAE(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"lam must be in [0, 1], got {self.lam}")
 
-    def compute(self, rewards, mask, group_size, values=None):
+    def compute(
+        self, rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         if values is None:
             raise ValueError("gae advantages need `values` [B, T] from the value head")
         _grouped(rewards, group_size)
@@ -161,7 +171,7 @@ class GAE(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1) * next_mask
         deltas = (token_rewards + self.gamma * next_values - values) * mask
 
-        def step(carry, xs):
+        def step(carry: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             delta, m_next, m = xs
             adv = (delta + self.gamma * self.lam * m_next * carry) * m
             return adv, adv
@@ -217,5 +227,5 @@ def advantage_from_dict(obj: object) -> AdvantageEstimator:
         raise ValueError(f"advantage kind {kind!r}: {e}") from None
 
 
-def advantage_to_dict(est: AdvantageEstimator) -> dict:
+def advantage_to_dict(est: AdvantageEstimator) -> dict[str, Any]:
     return {"kind": est.kind, **msgspec.to_builtins(est)}

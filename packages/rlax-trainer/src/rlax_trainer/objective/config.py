@@ -97,7 +97,7 @@ def decode_hook(typ: type, obj: Any) -> Any:
     raise NotImplementedError(f"cannot decode {typ}")
 
 
-def _presets() -> dict[str, dict]:
+def _presets() -> dict[str, dict[str, Any]]:
     # One file defines the presets for every package: the run config (JAX-free, in rlax_core)
     # validates a preset's name against the same list the trainer builds objectives from.
     return objective_presets()
@@ -144,7 +144,7 @@ def load_objective(path: str | pathlib.Path) -> ObjectiveConfig:
 
 def objective_to_dict(cfg: ObjectiveConfig) -> dict[str, Any]:
     """The plain-data form of a config (what `objective_from_dict` reads back)."""
-    out = msgspec.to_builtins(cfg)
+    out: dict[str, Any] = msgspec.to_builtins(cfg)
     out["advantage"] = advantage_to_dict(cfg.advantage)
     return out
 

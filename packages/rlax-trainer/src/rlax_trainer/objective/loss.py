@@ -85,13 +85,19 @@ def objective_loss(
 
     Returns (scalar loss, metrics); metrics are token means over `mask` except `*_max`/`*_min`.
     """
-    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def f32(x: jax.Array) -> jax.Array:
+        return jnp.asarray(x, jnp.float32)
+
+    def f32_or_none(x: jax.Array | None) -> jax.Array | None:
+        return None if x is None else f32(x)
+
     logprobs, old_logprobs, advantages, weights, mask = map(
         f32, (logprobs, old_logprobs, advantages, weights, mask)
     )
-    ref_logprobs, infer_logprobs, entropy = map(f32, (ref_logprobs, infer_logprobs, entropy))
-    sampler_old_logprobs = f32(sampler_old_logprobs)
-    values, old_values, returns = map(f32, (values, old_values, returns))
+    ref_logprobs, infer_logprobs, entropy = map(f32_or_none, (ref_logprobs, infer_logprobs, entropy))
+    sampler_old_logprobs = f32_or_none(sampler_old_logprobs)
+    values, old_values, returns = map(f32_or_none, (values, old_values, returns))
     shapes = {
         "logprobs": logprobs,
         "old_logprobs": old_logprobs,
