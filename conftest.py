@@ -1,0 +1,14 @@
+"""Loaded first by every pytest run of the monorepo.
+
+Our kernels' tests live under the folder `kernels/`, so `--import-mode=importlib` names their
+modules `kernels.tests.test_*` and puts an empty `kernels` module into `sys.modules`. The
+Hugging Face package of the same import name, which transformers (>= 5.25) imports when it is
+installed, would then resolve to that empty module (`cannot import name 'CUDAProperties'
+from 'kernels' (unknown location)`). Importing the real one first keeps it there: pytest only
+fills in parent modules that are missing.
+"""
+
+import importlib.util
+
+if importlib.util.find_spec("kernels") is not None and importlib.util.find_spec("kernels").origin:
+    import kernels  # noqa: F401  (the Hugging Face package, not this repository's folder)
