@@ -10,5 +10,6 @@ fills in parent modules that are missing.
 
 import importlib.util
 
-if importlib.util.find_spec("kernels") is not None and importlib.util.find_spec("kernels").origin:
+_HUB_KERNELS = importlib.util.find_spec("kernels")
+if _HUB_KERNELS is not None and _HUB_KERNELS.origin:  # a regular package, not our folder
     import kernels  # noqa: F401  (the Hugging Face package, not this repository's folder)

@@ -141,10 +141,10 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
     return loaded
 
 
-def _leaves(raw: Any, prefix: str = "") -> list[str]:
+def leaf_paths(raw: Any, prefix: str = "") -> list[str]:
     """Dotted paths of the values in `raw` (a mapping's entries recursively; a list is one value)."""
     if isinstance(raw, dict) and raw:
-        return [leaf for key, value in raw.items() for leaf in _leaves(value, f"{prefix}{key}.")]
+        return [leaf for key, value in raw.items() for leaf in leaf_paths(value, f"{prefix}{key}.")]
     return [prefix.rstrip(".")] if prefix else []
 
 
@@ -183,7 +183,7 @@ def read_config_file(
         sources.update(base_sources)
     _merge(raw, own)
     label = os.path.normpath(path)
-    sources.update({leaf: label for leaf in _leaves(own)})
+    sources.update({leaf: label for leaf in leaf_paths(own)})
     return raw, sources
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from rlax_core.config.base import EXIT_CONFIG_ERROR, ConfigError
-from rlax_core.config.loading import DEFAULT_SOURCE, config_to_dict, load_config_with_sources
+from rlax_core.config.loading import DEFAULT_SOURCE, config_to_dict, leaf_paths, load_config_with_sources
 from rlax_core.config.run_config import RunConfig
 from rlax_core.config.trainer import merge_objective, objective_presets
 
@@ -23,12 +23,6 @@ def _source_of(path: str, sources: dict[str, str]) -> str:
         if found is not None:
             return found
     return DEFAULT_SOURCE
-
-
-def _leaf_paths(node: Any, prefix: str) -> list[str]:
-    if isinstance(node, dict) and node:
-        return [leaf for key, value in node.items() for leaf in _leaf_paths(value, f"{prefix}{key}.")]
-    return [prefix.rstrip(".")]
 
 
 def _scalar(value: Any) -> str:
@@ -59,7 +53,7 @@ def render_config(config: RunConfig, sources: dict[str, str]) -> str:
     preset = objective_presets()[config.trainer.preset]
     tree["trainer"]["objective"] = merge_objective(preset, config.trainer.objective)
     preset_source = f"preset {config.trainer.preset}"
-    for leaf in _leaf_paths(preset, "trainer.objective."):
+    for leaf in leaf_paths(preset, "trainer.objective."):
         if _source_of(leaf, sources) == DEFAULT_SOURCE:
             sources[leaf] = preset_source
     lines = _lines(tree, sources, "", 0)
