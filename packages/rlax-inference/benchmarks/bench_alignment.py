@@ -69,7 +69,7 @@ from rlax_model import (
     logprobs,
 )
 from rlax_model.attention import KEY_BLOCK
-from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_MIN_ROWS, padded_matmul_rows
+from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_ROW_BLOCK, matmul_row_blocks
 
 PROMPTS = int(os.environ.get("RLAX_BENCH_ALIGN_PROMPTS", "2"))
 SAMPLES = 8
@@ -104,7 +104,7 @@ def _trainer_logprobs_impl(params, tokens, valid, *, config, chunk_size, aligned
     attention = functools.partial(
         dense_causal_attention, sliding_window=config.sliding_window, key_block=KEY_BLOCK
     )
-    with padded_matmul_rows(ALIGNED_MIN_ROWS):
+    with matmul_row_blocks(ALIGNED_ROW_BLOCK):
         return logprobs(
             params,
             tokens,

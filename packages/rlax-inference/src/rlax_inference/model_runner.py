@@ -61,7 +61,7 @@ from rlax_inference.runner_attention import (
 )
 from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
 from rlax_model import ModelConfig, Params, hidden_states, project_logits
-from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_MIN_ROWS, padded_matmul_rows
+from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_ROW_BLOCK, matmul_row_blocks
 
 AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
 # Backends that keep a float32 cache (see `ModelRunner.cache_dtype`).
@@ -121,7 +121,7 @@ def _prefill_impl(
     attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other.
     aligned: the trainer's batch-invariant formulation (`ModelRunner`'s `aligned`)."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    with padded_matmul_rows(ALIGNED_MIN_ROWS if aligned else 0):
+    with matmul_row_blocks(ALIGNED_ROW_BLOCK if aligned else 0):
         hidden, new = hidden_states(
             params,
             tokens,
@@ -166,7 +166,7 @@ def _decode_one(
         attend = make_aligned_decode_attention(config.sliding_window)
     else:
         attend = make_fused_decode_attention(decode_attend(attention, interpret), config.sliding_window)
-    with padded_matmul_rows(ALIGNED_MIN_ROWS if aligned else 0):
+    with matmul_row_blocks(ALIGNED_ROW_BLOCK if aligned else 0):
         hidden, new = hidden_states(
             params,
             tokens[:, None],
@@ -273,9 +273,8 @@ class ModelRunner:
     so that a sampled token's float32 log-prob is bitwise the trainer's recomputation:
     prefill and decode attention are `dense_attention_reference(key_block=KEY_BLOCK)` over
     the gathered pages with every key at its position's index (decode does not use the
-    `attention` backend's kernel), matmuls have at least `ALIGNED_MIN_ROWS` rows, the
-    programs compile with `ALIGNED_COMPILER_OPTIONS` (row-count invariant matmuls on
-    XLA:CPU), and the sampler's log-prob is the trainer's formula. A tied output projection
+    `attention` backend's kernel), matmuls run in blocks of `ALIGNED_ROW_BLOCK` rows, the
+    programs compile with `ALIGNED_COMPILER_OPTIONS` (no YNNPACK on XLA:CPU), and the sampler's log-prob is the trainer's formula. A tied output projection
     is then held as its own transposed copy (`embed.T` laid out [hidden, vocab], one more
     copy of the embedding): with the option, XLA:CPU's matmul against the embedding as
     stored ran 3x slower at 8 rows (49 vs 16 ms; the copy 20 ms) and gives the same bits.

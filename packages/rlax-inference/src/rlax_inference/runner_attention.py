@@ -171,9 +171,7 @@ def make_aligned_decode_attention(sliding_window: int | None) -> Callable[..., A
         mask = key_pos <= current[:, None]
         if sliding_window is not None:
             mask &= current[:, None] - key_pos < sliding_window
-        out = dense_attention_reference(
-            q, keys, values, mask[:, None, None, :], key_block=KEY_BLOCK, batched_blocks=True
-        )
+        out = dense_attention_reference(q, keys, values, mask[:, None, None, :], key_block=KEY_BLOCK)
         return out, {"k": k[:, 0], "v": v[:, 0]}
 
     return attention

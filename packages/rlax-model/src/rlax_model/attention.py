@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from rlax_model.layers import ALIGNED_MIN_ROWS, MIN_MATMUL_ROWS
+from rlax_model.layers import ordered_sum
 
 
 class AttentionFn(Protocol):
@@ -119,7 +119,6 @@ def dense_attention_reference(
     mask: jax.Array,
     *,
     key_block: int | None = None,
-    batched_blocks: bool = False,
 ) -> jax.Array:
     """Masked multi-head attention with grouped-query heads, softmax in float32.
 
@@ -129,82 +128,103 @@ def dense_attention_reference(
     Returns [batch, seq_q, num_heads, head_dim] in q.dtype. A query with no visible key
     gets the mean of v instead of NaN (its output is padding and must stay finite).
 
-    key_block: None (one matmul over all the keys), or batch-invariant attention: a query's
-    output then depends only on its visible keys and their places in the key axis's blocks
-    of `key_block` (index modulo the block), not on how many keys, queries or rows there
-    are. XLA:CPU picks a matmul's kernel, and so its rounding, by the whole operand shapes
-    (measured: a query's scores moved by 2.9e-6 between 40 and 64 keys; a 100-token
-    sequence's outputs by 3.6e-7 between 103 and 256 keys), so the scores and the weights
-    times values run as one matmul per block of exactly `key_block` keys (the key axis
-    zero-padded to a multiple of it), the blocks' partial sums are added in key order, and
-    fewer than `layers.MIN_MATMUL_ROWS` query rows are padded to it (except one query:
-    decoding, padded only to `layers.ALIGNED_MIN_ROWS` matmul rows when the model has one
-    query head per KV head). Bitwise agreement between programs of different query counts
-    (the engine's decode and prefill against the trainer's pass) also needs
-    `layers.ALIGNED_COMPILER_OPTIONS`: XLA:CPU's default matmul rounds by the query count.
-    Its cost: the update's temporary memory 107 -> 343 MB on 512-token packed
-    rows of a 2-layer SmolLM2-wide model (the per-block matmuls' operands and partial sums).
-    batched_blocks (with key_block): the per-block matmuls as one matmul batched over the
-    blocks, the same products and the same key-order sum of the blocks' partial sums: for
-    the engine's decode (one query, no gradient), where the unrolled matmuls' overhead
-    dominates; with `layers.ALIGNED_COMPILER_OPTIONS` it gives the unrolled form's bits.
+    key_block: None (two matmuls over all the keys), or batch-invariant attention
+    (`blocked_attention`): a query's output then depends only on its visible keys and
+    their places in the key axis's blocks of `key_block` (index modulo the block), not on
+    how many keys, queries or rows there are.
     """
-    b, sq, nh, d = q.shape
-    nkv = k.shape[2]
-    group = nh // nkv
+    b, sq, nh, _ = q.shape
     mask = jnp.broadcast_to(mask, (b, nh, sq, k.shape[1]))
-    block = key_block or k.shape[1]
-    small = key_block is not None and 1 < sq and sq * group < MIN_MATMUL_ROWS
-    rows = -(-MIN_MATMUL_ROWS // group) if small else sq
-    if key_block is not None and rows * group < ALIGNED_MIN_ROWS:  # one decoded query, one head per KV head
-        rows = -(-ALIGNED_MIN_ROWS // group)
-    nblk = -(-k.shape[1] // block)
-    sk = nblk * block
-    q = jnp.pad(q, ((0, 0), (0, rows - sq), (0, 0), (0, 0)))
-    k = jnp.pad(k, ((0, 0), (0, sk - k.shape[1]), (0, 0), (0, 0))).reshape(b, nblk, block, nkv, d)
-    v = jnp.pad(v, ((0, 0), (0, sk - v.shape[1]), (0, 0), (0, 0)))
-    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, rows - sq), (0, sk - mask.shape[-1])))
-    # One matmul per key block ([queries, head_dim] x [head_dim, block]), unrolled: a
-    # batched matmul over the blocks would need the queries broadcast over them (and saved
-    # for the backward pass: 12x the update's temporary memory on 512-token rows).
-    qg = q.reshape(b, rows, nkv, group, d)
-    if batched_blocks:
-        scores = jnp.einsum("bqkgd,bnckd->bkgqnc", qg, k, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, nkv, group, rows, sk) * (1.0 / float(d) ** 0.5)
-    else:
-        blocks = [
-            jnp.einsum("bqkgd,bckd->bkgqc", qg, k[:, i], preferred_element_type=jnp.float32)
-            for i in range(nblk)
-        ]
-        scores = jnp.concatenate(blocks, axis=-1) * (1.0 / float(d) ** 0.5)
+    if key_block is not None:
+        return blocked_attention(q, k, v, mask, key_block)
+    d = q.shape[-1]
+    nkv = k.shape[2]
+    qg = q.reshape(b, sq, nkv, nh // nkv, d)
+    scores = jnp.einsum("bqkgd,bckd->bkgqc", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / float(d) ** 0.5)
     # A large finite negative (not -inf) keeps fully masked rows finite.
-    scores = jnp.where(mask.reshape(b, nkv, group, rows, sk), scores, jnp.float32(-1e30))
+    scores = jnp.where(mask.reshape(scores.shape), scores, jnp.float32(-1e30))
     # The max is exact in any order; stop_gradient as in jax.nn.softmax (it cancels).
     top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     weights = jnp.exp(scores - top)  # masked keys: exactly 0
     # float32 weights times float32 values (V upcast exactly), as the engine's decode
     # kernels compute: rounding the weights to a 16-bit V dtype would misalign them. The
-    # softmax's denominator is the same product's extra column of ones: the same reduction
-    # over the keys for both (a `sum` over the keys is ordered by XLA from the whole length,
-    # and a sequence's denominator moved with its padding and its packed neighbours).
+    # softmax's denominator is the same product's extra column of ones.
     v1 = jnp.concatenate([v.astype(jnp.float32), jnp.ones((*v.shape[:-1], 1), jnp.float32)], axis=-1)
-    weights = weights.reshape(b, nkv, group, rows, nblk, block)
-    v1 = v1.reshape(b, nblk, block, nkv, d + 1)
-    if batched_blocks:
-        parts = jnp.einsum("bkgqnc,bnckd->nbqkgd", weights, v1, preferred_element_type=jnp.float32)
-
-    def part(i: int) -> jax.Array:
-        if batched_blocks:
-            return parts[i]
-        return jnp.einsum(
-            "bkgqc,bckd->bqkgd", weights[..., i, :], v1[:, i], preferred_element_type=jnp.float32
-        )
-
-    acc = part(0)
-    for i in range(1, nblk):  # in key order; a block no key of the query is in adds zeros
-        acc = acc + part(i)
-    out = acc[:, :sq, ..., :d] / acc[:, :sq, ..., d:]
+    acc = jnp.einsum("bkgqc,bckd->bqkgd", weights, v1, preferred_element_type=jnp.float32)
+    out = acc[..., :d] / acc[..., d:]
     return out.reshape(b, sq, nh, d).astype(q.dtype)
+
+
+# Elements of the largest product `blocked_attention` holds at once ([rows, heads, queries,
+# keys, head_dim] float32 for one chunk of queries): 64 MiB.
+BLOCKED_PRODUCT_ELEMENTS = 1 << 24
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, key_block: int) -> jax.Array:
+    """Batch-invariant attention: `dense_attention_reference(key_block=...)`'s computation.
+
+    q: [batch, seq_q, heads, head_dim]; k, v: [batch, seq_k, kv_heads, head_dim]; mask:
+    [batch, heads, seq_q, seq_k] bool. Returns [batch, seq_q, heads, head_dim] in q.dtype.
+
+    A query's output must have the same bits whatever else is in the batch: the engine's
+    decode (one query), its prefill chunks and the trainer's padded or packed rows all
+    compute it. XLA:CPU's matmuls cannot give that: it picks a kernel, and so the rounding,
+    by the whole operand shapes (a query's scores moved by 2.9e-6 between 40 and 64 keys),
+    and it lays a query out along the matmul's columns, whose rounding on an AVX2 CPU
+    depends on the column's place (measured 2026-12-03: every one of 11 shifted places
+    differed). So no matmul: a score is an `ordered_sum` of q times k over head_dim, and
+    the weights times values are summed within each block of `key_block` keys by an
+    `ordered_sum` (fixed order, elementwise adds that XLA never reassociates), then the
+    blocks' sums are added one after another in key order (a block none of the query's
+    keys is in adds exact zeros), in a loop. The softmax's denominator is the same sum over an extra
+    column of ones. Queries go through in chunks (a loop) that bound the product's memory
+    (`BLOCKED_PRODUCT_ELEMENTS`); the chunking changes no bits. Slower than the matmuls (an
+    elementwise product instead of a matmul): it is for the aligned mode only.
+    """
+    b, sq, nh, d = q.shape
+    nkv = k.shape[2]
+    group = nh // nkv
+    nblk = -(-k.shape[1] // key_block)
+    sk = nblk * key_block
+    keys = jnp.pad(k, ((0, 0), (0, sk - k.shape[1]), (0, 0), (0, 0))).astype(jnp.float32)
+    keys = keys.reshape(b, nblk, key_block, nkv, d).transpose(0, 3, 1, 2, 4)  # [b, kv, blk, c, d]
+    v1 = jnp.concatenate([v.astype(jnp.float32), jnp.ones((*v.shape[:-1], 1), jnp.float32)], axis=-1)
+    v1 = jnp.pad(v1, ((0, 0), (0, sk - v.shape[1]), (0, 0), (0, 0)))
+    v1 = v1.reshape(b, nblk, key_block, nkv, d + 1).transpose(0, 3, 1, 4, 2)  # [b, kv, blk, d+1, c]
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 0), (0, sk - mask.shape[-1])))
+    chunk = max(1, min(sq, BLOCKED_PRODUCT_ELEMENTS // max(1, b * nh * sk * (d + 1))))
+    count = -(-sq // chunk)
+    queries = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, count * chunk - sq), (0, 0), (0, 0)))
+    queries = queries.reshape(b, count, chunk, nkv, group, d).transpose(1, 0, 3, 4, 2, 5)
+    masks = jnp.pad(mask, ((0, 0), (0, 0), (0, count * chunk - sq), (0, 0)))
+    masks = masks.reshape(b, nkv, group, count, chunk, nblk, key_block).transpose(3, 0, 1, 2, 4, 5, 6)
+    scale = jnp.float32(1.0 / float(d) ** 0.5)
+
+    def attend(part: tuple[jax.Array, jax.Array]) -> jax.Array:
+        qc, visible = part  # [b, kv, g, chunk, d], [b, kv, g, chunk, blk, c]
+        products = qc[:, :, :, :, None, None, :] * keys[:, :, None, None]  # [b, kv, g, q, blk, c, d]
+        scores = ordered_sum(products)[..., 0] * scale  # [b, kv, g, q, blk, c]
+        # A large finite negative (not -inf) keeps fully masked rows finite.
+        scores = jnp.where(visible, scores, jnp.float32(-1e30))
+        # The max is exact in any order; stop_gradient as in jax.nn.softmax (it cancels).
+        top = jax.lax.stop_gradient(jnp.max(scores, axis=(-2, -1), keepdims=True))
+        weights = jnp.exp(scores - top)  # masked keys: exactly 0
+        # float32 weights times float32 values (V upcast exactly): rounding the weights to
+        # a 16-bit V dtype would misalign them from the engine's.
+        sums = ordered_sum(weights[..., None, :] * v1[:, :, None, None])[..., 0]  # [b, kv, g, q, blk, d+1]
+        # The blocks' sums one after another, in key order, as a loop: XLA rewrote a chain
+        # of 15 adds of slices into a reduction of its own order (measured: a query's output
+        # moved between 128 and 256 keys).
+        acc: jax.Array
+        acc, _ = jax.lax.scan(
+            lambda total, block: (total + block, None), sums[..., 0, :], jnp.moveaxis(sums[..., 1:, :], -2, 0)
+        )
+        return acc[..., :d] / acc[..., d:]  # [b, kv, g, q, d]
+
+    out: jax.Array = jax.lax.map(attend, (queries, masks))  # [count, b, kv, g, chunk, d]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, count * chunk, nh, d)[:, :sq]
+    return out.astype(q.dtype)
 
 
 def dense_causal_attention(

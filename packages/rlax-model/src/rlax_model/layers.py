@@ -94,52 +94,69 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-# XLA:CPU multiplies a matrix of few rows with another kernel than a tall one, and the two
-# round differently (measured on [rows, in] @ [in, out] float32: every row count up to 32
-# differs from 300 rows for SmolLM2's widths, up to 50 for 32-64 wide ones; none from 51
-# on). Under `padded_matmul_rows(MIN_MATMUL_ROWS)` matmuls with fewer rows are padded to this
-# many, so that a token's projection does not depend on how many tokens share the matmul.
-# The trainer's `batch_invariant` used to; it now compiles with `ALIGNED_COMPILER_OPTIONS`
-# instead (no kernel switch from 2 rows on) and pads only to `ALIGNED_MIN_ROWS`. Not by
-# default: the engine decodes a handful of rows, and padding 8 rows to 64 made SmolLM2's
-# projections 1.8-2.3x slower (measured).
-MIN_MATMUL_ROWS = 64
-
 # The compiler options of programs whose float32 results must agree to the bit with other
 # programs' (the engine's and the trainer's in aligned mode: `rlax_inference.EngineConfig.aligned`,
 # `trainer.batch_invariant`). XLA:CPU (jax 0.10) lowers float32 and bfloat16 matmuls to a
 # YNNPACK fusion whose rounding of a row depends on the row count (measured on
 # [rows, 576] @ [576, 1536]: up to 7.6e-5 apart for 1-32 rows against 33 or more) and, for
-# attention's batched matmuls, on the query count at every size; with YNNPACK off, XLA's
-# Eigen dot gives every row the same bits for any row count from 2 on (one row takes a
-# matrix-vector path that rounds otherwise: `row_matmul` then pads to 2 rows, see
-# `ALIGNED_MIN_ROWS`). Other backends ignore the option.
+# attention's batched matmuls, on the query count at every size; with YNNPACK off XLA calls
+# its Eigen/oneDNN dot, which still rounds a row by the row count on some CPUs (below), so
+# aligned programs also multiply in `ALIGNED_ROW_BLOCK`-row blocks. Other backends ignore
+# the option.
 ALIGNED_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
-ALIGNED_MIN_ROWS = 2
+
+# A row's bits from XLA:CPU's dot depend on how many rows share the matmul. On an AVX-512
+# CPU (YNNPACK off) only a single row differed; on an AVX2 CPU (AMD EPYC, measured
+# 2026-12-03) the kernel works through six rows at a time, the one to three rows after the
+# last full group round otherwise (up to 2.7e-5 on [r, 576] @ [576, 1536]), and the split
+# into cache blocks moves with the row count (a [r, 576] @ [576, 192] row differed at every
+# count from 25 to 700 against 24 rows). Multiplying in blocks of exactly this many rows
+# (a loop over row blocks, the last zero-padded) gives every row the same bits whatever
+# the row count and the row's place, on both CPUs (measured on 1-400 rows at 7 offsets,
+# six shapes). 24 = four of AVX2's six-row groups, three of AVX-512's eight; a block of 6
+# rows rounded apart from one of 24, so the engine and the trainer must share the number.
+# Cost: 1.4-2.2x a single matmul's time on 4,096 rows (the weights are re-packed per
+# block), and the engine's decode pads its few rows up to 24; only aligned programs pay it.
+ALIGNED_ROW_BLOCK = 24
 _trace_settings = threading.local()
 
 
 @contextlib.contextmanager
-def padded_matmul_rows(rows: int) -> Iterator[None]:
-    """While tracing inside this block (this thread), `row_matmul` pads to `rows` rows (0: never)."""
-    previous = getattr(_trace_settings, "min_rows", 0)
-    _trace_settings.min_rows = rows
+def matmul_row_blocks(rows: int) -> Iterator[None]:
+    """While tracing inside this block (this thread), `row_matmul` multiplies in blocks of
+    exactly `rows` rows (0: one matmul over all rows)."""
+    previous = getattr(_trace_settings, "row_block", 0)
+    _trace_settings.row_block = rows
     try:
         yield
     finally:
-        _trace_settings.min_rows = previous
+        _trace_settings.row_block = previous
+
+
+def traced_row_block() -> int:
+    """The row block `matmul_row_blocks` set for this thread's tracing (0: none)."""
+    return int(getattr(_trace_settings, "row_block", 0))
 
 
 def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] float32 (operands as given); inside
-    `padded_matmul_rows(n)`, over at least n rows (zero rows added and dropped)."""
+    `matmul_row_blocks(n)`, as a loop over blocks of exactly n rows (zero rows added and
+    dropped), so that a row's bits do not depend on the other rows."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    min_rows = getattr(_trace_settings, "min_rows", 0)
-    if n < min_rows:
-        rows = jnp.pad(rows, ((0, min_rows - n), (0, 0)))
-    y = jnp.einsum("ri,io->ro", rows, w, preferred_element_type=jnp.float32)[:n]
+    block = traced_row_block()
+
+    def matmul(part: jax.Array) -> jax.Array:
+        return jnp.einsum("ri,io->ro", part, w, preferred_element_type=jnp.float32)
+
+    if block:
+        count = -(-n // block)
+        blocks = jnp.pad(rows, ((0, count * block - n), (0, 0))).reshape(count, block, -1)
+        looped: jax.Array = jax.lax.map(matmul, blocks)
+        y = looped.reshape(count * block, -1)[:n]
+    else:
+        y = matmul(rows)
     return y.reshape(*lead, w.shape[-1])
 
 

@@ -58,16 +58,15 @@ DENSE_LOGITS_ELEMENTS = 1 << 22
 
 
 def invariant_rows(fn: Any) -> Any:
-    """Trace `fn(spec, ...)` with one-row matmuls padded to `ALIGNED_MIN_ROWS` rows when the
+    """Trace `fn(spec, ...)` with matmuls in blocks of `ALIGNED_ROW_BLOCK` rows when the
     config asks for batch invariance (the spec is static: each setting compiles apart); the
-    update then compiles with `ALIGNED_COMPILER_OPTIONS`, whose matmuls round a row alike
-    for any row count from 2 on (XLA:CPU's default rounded rows of up to 32 otherwise, and
-    needed them padded to `MIN_MATMUL_ROWS`)."""
+    update then compiles with `ALIGNED_COMPILER_OPTIONS`. A row's bits then do not depend on
+    how many rows share its matmul (`rlax_model.layers.ALIGNED_ROW_BLOCK` says why blocks)."""
 
     @functools.wraps(fn)
     def traced(spec: UpdateSpec, *args: Any, **kwargs: Any) -> Any:
-        rows = rlax_model.layers.ALIGNED_MIN_ROWS if spec.config.batch_invariant else 0
-        with rlax_model.layers.padded_matmul_rows(rows):
+        rows = rlax_model.layers.ALIGNED_ROW_BLOCK if spec.config.batch_invariant else 0
+        with rlax_model.layers.matmul_row_blocks(rows):
             return fn(spec, *args, **kwargs)
 
     return traced
