@@ -11,13 +11,7 @@ from concurrent.futures import CancelledError
 import pytest
 
 from rlax_core.deadline_threads import DeadlineThreads, NoThread, Overloaded, WorkExited
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come true"
-        time.sleep(0.005)
+from rlax_core.testing import wait_until
 
 
 def test_results_errors_and_order():
@@ -56,7 +50,7 @@ def test_twenty_blocked_calls_never_shrink_the_capacity():
         assert threading.active_count() == before
     finally:
         release.set()
-    wait_for(lambda: threads.abandoned == 0)
+    wait_until(lambda: threads.abandoned == 0)
     assert threads.run(lambda: "again", timeout_s=10) == "again"
 
 
@@ -74,7 +68,7 @@ def test_a_busy_loop_is_interrupted():
     with pytest.raises(TimeoutError):
         threads.run(spin, timeout_s=0.05)
     assert stopped.wait(30)
-    wait_for(lambda: threads.abandoned == 0)
+    wait_until(lambda: threads.abandoned == 0)
 
 
 def test_a_waiting_call_is_dropped_and_never_runs():
@@ -111,7 +105,7 @@ def test_abandoning_at_the_moment_work_ends_leaks_nothing():
             future = threads.submit(short)
             time.sleep((i % 7) * 0.0001)
             threads.abandon(future)
-        wait_for(lambda: threads.abandoned == 0 and threads.running == 0)
+        wait_until(lambda: threads.abandoned == 0 and threads.running == 0)
     finally:
         threading.excepthook = old_hook
     assert escaped == []
@@ -140,4 +134,4 @@ def test_close_abandons_everything():
     with pytest.raises(RuntimeError, match="closed"):
         threads.submit(lambda: 1)
     release.set()
-    wait_for(lambda: threads.abandoned == 0)
+    wait_until(lambda: threads.abandoned == 0)

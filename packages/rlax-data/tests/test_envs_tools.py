@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from rlax_core.testing import wait_until
 from rlax_data.envs import (
     TOOL_ERROR_KINDS,
     CalculatorTool,
@@ -317,7 +318,7 @@ def test_hung_tools_give_back_their_slots_and_abandoned_threads_are_bounded():
     finally:
         release.set()
     # Once the hung calls return, their threads end and calls run again.
-    _wait_for(lambda: threads.abandoned == 0)
+    wait_until(lambda: threads.abandoned == 0)
     assert run_fake(lambda a: "ok", timeout_s=5.0, threads=threads) == ToolResult(text="ok", ok=True)
 
 
@@ -359,15 +360,6 @@ def test_a_busy_looping_tool_is_interrupted_after_its_deadline():
     # The abandoned thread got WorkAbandoned and ended: it no longer competes for the GIL.
     assert stopped.wait(30)
     assert run_fake(lambda a: "ok", timeout_s=5.0, threads=threads) == ToolResult(text="ok", ok=True)
-
-
-def _wait_for(condition, timeout_s: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not come true"
-        time.sleep(0.01)
 
 
 def test_a_hung_tool_does_not_hold_up_the_process_exit():

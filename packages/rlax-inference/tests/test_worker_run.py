@@ -11,7 +11,6 @@ import pathlib
 import select
 import socket
 import threading
-import time
 from typing import Any
 
 import jax
@@ -21,6 +20,7 @@ import zmq
 
 import rlax_protocol as rp
 from rlax_core.config import load_config
+from rlax_core.testing import wait_until
 from rlax_data.task_from_config import build_task
 from rlax_inference.worker_process import Worker
 from rlax_model import init_params
@@ -159,13 +159,6 @@ class Running:
         assert not self.thread.is_alive()
         self.pusher.close()
         assert not self.worker.errors, self.worker.errors
-
-
-def wait_until(condition: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 @pytest.fixture
