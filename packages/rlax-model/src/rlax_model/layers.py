@@ -171,12 +171,32 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, dtype: Any
     return y.astype(dtype or x.dtype)
 
 
+def project(
+    x: jax.Array, layer: dict[str, Any], name: str, bias: jax.Array | None = None, *, dtype: Any
+) -> jax.Array:
+    """The layer's linear map `name` of x, with its low-rank adapter when the layer has one.
+
+    x: [..., in] (compute dtype); layer[name]: [in, out]; bias: [out] or None. With
+    `layer["lora"][name]` = {"a": [in, r], "b": [r, out], "scale": []} (`rlax_model.lora`)
+    it is x @ W + scale * (x @ A) @ B, the adapter's product added in float32 before the one
+    rounding to `dtype`; without, exactly `linear`. Returns [..., out] in `dtype`.
+    """
+    adapter: dict[str, jax.Array] | None = layer.get("lora", {}).get(name)
+    if adapter is None:
+        return linear(x, layer[name], bias, dtype=dtype)
+    y = linear(x, layer[name], bias, dtype=jnp.float32)
+    low = row_matmul(x, adapter["a"].astype(x.dtype)).astype(x.dtype)  # [..., r]
+    y = y + adapter["scale"].astype(jnp.float32) * row_matmul(low, adapter["b"].astype(x.dtype))
+    return y.astype(dtype)
+
+
 def swiglu_mlp(x: jax.Array, layer: dict[str, Any]) -> jax.Array:
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). x: [batch, seq, hidden] (compute dtype).
 
     The matmuls take x.dtype operands; gate, up and their product stay float32 and are
     rounded once, as the input of `down`. Returns float32 (the residual stream's dtype).
+    Each projection goes through `project` (its adapter applied when the layer has one).
     """
-    gate = linear(x, layer["gate_proj"], dtype=jnp.float32)
-    up = linear(x, layer["up_proj"], dtype=jnp.float32)
-    return linear((jax.nn.silu(gate) * up).astype(x.dtype), layer["down_proj"], dtype=jnp.float32)
+    gate = project(x, layer, "gate_proj", dtype=jnp.float32)
+    up = project(x, layer, "up_proj", dtype=jnp.float32)
+    return project((jax.nn.silu(gate) * up).astype(x.dtype), layer, "down_proj", dtype=jnp.float32)

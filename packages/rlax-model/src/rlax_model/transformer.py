@@ -14,6 +14,7 @@ stored [in, out] so that `x @ w` applies them:
     layers/gate_proj [L, H, I]       layers/up_proj   [L, H, I]      layers/down_proj [L, I, H]
     final_norm       [H]
     lm_head          [H, V]          (absent when tie_word_embeddings: embed.T is used)
+    layers/lora/<name>/{a [L, in, r], b [L, r, out], scale [L]}  (optional: `rlax_model.lora`)
 
 Per-layer weights are stacked on a leading [L] axis so `forward` is one `jax.lax.scan`
 (compile time independent of depth).
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from rlax_model.attention import AttentionFn, dense_causal_attention
 from rlax_model.config import ModelConfig
-from rlax_model.layers import apply_rope, linear, rms_norm, rope_tables, row_matmul, swiglu_mlp
+from rlax_model.layers import apply_rope, project, rms_norm, rope_tables, row_matmul, swiglu_mlp
 
 Params = dict[str, Any]
 Remat = Literal["full", "nothing_saveable", "dots_saveable"] | None
@@ -117,9 +118,9 @@ def _decoder_layer(
     # they enter a matmul or the attention (whose K/V the engine caches in that dtype):
     # projections accumulate and leave in float32, RoPE, norms and residual adds run in float32.
     h = rms_norm(x, layer["attn_norm"], eps, dtype=cdt)
-    q = linear(h, layer["q_proj"], layer.get("q_bias"), dtype=f32).reshape(b, s, nh, d)
-    k = linear(h, layer["k_proj"], layer.get("k_bias"), dtype=f32).reshape(b, s, nkv, d)
-    v = linear(h, layer["v_proj"], layer.get("v_bias"), dtype=cdt).reshape(b, s, nkv, d)
+    q = project(h, layer, "q_proj", layer.get("q_bias"), dtype=f32).reshape(b, s, nh, d)
+    k = project(h, layer, "k_proj", layer.get("k_bias"), dtype=f32).reshape(b, s, nkv, d)
+    v = project(h, layer, "v_proj", layer.get("v_bias"), dtype=cdt).reshape(b, s, nkv, d)
     if config.qk_norm:
         q = rms_norm(q, layer["q_norm"], eps)
         k = rms_norm(k, layer["k_norm"], eps)
@@ -128,7 +129,7 @@ def _decoder_layer(
     attn, new_cache = attention(q, k, v, layer_cache, attention_context)
     if attn.shape != (b, s, nh, d):
         raise ValueError(f"attention returned shape {attn.shape}, expected {(b, s, nh, d)}")
-    x = x + linear(attn.astype(cdt).reshape(b, s, nh * d), layer["o_proj"], dtype=f32)
+    x = x + project(attn.astype(cdt).reshape(b, s, nh * d), layer, "o_proj", dtype=f32)
     x = x + swiglu_mlp(rms_norm(x, layer["mlp_norm"], eps, dtype=cdt), layer)
     return x, new_cache
 

@@ -45,7 +45,15 @@ from rlax_core.config.run_config import RunConfig
 from rlax_core.config.security import SecuritySection
 from rlax_core.config.show import render_config
 from rlax_core.config.supervisor import SupervisorSection
-from rlax_core.config.trainer import MESH_AXES, PRESETS, OptimizerConfig, TrainerSection, UpdateOptions
+from rlax_core.config.trainer import (
+    LORA_TARGET_GROUPS,
+    MESH_AXES,
+    PRESETS,
+    LoraConfig,
+    OptimizerConfig,
+    TrainerSection,
+    UpdateOptions,
+)
 from rlax_core.config.verifier import VerifierSection
 from rlax_core.config.workers import WorkersSection
 
@@ -67,6 +75,8 @@ __all__ = [
     "HealthCheckSection",
     "LauncherSection",
     "ModelSection",
+    "LORA_TARGET_GROUPS",
+    "LoraConfig",
     "OptimizerConfig",
     "ParamServerSection",
     "RoleResources",

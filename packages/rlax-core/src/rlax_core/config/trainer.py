@@ -89,6 +89,57 @@ class OptimizerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         )
 
 
+# The decoder's linear layers by name (as Hugging Face and PEFT name them), and the groups a
+# LoRA `targets` entry may name instead.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGET_GROUPS = {
+    "attention": ATTENTION_PROJECTIONS,
+    "mlp": MLP_PROJECTIONS,
+    "all-linear": ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
+}
+
+
+class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Low-rank adapters on a frozen base (`rlax_model.lora`): each target W [in, out]
+    computes x @ W + (alpha / rank) * (x @ A) @ B, A [in, rank], B [rank, out].
+
+    - `rank`, `alpha`: the adapters' rank and scale numerator (scale = alpha / rank).
+    - `targets`: linear layers by name (`q_proj`, ..., `down_proj`) or group (`attention`,
+      `mlp`, `all-linear`). Default all linear layers: for policy-gradient RL the published
+      comparisons ("LoRA Without Regret") found attention-only adapters behind and
+      all-layer ones on par with full fine-tuning.
+    - `dropout`: dropout on the adapters' input while training; 0 by default, because in RL
+      it makes the trained policy differ from the one that sampled.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("all-linear",)
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        check(self.rank >= 1, "rank", self.rank, "must be an int >= 1")
+        check(
+            math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "must be a finite number > 0"
+        )
+        check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "must be in [0, 1)")
+        check(len(self.targets) > 0, "targets", self.targets, "must name at least one layer or group")
+        known = set(LORA_TARGET_GROUPS) | set(LORA_TARGET_GROUPS["all-linear"])
+        for target in self.targets:
+            check(target in known, "targets", target, f"must be one of {sorted(known)}")
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: the adapters' product is multiplied by it."""
+        return self.alpha / self.rank
+
+    def target_names(self) -> tuple[str, ...]:
+        """The targeted linear layers, groups expanded, in the decoder's order."""
+        named = {n for t in self.targets for n in LORA_TARGET_GROUPS.get(t, (t,))}
+        return tuple(n for n in LORA_TARGET_GROUPS["all-linear"] if n in named)
+
+
 class UpdateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How one update is computed from a batch of rollouts.
 
