@@ -14,6 +14,7 @@ import argparse
 import inspect
 import pathlib
 import sys
+import types
 import typing
 
 import msgspec
@@ -46,13 +47,24 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
     return f"`{msgspec.json.encode(msgspec.to_builtins(value)).decode()}`"
 
 
+def _struct_of(annotation: object) -> type | None:
+    """The struct a field holds: its type, or the struct of an optional one (`X | None`)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    for candidate in (annotation, *options):
+        if isinstance(candidate, type) and issubclass(candidate, msgspec.Struct):
+            return candidate
+    return None
+
+
 def _rows(struct: type, prefix: str) -> tuple[list[str], list[tuple[str, type]]]:
     rows, nested = [], []
     for field in msgspec.structs.fields(struct):
         name = f"{prefix}{field.name}"
-        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
-            nested.append((name, field.type))
-        rows.append(f"| `{name}` | {_type_name(field.type)} | {_default(field)} |")
+        inner = _struct_of(field.type)
+        if inner is not None:
+            nested.append((name, inner))
+        kind = _type_name(field.type) if inner is field.type or inner is None else f"{inner.__name__} \\| None"
+        rows.append(f"| `{name}` | {kind} | {_default(field)} |")
     return rows, nested
 
 

@@ -177,17 +177,17 @@ def project(
     """The layer's linear map `name` of x, with its low-rank adapter when the layer has one.
 
     x: [..., in] (compute dtype); layer[name]: [in, out]; bias: [out] or None. With
-    `layer["lora"][name]` = {"a": [in, r], "b": [r, out], "scale": []} (`rlax_model.lora`)
-    it is x @ W + scale * (x @ A) @ B, the adapter's product added in float32 before the one
-    rounding to `dtype`; without, exactly `linear`. Returns [..., out] in `dtype`.
+    `layer["lora"][name]` = {"a": [in, r], "b": [r, out]} (B times the adapter's scale:
+    `rlax_model.lora.with_adapters`) it is x @ W + (x @ A) @ B, the adapter's product added
+    in float32 before the one rounding to `dtype`; without, exactly `linear`.
+    Returns [..., out] in `dtype`.
     """
     adapter: dict[str, jax.Array] | None = layer.get("lora", {}).get(name)
     if adapter is None:
         return linear(x, layer[name], bias, dtype=dtype)
     y = linear(x, layer[name], bias, dtype=jnp.float32)
     low = row_matmul(x, adapter["a"].astype(x.dtype)).astype(x.dtype)  # [..., r]
-    y = y + adapter["scale"].astype(jnp.float32) * row_matmul(low, adapter["b"].astype(x.dtype))
-    return y.astype(dtype)
+    return (y + row_matmul(low, adapter["b"].astype(x.dtype))).astype(dtype)
 
 
 def swiglu_mlp(x: jax.Array, layer: dict[str, Any]) -> jax.Array:

@@ -12,7 +12,7 @@ A target W [in, out] (stacked [L, in, out] over the layers) computes
 Two ways to run them:
 - unmerged, `with_adapters(params, adapters, scale)`: the forward applies each adapter as
   the low-rank path (`layers.project`); gradients reach only A and B, and the trainer never
-  forms a full weight's gradient. Switching versions swaps kilobytes.
+  forms a full weight's gradient.
 - merged, `merge_adapters(params, adapters, scale)`: W + scale * A @ B per target, a plain
   parameter tree: decoding costs what the base costs.
 """
@@ -82,12 +82,14 @@ def _check(params: Params, adapters: Adapters) -> None:
 
 
 def with_adapters(params: Params, adapters: Adapters, scale: float) -> Params:
-    """`params` with the adapters attached unmerged (`layers/lora`); the base's arrays are
-    shared, not copied. The forward then computes every target with its low-rank path."""
+    """`params` with the adapters attached unmerged (`layers/lora/<name>/{a, b}`, b already
+    multiplied by `scale`: no extra leaf, and a cast of the tree to a 16-bit compute dtype
+    cannot round the scale apart from B); the base's arrays are shared, not copied. The
+    forward then computes every target with its low-rank path (`layers.project`);
+    differentiating through this function gives the adapters' own gradients."""
     _check(params, adapters)
-    num_layers = next(iter(params["layers"].values())).shape[0]
     lora = {
-        name: {"a": adapter["a"], "b": adapter["b"], "scale": jnp.full((num_layers,), scale, jnp.float32)}
+        name: {"a": adapter["a"], "b": adapter["b"] * jnp.asarray(scale, adapter["b"].dtype)}
         for name, adapter in adapters.items()
     }
     return {**params, "layers": {**params["layers"], "lora": lora}}

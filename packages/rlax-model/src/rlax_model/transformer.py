@@ -14,7 +14,7 @@ stored [in, out] so that `x @ w` applies them:
     layers/gate_proj [L, H, I]       layers/up_proj   [L, H, I]      layers/down_proj [L, I, H]
     final_norm       [H]
     lm_head          [H, V]          (absent when tie_word_embeddings: embed.T is used)
-    layers/lora/<name>/{a [L, in, r], b [L, r, out], scale [L]}  (optional: `rlax_model.lora`)
+    layers/lora/<name>/{a [L, in, r], b [L, r, out]}  (optional adapters: `rlax_model.lora`)
 
 Per-layer weights are stacked on a leading [L] axis so `forward` is one `jax.lax.scan`
 (compile time independent of depth).

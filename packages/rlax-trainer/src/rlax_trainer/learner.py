@@ -20,11 +20,13 @@ import optax
 from jax.sharding import Mesh
 
 import rlax_model
+import rlax_model.lora
 from rlax_trainer.buffer import RolloutBatch
 from rlax_trainer.config import LearnerConfig, learning_rate_schedule, make_optimizer
 from rlax_trainer.learner_compile import CompiledUpdates
 from rlax_trainer.learner_passes import UpdateSpec, compute_dtype, sampler_logprobs
 from rlax_trainer.learner_update import (
+    FrozenParams,
     TrainState,
     batch_update,
     batch_update_jit,
@@ -37,6 +39,9 @@ from rlax_trainer.padding import trim_to_bucket
 from rlax_trainer.sharding import batch_sharding, param_sharding, put_global, replicated, to_host
 
 __all__ = ["Learner", "TrainState", "batch_arrays", "minibatch_order", "sampler_logprobs"]
+
+
+_merge = jax.jit(rlax_model.lora.merge_adapters, static_argnums=2)
 
 
 def batch_arrays(batch: RolloutBatch) -> dict[str, np.ndarray]:
@@ -80,22 +85,35 @@ class Learner:
         self.uses_value = obj is not None and obj.value is not None
         self.uses_reference = obj is not None and obj.kl.coef > 0
         # Copies: the update donates its state, which must never alias the caller's arrays.
-        master = {"policy": jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)}
+        self.lora = config.lora
+        base = None
+        if self.lora is None:
+            master = {"policy": jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)}
+        else:
+            # The frozen base in the compute dtype (the passes would cast it to that anyway):
+            # no float32 master, gradient or optimizer state of it. Fresh adapters (B = 0)
+            # leave the policy at the base to the bit.
+            base = jax.tree.map(lambda x: jnp.array(x, compute_dtype(config), copy=True), params)
+            key = jax.random.fold_in(jax.random.key(seed), 1)  # apart from the state's key
+            master = {"lora": rlax_model.lora.init_adapters(self.model_config, self.lora, key)}
         if self.uses_value:
             master["value"] = {
                 "w": jnp.zeros((model_config.hidden_size,), jnp.float32),
                 "b": jnp.zeros((), jnp.float32),
             }
         ref = None
-        if self.uses_reference:
+        if self.uses_reference and base is not None and reference_params is None:
+            ref = base  # the policy with its adapters off: no second copy of the model
+        elif self.uses_reference:
             src = params if reference_params is None else reference_params
             ref = jax.tree.map(lambda x: jnp.array(x, compute_dtype(config), copy=True), src)
         rng = jax.random.key_data(jax.random.key(seed))
         if mesh is None:
-            self._param_sh = self._ref_sh = self._opt_sh = self._state_sh = None
+            self._param_sh = self._ref_sh = self._base_sh = self._opt_sh = self._state_sh = None
             opt_state = jax.jit(self.optimizer.init)(master)
             self.state = TrainState(master, opt_state, jnp.zeros((), jnp.int32), rng)
             self.reference_params = ref
+            self.base = base
         else:
             rep = replicated(mesh)
             self._param_sh = param_sharding(master, mesh)
@@ -115,6 +133,10 @@ class Learner:
             )
             self._ref_sh = None if ref is None else param_sharding(ref, mesh)
             self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
+            self._base_sh = None if base is None else param_sharding(base, mesh)
+            self.base = None if base is None else put_global(base, self._base_sh)
+            if ref is base and base is not None:
+                self.reference_params = self.base
         self._update_fn = self._compile_update()
         # Compiled ahead of the call, so that compile time is measured apart from the step.
         self._programs = CompiledUpdates()
@@ -129,7 +151,11 @@ class Learner:
         rep = replicated(self.mesh)
         return jax.jit(
             functools.partial(batch_update, spec),
-            in_shardings=(self._state_sh, self._ref_sh, batch_sharding(self.mesh)),
+            in_shardings=(
+                self._state_sh,
+                FrozenParams(self._ref_sh, self._base_sh),
+                batch_sharding(self.mesh),
+            ),
             out_shardings=(self._state_sh, rep),
             donate_argnums=(0,),
             compiler_options=rlax_model.layers.ALIGNED_COMPILER_OPTIONS if aligned else None,
@@ -166,7 +192,7 @@ class Learner:
         with self.busy() as waited:
             self.last_compile_seconds += waited
             before = jax.tree.leaves(self.state.params)
-            self.state, metrics = executable(self.state, self.reference_params, arrays)
+            self.state, metrics = executable(self.state, self.frozen, arrays)
             out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         # The update donates the state: a master buffer something else still referenced (a
         # zero-copy host view, e.g. of a push in flight) cannot be donated, and XLA allocates
@@ -229,13 +255,18 @@ class Learner:
         rep = replicated(self.mesh)
         return {k: rep if k.startswith("pk_") or k == "order" else batch_sharding(self.mesh) for k in arrays}
 
-    def _lower(self, arrays: dict[str, Any], state: Any = None, reference: Any = None) -> Any:
+    @property
+    def frozen(self) -> FrozenParams:
+        """What the update reads and does not train: the KL reference and the LoRA base."""
+        return FrozenParams(self.reference_params, self.base)
+
+    def _lower(self, arrays: dict[str, Any], state: Any = None, frozen: Any = None) -> Any:
         state = self.state if state is None else state
-        reference = self.reference_params if reference is None else reference
+        frozen = self.frozen if frozen is None else frozen
         fn = self._update_fn
         if isinstance(fn, functools.partial) and fn.func in (batch_update_jit, batch_update_jit_aligned):
-            return fn.func.lower(fn.args[0], state, reference, arrays)
-        return fn.lower(state, reference, arrays)
+            return fn.func.lower(fn.args[0], state, frozen, arrays)
+        return fn.lower(state, frozen, arrays)
 
     def precompile(self, seq_lens: list[int]) -> list[concurrent.futures.Future[Any]]:
         """Compile the update for batches padded to each of `seq_lens` in a background
@@ -249,7 +280,7 @@ class Learner:
 
         b = self.config.global_batch
         state = jax.tree.map(abstract, self.state)  # the live state is donated by each update
-        reference = jax.tree.map(abstract, self.reference_params)
+        frozen = jax.tree.map(abstract, self.frozen)
         started = []
         # Packed batches keep the length they were padded to (the longest) and run at one of
         # a few row lengths; padded ones at their length bucket.
@@ -271,7 +302,7 @@ class Learner:
             arrays = {
                 k: abstract(v, None if shardings is None else shardings[k]) for k, v in laid_out.items()
             }
-            future = self._programs.start(arrays, functools.partial(self._lower, arrays, state, reference))
+            future = self._programs.start(arrays, functools.partial(self._lower, arrays, state, frozen))
             if future is not None:
                 started.append(future)
         return started
@@ -308,12 +339,19 @@ class Learner:
         return int(jax.device_get(self.state.step))
 
     def policy_params(self) -> Any:
-        """The float32 master weights of the policy (global arrays)."""
-        return self.state.params["policy"]
+        """The float32 weights of the policy (global arrays): the masters, or under `lora`
+        the base with the adapters merged in (`rlax_model.lora.merge_adapters`)."""
+        if self.lora is None:
+            return self.state.params["policy"]
+        base = jax.tree.map(lambda x: x.astype(jnp.float32), self.base)
+        return _merge(base, self.state.params["lora"], self.lora.scale)
 
     def host_params(self) -> Any:
-        """All trainable params as numpy on this process (gathered across processes)."""
-        return to_host(self.state.params)
+        """The params as numpy on this process (gathered across processes): the trainable
+        ones, with "policy" the merged weights under `lora` (its "lora" adapters beside)."""
+        if self.lora is None:
+            return to_host(self.state.params)
+        return to_host({**self.state.params, "policy": self.policy_params()})
 
     def load_state(self, state: TrainState) -> None:
         """Replace the train state (e.g. restored from a checkpoint); re-shards it onto the mesh."""

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import rlax_model
+import rlax_model.lora
 from rlax_model.logprobs import head_logprobs
 from rlax_trainer.config import LearnerConfig
 
@@ -23,6 +24,7 @@ __all__ = [
     "UpdateSpec",
     "compute_dtype",
     "invariant_rows",
+    "with_base",
     "logprob_chunk_size",
     "packed_hidden",
     "packed_outputs",
@@ -70,6 +72,18 @@ def invariant_rows(fn: Any) -> Any:
             return fn(spec, *args, **kwargs)
 
     return traced
+
+
+def with_base(spec: UpdateSpec, params: Any, base: Any) -> Any:
+    """The update's trainable params as the passes take them: `params` itself, or under
+    `lora` ({"lora": adapters, ...} trained, `base` frozen) the same with "policy" = the
+    base with the adapters attached unmerged (`rlax_model.lora.with_adapters`). `base` is
+    a constant of the loss, so gradients reach only the adapters."""
+    lora = spec.config.lora
+    if lora is None:
+        return params
+    rest = {k: v for k, v in params.items() if k != "lora"}
+    return {**rest, "policy": rlax_model.lora.with_adapters(base, params["lora"], lora.scale)}
 
 
 def _attention(spec: UpdateSpec) -> Any:

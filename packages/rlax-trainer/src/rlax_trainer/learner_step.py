@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import optax
 
 from rlax_trainer.config import LearnerConfig, make_optimizer
-from rlax_trainer.learner_passes import PACKED_ROW_FIELDS, UpdateSpec, packed_outputs, policy_outputs
+from rlax_trainer.learner_passes import (
+    PACKED_ROW_FIELDS,
+    UpdateSpec,
+    packed_outputs,
+    policy_outputs,
+    with_base,
+)
 from rlax_trainer.objective import objective_loss
 
 __all__ = ["micro_batch_loss", "micro_view", "minibatch_step", "packed_minibatch_step"]
@@ -36,10 +42,12 @@ def micro_view(x: jax.Array, n_micro: int) -> jax.Array:
 
 
 def micro_batch_loss(
-    spec: UpdateSpec, params: Any, mb: dict[str, jax.Array], scale: float
+    spec: UpdateSpec, params: Any, mb: dict[str, jax.Array], scale: float, base: Any = None
 ) -> tuple[jax.Array, LossAux]:
-    """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1]))."""
-    lp, ent, values = policy_outputs(spec, params, mb["tokens"], mb["valid"], mb["mask"] > 0)
+    """(loss * scale, (metrics, this pass's log-probs without gradient [rows, T-1])).
+    base: the frozen base under `lora` (`with_base`), else None."""
+    full = with_base(spec, params, base)
+    lp, ent, values = policy_outputs(spec, full, mb["tokens"], mb["valid"], mb["mask"] > 0)
     return _objective(spec, mb, mb["mask"], mb["weights"], lp, ent, values, scale)
 
 
@@ -89,13 +97,15 @@ def _packed_loss(
     j: jax.Array,
     mb: dict[str, jax.Array],
     scale: float,
+    base: Any = None,
 ) -> tuple[jax.Array, LossAux]:
     """The objective of the rollouts packed in row j of minibatch `mb` (its padded-layout
     arrays and `pk_seq_row`/`pk_source`): the other rollouts are masked out, so the sum over
     the rows used is the minibatch's objective (every built-in loss adds up over rollouts)."""
     here = (mb["pk_seq_row"] == j)[:, None]
     mask = mb["mask"] * here
-    lp, ent, values, _ = packed_outputs(spec, params, row, mb["pk_source"], mb["tokens"][:, 1:], mask > 0)
+    full = with_base(spec, params, base)
+    lp, ent, values, _ = packed_outputs(spec, full, row, mb["pk_source"], mb["tokens"][:, 1:], mask > 0)
     return _objective(spec, mb, mask, mb["weights"] * here, lp, ent, values, scale)
 
 
@@ -123,13 +133,14 @@ def _merge_metrics(
 
 
 def packed_minibatch_step(
-    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array]
+    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array], *, base: Any = None
 ) -> tuple[StepCarry, dict[str, jax.Array]]:
     """`minibatch_step` over packed rows: one forward/backward pass per row used."""
     params, opt_state = carry
     cfg = spec.config
     b = mb["tokens"].shape[0]
-    grad_fn = jax.grad(functools.partial(_packed_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
+    loss = functools.partial(_packed_loss, spec, scale=float(cfg.minibatches), base=base)
+    grad_fn = jax.grad(loss, has_aux=True)
 
     def row(j: jax.Array | int) -> dict[str, jax.Array]:
         return {k: mb[f"pk_{k}"][j] for k in PACKED_ROW_FIELDS}
@@ -180,13 +191,16 @@ def _apply_gradients(
 
 
 def minibatch_step(
-    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array]
+    spec: UpdateSpec, carry: StepCarry, mb: dict[str, jax.Array], *, base: Any = None
 ) -> tuple[StepCarry, dict[str, jax.Array]]:
+    """One optimizer step over a minibatch, in micro-batches (gradients accumulated).
+    base: the frozen base under `lora` (the carry's params are then the adapters)."""
     params, opt_state = carry
     cfg = spec.config
     n_micro = mb["tokens"].shape[0] // cfg.micro
     micro = jax.tree.map(lambda x: micro_view(x, n_micro), mb)
-    grad_fn = jax.grad(functools.partial(micro_batch_loss, spec, scale=float(cfg.minibatches)), has_aux=True)
+    loss = functools.partial(micro_batch_loss, spec, scale=float(cfg.minibatches), base=base)
+    grad_fn = jax.grad(loss, has_aux=True)
 
     def body(
         acc: Any, xs: dict[str, jax.Array]

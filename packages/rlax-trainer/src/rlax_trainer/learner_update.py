@@ -34,17 +34,26 @@ from rlax_trainer.learner_passes import (
     reference_logprobs,
     sampler_logprobs_of_hidden,
     sampler_old_logprobs,
+    with_base,
 )
 from rlax_trainer.learner_step import micro_view, minibatch_step, packed_minibatch_step
 from rlax_trainer.objective import prepare_batch
 
-__all__ = ["TrainState", "batch_update", "batch_update_jit", "batch_update_jit_aligned", "minibatch_order"]
+__all__ = [
+    "FrozenParams",
+    "TrainState",
+    "batch_update",
+    "batch_update_jit",
+    "batch_update_jit_aligned",
+    "minibatch_order",
+]
 
 sg = jax.lax.stop_gradient
 
 
 class TrainState(NamedTuple):
-    """params: {"policy": model params, optionally "value": {"w": [H], "b": []}}, float32 masters."""
+    """params: {"policy": model params, optionally "value": {"w": [H], "b": []}}, float32
+    masters; under `lora`, {"lora": `rlax_model.lora.Adapters`, ...} in place of "policy"."""
 
     params: Any
     opt_state: Any
@@ -139,35 +148,42 @@ def _reuses_policy_pass(spec: UpdateSpec, has_values: bool, has_ref: bool) -> bo
     return cfg.mode == "rl" and cfg.minibatches == 1 and not has_values and not has_ref
 
 
+class FrozenParams(NamedTuple):
+    """What an update reads and never trains: the KL reference's params (None without a KL
+    term) and, under `lora`, the base the adapters sit on (None otherwise; with both, the
+    reference is the base: the same arrays)."""
+
+    reference: Any
+    base: Any
+
+
 @invariant_rows
 def batch_update(
-    spec: UpdateSpec, state: TrainState, ref: Any, batch: dict[str, jax.Array]
+    spec: UpdateSpec, state: TrainState, frozen: FrozenParams, batch: dict[str, jax.Array]
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One update -> (the next TrainState, metrics {name: scalar}).
 
-    ref: the KL reference's params or None. batch: tokens, valid [B, S]; mask,
+    frozen: `FrozenParams`. batch: tokens, valid [B, S]; mask,
     worker_logprobs [B, S-1]; rewards, versions [B]; when packed, also the host's row
     `order` [B] and the packing's `pk_*` arrays ([minibatches, ...])."""
     cfg = spec.config
+    ref, base = frozen
     b = batch["tokens"].shape[0]
     mask = batch["mask"]
     n_micro_all = b // cfg.micro
+    current = with_base(spec, sg(state.params), base)  # the policy before the update
 
     # (1) pi_old (and values, reference) by the trainer's own forward pass, no gradient.
     def old_body(_: None, xs: dict[str, jax.Array]) -> tuple[None, dict[str, jax.Array]]:
         scored = xs["mask"] > 0
-        lp, ent, values = policy_outputs(
-            spec, sg(state.params), xs["tokens"], xs["valid"], scored, remat=False
-        )
+        lp, ent, values = policy_outputs(spec, current, xs["tokens"], xs["valid"], scored, remat=False)
         out = {"old_logprobs": lp, "old_entropy": ent}
         if values is not None:
             out["old_values"] = values
         if ref is not None:
             out["ref_logprobs"] = reference_logprobs(spec, ref, xs["tokens"], xs["valid"], scored)
         if cfg.mode == "rl" and cfg.truncated_sampling:
-            out["sampler_old_logprobs"] = sampler_old_logprobs(
-                spec, sg(state.params), xs["tokens"], xs["valid"]
-            )
+            out["sampler_old_logprobs"] = sampler_old_logprobs(spec, current, xs["tokens"], xs["valid"])
         return None, out
 
     reuse = _reuses_policy_pass(spec, has_values="value" in state.params, has_ref=ref is not None)
@@ -189,7 +205,7 @@ def batch_update(
     old: dict[str, jax.Array] = {}
     if not reuse and packed:
         dealt = deal({k: batch[k] for k in ("tokens", "mask")})
-        old = jax.lax.map(lambda mb: _packed_old_outputs(spec, state.params, ref, mb), dealt)
+        old = jax.lax.map(lambda mb: _packed_old_outputs(spec, current, ref, mb), dealt)
         back = jnp.argsort(row_order)  # minibatch order -> batch order
         old = jax.tree.map(lambda x: x.reshape(b, *x.shape[2:])[back], old)
     elif not reuse:
@@ -230,7 +246,7 @@ def batch_update(
     # (2) minibatches: rows (or whole groups) shuffled with the state's key.
     step_fn = packed_minibatch_step if packed else minibatch_step
     (params, opt_state), mb_metrics = jax.lax.scan(
-        functools.partial(step_fn, spec), (state.params, state.opt_state), deal(rows)
+        functools.partial(step_fn, spec, base=base), (state.params, state.opt_state), deal(rows)
     )
     pass_logprobs = mb_metrics.pop("logprobs")  # [minibatches, rows, T-1]
     if reuse:  # one minibatch in batch order: the gradient pass's log-probs are pi_old's

@@ -109,21 +109,20 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
       `mlp`, `all-linear`). Default all linear layers: for policy-gradient RL the published
       comparisons ("LoRA Without Regret") found attention-only adapters behind and
       all-layer ones on par with full fine-tuning.
-    - `dropout`: dropout on the adapters' input while training; 0 by default, because in RL
-      it makes the trained policy differ from the one that sampled.
+    No adapter dropout (PEFT's `lora_dropout`): in RL it makes the policy the update
+    differentiates differ from the one that sampled and that pi_old is computed with, so
+    on-policy ratios are no longer exactly 1.
     """
 
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = ("all-linear",)
-    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         check(self.rank >= 1, "rank", self.rank, "must be an int >= 1")
         check(
             math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "must be a finite number > 0"
         )
-        check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "must be in [0, 1)")
         check(len(self.targets) > 0, "targets", self.targets, "must name at least one layer or group")
         known = set(LORA_TARGET_GROUPS) | set(LORA_TARGET_GROUPS["all-linear"])
         for target in self.targets:
@@ -174,6 +173,10 @@ class UpdateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
       rollouts of 47-token prompts: the packed update 1.4x the time and 3.2x the temporary
       memory on 512-token rows. Off, a rollout's log-probs move with its padding, batch
       and row by up to ~3e-6.
+    - `lora`: train low-rank adapters on a frozen base (`LoraConfig`; null: every weight).
+      Gradients, optimizer state and checkpoints then hold only the adapters, and the KL
+      reference (when the objective has one) is the base itself. Published versions are
+      still the merged full weights (adapter-only versions are not built yet).
     """
 
     micro_batch: int = 0
@@ -183,6 +186,7 @@ class UpdateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     packing: bool = True
     pack_length: int = 0
     batch_invariant: bool = False
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         check(self.micro_batch >= 0, "micro_batch", self.micro_batch, "must be >= 0 (0: whole minibatch)")
