@@ -49,7 +49,11 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
 
 def _struct_of(annotation: object) -> type | None:
     """The struct a field holds: its type, or the struct of an optional one (`X | None`)."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    options = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else ()
+    )
     for candidate in (annotation, *options):
         if isinstance(candidate, type) and issubclass(candidate, msgspec.Struct):
             return candidate
@@ -63,7 +67,9 @@ def _rows(struct: type, prefix: str) -> tuple[list[str], list[tuple[str, type]]]
         inner = _struct_of(field.type)
         if inner is not None:
             nested.append((name, inner))
-        kind = _type_name(field.type) if inner is field.type or inner is None else f"{inner.__name__} \\| None"
+        kind = (
+            _type_name(field.type) if inner is field.type or inner is None else f"{inner.__name__} \\| None"
+        )
         rows.append(f"| `{name}` | {kind} | {_default(field)} |")
     return rows, nested
 

@@ -118,8 +118,15 @@ def train(
                 reply = client.call(BatchRequest(trainer_step=step, metrics=metrics or {"loss": 0.5}))
             except ProtocolTimeoutError:
                 # A busy controller (it draws the summary plot at the end; two loaded cores)
-                # is asked again for as long as it runs; one that stopped never answers.
+                # is asked again for as long as it runs. One that stopped with exit code 0
+                # completed the run: its RunComplete came after this call had given up (the
+                # link was reset, so the reply was dropped), and it waits only
+                # stop_after_complete_s for a second ask. The caller's checks of the trained
+                # steps still catch a run that ended early.
                 thread = controller.thread
+                thread.join(timeout=5)
+                if not thread.is_alive() and controller.error is None and controller.code == 0:
+                    break
                 assert thread.is_alive(), f"the controller stopped at step {step}: {controller.error!r}"
                 continue
             if isinstance(reply, RunComplete):

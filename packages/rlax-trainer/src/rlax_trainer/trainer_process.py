@@ -182,7 +182,7 @@ class TrainerLoop:
             self.learner = Learner(
                 self.model_config, self.rl_config, params, mesh=self.mesh, seed=config.run.seed
             )
-            if self.learner.uses_reference:
+            if self.learner.uses_reference and self.learner.lora is None:  # under lora: the base
                 reference_store.save(self.learner.state, version=0)
                 reference_store.wait()
             self.checkpoints.save(self.learner.state, version=0, extra={"rollout_ids": []})
@@ -192,7 +192,8 @@ class TrainerLoop:
         else:
             state, info = restored
             reference = None
-            if uses_reference:
+            # Under lora the reference is the base, rebuilt from `init` as at the start.
+            if uses_reference and template.lora is None:
                 found = reference_store.restore(template.state)
                 if found is None:
                     raise RuntimeError(f"{reference_store.directory}: the KL reference weights are missing")

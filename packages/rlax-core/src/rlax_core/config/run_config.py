@@ -67,6 +67,13 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
             self.agent.where,
             "needs verifier.mode: service (the environments then run in the verifier service)",
         )
+        check(
+            self.trainer.lora is None or self.trainer.sft_steps == 0,
+            "trainer.sft_steps",
+            self.trainer.sft_steps,
+            "must be 0 with trainer.lora: the adapters' base would be the SFT result, which a "
+            "resumed trainer does not rebuild (not supported yet)",
+        )
         if self.controller.versions == "pinned":
             lag = self.pinned_lag
             check(
