@@ -25,18 +25,48 @@ def reward(prompt: int, completion: np.ndarray) -> float:
     return float((completion == TARGETS[prompt]).mean())
 
 
+CONFIG = rlax_model.ModelConfig.tiny(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    bos_token_id=BOS,
+    eos_token_id=None,
+)
+
+
+def generate_and_score(engine: LLMEngine, learner: Learner, buffer: RolloutBuffer, step: int) -> float:
+    """One group of G samples per prompt from the engine (seeded by `step`), scored and added
+    to `buffer`; every sample must come from the learner's current version. -> mean reward."""
+    prompts = [[BOS, p] for p in range(PROMPTS)]
+    outs = engine.generate(prompts, SamplingParams(n=G, temperature=1.0, max_tokens=LEN, seed=1000 + step))
+    rewards = []
+    for p, out in enumerate(outs):
+        assert out.weight_version == learner.step
+        group = []
+        for j, c in enumerate(out.outputs):
+            r = reward(p, np.asarray(c.tokens))
+            rewards.append(r)
+            group.append(
+                Rollout(
+                    prompt_id=f"p{p}",
+                    group_index=j,
+                    prompt_token_ids=tuple(prompts[p]),
+                    completion_token_ids=tuple(c.tokens),
+                    worker_logprobs=tuple(c.logprobs),
+                    policy_version=out.weight_version,
+                    reward=r,
+                )
+            )
+        buffer.add(group, current_version=learner.step)
+    return float(np.mean(rewards))
+
+
 def test_grpo_learns_digit_patterns():
-    config = rlax_model.ModelConfig.tiny(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        bos_token_id=BOS,
-        eos_token_id=None,
-    )
+    config = CONFIG
     params = rlax_model.init_params(config, jax.random.key(0))
     cfg = LearnerConfig(
         objective=preset("grpo", kl={"coef": 0.0}),
@@ -50,32 +80,9 @@ def test_grpo_learns_digit_patterns():
         config, params, EngineConfig(block_size=4, num_blocks=256, max_num_seqs=PROMPTS * G, max_model_len=16)
     )
     buffer = RolloutBuffer(group_size=G, max_staleness=0)
-    prompts = [[BOS, p] for p in range(PROMPTS)]
     history = []
     for step in range(150):
-        outs = engine.generate(
-            prompts, SamplingParams(n=G, temperature=1.0, max_tokens=LEN, seed=1000 + step)
-        )
-        step_rewards = []
-        for p, out in enumerate(outs):
-            assert out.weight_version == learner.step
-            group = []
-            for j, c in enumerate(out.outputs):
-                r = reward(p, np.asarray(c.tokens))
-                step_rewards.append(r)
-                group.append(
-                    Rollout(
-                        prompt_id=f"p{p}",
-                        group_index=j,
-                        prompt_token_ids=tuple(prompts[p]),
-                        completion_token_ids=tuple(c.tokens),
-                        worker_logprobs=tuple(c.logprobs),
-                        policy_version=out.weight_version,
-                        reward=r,
-                    )
-                )
-            buffer.add(group, current_version=learner.step)
-        history.append(float(np.mean(step_rewards)))
+        history.append(generate_and_score(engine, learner, buffer, step))
         metrics = learner.update(collate(buffer.take(PROMPTS, learner.step), pad_id=0))
         # One model definition on both sides: the engine's logprobs match the trainer's own pass.
         assert metrics["logprob_delta_max"] < 1e-3, metrics

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from test_learning import BOS, LEN, PROMPTS, VOCAB, G, reward
+from test_learning import CONFIG, PROMPTS, G, generate_and_score
 
 import rlax_model
 from rlax_core.config import LoraConfig
-from rlax_inference import EngineConfig, LLMEngine, SamplingParams
-from rlax_protocol import Rollout
+from rlax_inference import EngineConfig, LLMEngine
 from rlax_trainer import Learner, LearnerConfig, OptimizerConfig, RolloutBuffer, collate, preset
-
-CONFIG = rlax_model.ModelConfig.tiny(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=8, bos_token_id=BOS, eos_token_id=None,
-)  # fmt: skip
 
 
 def nbytes(tree) -> int:
@@ -28,26 +22,6 @@ def grpo(lora: LoraConfig | None, lr: float, **kw) -> LearnerConfig:
         objective=preset("grpo", **kw), group_size=G, global_batch=PROMPTS * G, minibatches=2,
         optimizer=OptimizerConfig(lr=lr, max_grad_norm=1.0), lora=lora,
     )  # fmt: skip
-
-
-def generate_and_score(engine, learner, buffer, step):
-    prompts = [[BOS, p] for p in range(PROMPTS)]
-    outs = engine.generate(prompts, SamplingParams(n=G, temperature=1.0, max_tokens=LEN, seed=1000 + step))
-    rewards = []
-    for p, out in enumerate(outs):
-        group = []
-        for j, c in enumerate(out.outputs):
-            r = reward(p, np.asarray(c.tokens))
-            rewards.append(r)
-            group.append(
-                Rollout(
-                    prompt_id=f"p{p}", group_index=j, prompt_token_ids=tuple(prompts[p]),
-                    completion_token_ids=tuple(c.tokens), worker_logprobs=tuple(c.logprobs),
-                    policy_version=out.weight_version, reward=r,
-                )
-            )  # fmt: skip
-        buffer.add(group, current_version=learner.step)
-    return float(np.mean(rewards))
 
 
 def test_only_the_adapters_train_and_the_base_stays_frozen():

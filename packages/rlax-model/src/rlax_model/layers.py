@@ -133,11 +133,6 @@ def matmul_row_blocks(rows: int) -> Iterator[None]:
         _trace_settings.row_block = previous
 
 
-def traced_row_block() -> int:
-    """The row block `matmul_row_blocks` set for this thread's tracing (0: none)."""
-    return int(getattr(_trace_settings, "row_block", 0))
-
-
 def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] float32 (operands as given); inside
     `matmul_row_blocks(n)`, as a loop over blocks of exactly n rows (zero rows added and
@@ -145,7 +140,7 @@ def row_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    block = traced_row_block()
+    block: int = getattr(_trace_settings, "row_block", 0)
 
     def matmul(part: jax.Array) -> jax.Array:
         return jnp.einsum("ri,io->ro", part, w, preferred_element_type=jnp.float32)

@@ -131,12 +131,13 @@ class Learner:
             self.state = TrainState(
                 master, opt_state, put_global(np.zeros((), np.int32), rep), put_global(np.asarray(rng), rep)
             )
-            self._ref_sh = None if ref is None else param_sharding(ref, mesh)
-            self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
             self._base_sh = None if base is None else param_sharding(base, mesh)
             self.base = None if base is None else put_global(base, self._base_sh)
-            if ref is base and base is not None:
-                self.reference_params = self.base
+            if ref is not None and ref is base:  # placed once, read as both
+                self._ref_sh, self.reference_params = self._base_sh, self.base
+            else:
+                self._ref_sh = None if ref is None else param_sharding(ref, mesh)
+                self.reference_params = None if ref is None else put_global(ref, self._ref_sh)
         self._update_fn = self._compile_update()
         # Compiled ahead of the call, so that compile time is measured apart from the step.
         self._programs = CompiledUpdates()
