@@ -4,7 +4,6 @@ deterministic prompt source (stand-ins for the inference worker and the data pac
 from __future__ import annotations
 
 import pathlib
-import socket
 import sys
 import threading
 import uuid
@@ -16,6 +15,7 @@ import zmq
 from rlax_controller.rollout_scheduler import PromptItem
 from rlax_core.testing import LoopThread
 from rlax_protocol.messages import ErrorReply, GenerateRequest, GenerateResult, Hello, Sample
+from rlax_protocol.ports import reserve_port
 from rlax_protocol.transport import parse_request, reply_parts, welcome_for
 
 # --import-mode=importlib does not put test folders on sys.path; our helpers live here.
@@ -25,9 +25,7 @@ if _HERE not in sys.path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_port()
 
 
 class CountingSource:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -10,12 +9,11 @@ import pytest
 import rlax_protocol as rp
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server_process
+from rlax_protocol.ports import reserve_port
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_port()
 
 
 def test_client_rides_through_a_server_restart(tmp_path, stamp) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from rlax_protocol.ports import reserve_port
 
 SCRIPT = pathlib.Path(__file__).with_name("sharded_update.py")
 
@@ -45,9 +46,7 @@ def test_fsdp4_and_tensor_parallel_match_single_device(tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserve_port()
 
 
 @pytest.mark.slow

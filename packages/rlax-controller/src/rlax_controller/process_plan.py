@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import socket
 import sys
 
 import msgspec
@@ -14,6 +13,7 @@ import msgspec
 from rlax_core.addresses import server_addresses, write_address_book
 from rlax_core.config import AUTO, RunConfig, dump_config, paramserver_dirs
 from rlax_protocol.auth import INSECURE_ENV, RunKeys
+from rlax_protocol.ports import reserve_port
 
 __all__ = [
     "ProcessSpec",
@@ -41,24 +41,18 @@ class ProcessSpec:
     gang: str = ""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def resolve_addresses(config: RunConfig) -> RunConfig:
     """Replace every `auto` address by a free loopback (or `addresses.host`) TCP port (and
     a multi-host trainer's `auto` coordinator by HOST:PORT)."""
     host = config.addresses.host
 
     def pick(address: str) -> str:
-        return f"tcp://{host}:{_free_port(host)}" if address == AUTO else address
+        return f"tcp://{host}:{reserve_port(host)}" if address == AUTO else address
 
     workers = list(config.workers.addresses) or [AUTO] * config.workers.count
     coordinator = config.trainer.coordinator
     if coordinator == AUTO and config.trainer.hosts > 1:
-        coordinator = f"{host}:{_free_port(host)}"
+        coordinator = f"{host}:{reserve_port(host)}"
     return msgspec.structs.replace(
         config,
         trainer=msgspec.structs.replace(config.trainer, coordinator=coordinator),

@@ -20,6 +20,7 @@ from typing import Any
 
 from rlax_controller.ray_records import LOST_EXIT, PYTHON
 from rlax_controller.restart_policy import NEVER_RESTARTED, UNPLANNED_TAIL_LINES
+from rlax_protocol.ports import reserve_port
 
 __all__ = ["LOST_EXIT", "registry_class", "role_process_class"]
 
@@ -200,9 +201,7 @@ def role_process_class() -> type:
             return self.node
 
         def reserve_port(self) -> str:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((self.node["node_ip"], 0))
-                return f"tcp://{self.node['node_ip']}:{sock.getsockname()[1]}"
+            return f"tcp://{self.node['node_ip']}:{reserve_port(self.node['node_ip'])}"
 
         def start(self, plan: dict[str, Any]) -> int:
             import subprocess
