@@ -143,6 +143,7 @@ def test_unreachable_address_fails_fast_naming_it(tmp_path: pathlib.Path) -> Non
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow  # in `nox -s slow`: the default suite stays under CI's 15 minutes
 def test_ray_cluster_short(tmp_path: pathlib.Path) -> None:
     """Bad resource (fails at once naming the role), then 4 steps of the demo, each role on
     the node its resources select; nothing left running after either."""

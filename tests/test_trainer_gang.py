@@ -164,6 +164,7 @@ print("broadcast returned", flush=True)
 """
 
 
+@pytest.mark.slow  # in `nox -s slow`: the default suite stays under CI's 15 minutes
 def test_a_member_whose_peer_dies_exits_nonzero_instead_of_hanging(tmp_path: pathlib.Path) -> None:
     """Broadcasts reach every member; then process 1 is SIGKILLed while process 0 waits in a
     collective that process 1 never joins: the JAX runtime ends process 0 with an error.

@@ -259,7 +259,7 @@ def test_xla_decode_path_matches(num_steps):
 
 # With top logprobs the engine records a call's tokens one by one; without them (and without
 # stop strings), in bulk: both must stop where single steps stop.
-@pytest.mark.parametrize("num_top", [2, 0])
+@pytest.mark.parametrize("num_top", [pytest.param(2, marks=pytest.mark.slow), 0])
 def test_multi_step_decoding_equals_single_steps(num_top):
     """Sampled groups, EOS and stop tokens inside a call, top logprobs and preemption: same
     outputs, every block freed."""

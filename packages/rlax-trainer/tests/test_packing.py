@@ -128,7 +128,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Two cases in the default suite (one pi_old from the gradient pass, one from its own pass on
+# the sampler's support); the rest in `nox -s slow`, to keep the default suite under 15 minutes.
+DEFAULT_CASES = {
+    "grpo, one minibatch (pi_old from the gradient pass)",
+    "top-p sampling (pi_old on the sampler's support)",
+}
+
+
+@pytest.mark.parametrize(
+    "case", [case if case in DEFAULT_CASES else pytest.param(case, marks=pytest.mark.slow) for case in CASES]
+)
 def test_a_packed_update_equals_the_padded_update(case, model_config, model_params):
     batch = grouped_batch(3)
     # Adam's eps well above float32 noise: a coordinate whose gradient is ~0 on both sides
@@ -152,6 +162,7 @@ def test_a_packed_update_equals_the_padded_update(case, model_config, model_para
     assert 0 < metrics[1]["train_token_efficiency"] <= 1
 
 
+@pytest.mark.slow  # test_learner's precompiled-lengths test covers the same rule in the default suite
 def test_precompiled_packed_programs_serve_the_steps(model_config, model_params):
     """The few packed programs (row lengths x one row or several) compile ahead, and a step
     that meets one compiles nothing."""
