@@ -33,7 +33,9 @@ pusher's writes on this machine's ext4, 0.35 s on tmpfs).
 
 A file is written under a temporary name, fsynced, renamed into place and the
 directory fsynced, so a crash leaves either the old files or the new one too; only then
-are files older than the newest `keep` removed. On load (up to `keep` files) every
+are files older than the newest `keep` removed, except the base versions those name (a
+LoRA run's adapter-only versions, `rlax_protocol.lora_versions`: kept, spilled and loaded
+with them). On load (up to `keep` files and their bases) every
 tensor's xxh3_64 is checked against the manifest; a file that fails any check is
 reported (`CorruptStateError`), renamed to ``*.corrupt`` and never served. A file that
 cannot be *read* (EIO, EACCES, ...) says nothing about its bytes: it is left as it is
@@ -66,6 +68,7 @@ from rlax_protocol import (
     frame_layout,
 )
 from rlax_protocol.atomic_files import atomic_write, fsync_dir, replacing
+from rlax_protocol.lora_versions import LoraVersionError, lora_base_of
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +130,32 @@ def _file_prefix(version: int, manifest: TensorManifest, metadata: dict[str, Any
 
 
 def _prune(state_dir: pathlib.Path, version: int, keep: int) -> None:
-    """Remove state files older than `version` beyond the newest `keep` (`version` included)."""
-    older = sorted(
-        (int(m.group(1)), p)
-        for p in state_dir.iterdir()
-        if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < version
-    )
-    for _, other in older[: max(0, len(older) - (keep - 1))]:
-        other.unlink(missing_ok=True)
+    """Remove state files older than `version` beyond the newest `keep` (`version` included),
+    except the base versions that the kept files name (`rlax_protocol.lora_versions`)."""
+    files = [(v, p) for v, p in _state_files(state_dir) if v <= version]
+    kept = {v for v, _ in _newest_with_bases(files, keep)}
+    for other_version, other in files:
+        if other_version not in kept:
+            other.unlink(missing_ok=True)
+
+
+def _base_named_in(path: pathlib.Path) -> int | None:
+    """The base version that the state file at `path` names, from its header alone; None for
+    a full version or a file whose header cannot be read (its loader reports that)."""
+    try:
+        with open(path, "rb") as f:
+            header, _, _ = _read_header(path, f, path.stat().st_size)
+        return lora_base_of(header.metadata, header.version)
+    except (OSError, CorruptStateError, LoraVersionError):
+        return None
+
+
+def _newest_with_bases(files: list[tuple[int, pathlib.Path]], keep: int) -> list[tuple[int, pathlib.Path]]:
+    """Of `files` (version, path; oldest first), the newest `keep` and the files of the base
+    versions they name, oldest first: an adapter-only version is useless without its base."""
+    newest = files[-keep:]
+    named = {base for _, path in newest if (base := _base_named_in(path)) is not None}
+    return [(v, p) for v, p in files if (v, p) in newest or v in named]
 
 
 def write_state(
@@ -416,7 +437,7 @@ def spill_states(
     and size already there is not copied again), `rest_dir`'s older state files removed,
     and only then `live_dir`'s files and the folder itself. Returns the versions copied.
     An error leaves `live_dir` as it was (it is the only complete copy)."""
-    newest = _state_files(live_dir)[-keep:]
+    newest = _newest_with_bases(_state_files(live_dir), keep)
     for leftover in rest_dir.glob(".weights-v*.tmp-*") if rest_dir.is_dir() else ():
         leftover.unlink(missing_ok=True)  # an earlier spill cut short (this server owns rest_dir)
     for _, path in newest:
@@ -440,7 +461,7 @@ def unspill_states(rest_dir: pathlib.Path, live_dir: pathlib.Path, keep: int) ->
     A `live_dir` that has state files is the newer copy and is left alone."""
     if _state_files(live_dir):
         return []
-    newest = _state_files(rest_dir)[-keep:]
+    newest = _newest_with_bases(_state_files(rest_dir), keep)
     for _, path in newest:
         _copy_state_file(path, live_dir, fsync=False)
     return [version for version, _ in newest]
@@ -452,7 +473,7 @@ def load_newest(state_dir: pathlib.Path) -> tuple[LoadedState | None, str | None
     `load_states(state_dir, 1)`: see there for temporary, corrupt and unreadable files.
     """
     states, error = load_states(state_dir, 1)
-    return (states[0] if states else None), error
+    return (states[-1] if states else None), error
 
 
 def load_states(
@@ -483,16 +504,38 @@ def load_states(
     for _, path in reversed(candidates):
         if len(states) >= keep:
             break
-        try:
-            states.append(read_state(path))
-        except OSError as err:
-            raise StateReadError(err.errno, f"cannot read state file {path}: {err.strerror or err}") from err
-        except CorruptStateError as err:
-            log.error("corrupt state file, not served: %s", err)
-            errors.append(str(err))
-            try:
-                path.rename(path.with_name(path.name + ".corrupt"))
-            except OSError as rename_error:  # a read-only state dir: still never served
-                log.error("could not set %s aside: %s", path, rename_error)
-    states.reverse()
+        loaded = _read_or_set_aside(path, errors)
+        if loaded is not None:
+            states.append(loaded)
+    # The bases that the loaded adapter-only versions name (`rlax_protocol.lora_versions`).
+    have = {state.version for state in states}
+    named = {base for state in states if (base := _base_or_none(state)) is not None} - have
+    for version, path in candidates:
+        if version in named and (loaded := _read_or_set_aside(path, errors)) is not None:
+            states.append(loaded)
+    states.sort(key=lambda state: state.version)
     return states, "; ".join(errors) or None
+
+
+def _base_or_none(state: LoadedState) -> int | None:
+    try:
+        return lora_base_of(state.metadata, state.version)
+    except LoraVersionError:
+        return None  # the server refuses to install it, naming the defect
+
+
+def _read_or_set_aside(path: pathlib.Path, errors: list[str]) -> LoadedState | None:
+    """The verified state at `path`; a corrupt file is renamed to ``<name>.corrupt`` (its
+    defect appended to `errors`) and gives None; an unreadable one raises `StateReadError`."""
+    try:
+        return read_state(path)
+    except OSError as err:
+        raise StateReadError(err.errno, f"cannot read state file {path}: {err.strerror or err}") from err
+    except CorruptStateError as err:
+        log.error("corrupt state file, not served: %s", err)
+        errors.append(str(err))
+        try:
+            path.rename(path.with_name(path.name + ".corrupt"))
+        except OSError as rename_error:  # a read-only state dir: still never served
+            log.error("could not set %s aside: %s", path, rename_error)
+        return None

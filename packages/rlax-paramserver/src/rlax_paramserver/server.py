@@ -203,7 +203,12 @@ class ParamServer:
                 loaded.manifest.total_bytes,
                 path=loaded.path,
             )
-            self.store.install(stored)
+            try:
+                self.store.install(stored)
+            except StoreError as err:  # e.g. adapters whose base file was corrupt: never served
+                log.error("version %d from %s is not served: %s", loaded.version, loaded.path, err)
+                self.store.state_error = "; ".join(filter(None, [self.store.state_error, str(err)]))
+                continue
             self.store.persisted_version = loaded.version
             log.info("restored version %d from %s", loaded.version, loaded.path)
 

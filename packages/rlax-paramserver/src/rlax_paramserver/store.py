@@ -33,6 +33,7 @@ from rlax_paramserver.pending_pushes import (
 from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_paramserver.store_error import StoreError
 from rlax_protocol import TensorManifest, frame_layout
+from rlax_protocol.lora_versions import LoraVersionError, lora_base_of
 
 __all__ = [
     "Lease",
@@ -98,11 +99,13 @@ class VersionStore:
         check_push_size(manifest, self.config)
         if version < 0:
             raise StoreError("malformed", f"version={version}: must be >= 0")
+        base = _named_base(version, metadata)
         slots = frame_layout(manifest)
         now = time.monotonic()
         with self._lock:
             self.pushes.expire(now, self.config.push_idle_timeout_s)
             self._refuse_stale(version)
+            self._require_base(version, base)
             mine = self.pushes.of_owner(owner)
             while len(mine) >= self.config.max_pending_per_client:
                 self.pushes.drop(mine.pop(0))  # a client restarting its push abandons the older one
@@ -185,6 +188,7 @@ class VersionStore:
                     "stale_version",
                     f"version {stored.version} is not newer than the latest committed version {latest}",
                 )
+            self._require_base(stored.version, _named_base(stored.version, stored.metadata))
             self.versions[stored.version] = stored
             self._evict()
             return stored, self.long_polls.wake_older_than(stored.version)
@@ -317,11 +321,25 @@ class VersionStore:
         if self.leases.expire(now):
             self._evict()
 
+    def _require_base(self, version: int, base: int | None) -> None:
+        """An adapter-only version is accepted only while its base is held (a puller must
+        be able to apply it); held, the base is then kept as long as the version is."""
+        if base is not None and base not in self.versions:
+            raise StoreError(
+                "not_found",
+                f"version {version} holds adapters on base version {base}, which this server does not "
+                f"hold (held: {sorted(self.versions)}): push the base first",
+            )
+
     def _evict(self) -> None:
-        # The newest `keep` versions stay; an older one stays only while a pull of it is in flight.
-        leased = self.leases.leased_versions()
-        for version in sorted(self.versions)[: -self.config.keep]:
-            if version not in leased:
+        # The newest `keep` versions stay, an older one while a pull of it is in flight, and
+        # the base of every adapter-only version that stays (`rlax_protocol.lora_versions`).
+        staying = set(sorted(self.versions)[-self.config.keep :]) | (
+            self.leases.leased_versions() & set(self.versions)
+        )
+        staying |= {base for v in staying if (base := _named_base(v, self.versions[v].metadata)) is not None}
+        for version in sorted(self.versions):
+            if version not in staying:
                 # Freeing hundreds of MB takes a while: `reap()` does it after the reply went out.
                 self._graveyard.append(self.versions.pop(version))
 
@@ -348,3 +366,11 @@ class VersionStore:
                 "state_error": self.state_error,
                 "waiters": len(self.long_polls),
             }
+
+
+def _named_base(version: int, metadata: dict[str, Any]) -> int | None:
+    """The base version `metadata` names (`rlax_protocol.lora_versions`), or None."""
+    try:
+        return lora_base_of(metadata, version)
+    except LoraVersionError as err:
+        raise StoreError("malformed", f"version {version}: {err}") from None
