@@ -262,10 +262,11 @@ def test_pinned_versions_make_the_killed_and_delayed_run_the_same_run(runs: dict
 
 @pytest.mark.slow
 def test_a_lora_run_killed_everywhere_ends_with_the_undisturbed_runs_weights(tmp_path: pathlib.Path) -> None:
-    """Issue 31: `trainer.lora` through a whole run (adapters trained on the frozen base, the
-    merged weights published): the trainer, the parameter server and a worker SIGKILLed, the
-    trainer resuming from a checkpoint of adapters only, and the run still ends on the
-    undisturbed run's weights. No SFT warm start (the config refuses it with lora)."""
+    """Issue 31: `trainer.lora` through a whole run (adapters trained on the frozen base; the
+    base published once as version 0, every later version the adapters alone): the trainer,
+    the parameter server and a worker SIGKILLed, the trainer resuming from a checkpoint of
+    adapters only, and the run still ends on the undisturbed run's adapters (SHA-256). No
+    SFT warm start (the config refuses it with lora)."""
     lora = ["trainer.sft_steps=0", "trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.optimizer.lr=3e-3"]
     common = ["workers.j=1", "trainer.k=1", *lora]
     calm = launch(tmp_path / "calm", tmp_path / "cache", *common)
@@ -281,6 +282,15 @@ def test_a_lora_run_killed_everywhere_ends_with_the_undisturbed_runs_weights(tmp
     # Without SFT the tiny model's rewards are mostly 0: measured, only step 4 had signal.
     assert calm["weights"][0] == STEPS
     assert max(r["grad_norm"] for r in calm["trainer"]) > 0
+    from rlax_paramserver.persist import load_states
+    from rlax_protocol.lora_versions import LORA_BASE_VERSION
+
+    for run in (calm, chaos):
+        states, _ = load_states(run["dir"] / "paramserver", 1)
+        base, newest = states[0], states[-1]  # the newest, and the base it names
+        assert (base.version, newest.version, newest.metadata[LORA_BASE_VERSION]) == (0, STEPS, 0)
+        assert {t.name.split("/")[0] for t in newest.manifest.tensors} == {"lora"}
+        assert newest.manifest.total_bytes < 0.2 * base.manifest.total_bytes
 
 
 @pytest.mark.slow

@@ -28,28 +28,44 @@ def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> 
     pulled; the initial weights when nothing was published yet. A trainer checkpoint of an
     earlier step is read by the trainer's package: `rlax convert to-hf --step N` first.
     """
-    import jax
     import jax.numpy as jnp
 
+    from rlax_inference.lora_weights import as_params
     from rlax_model import dtype_policy, load_hf_checkpoint
+    from rlax_model.lora import merge_adapters
     from rlax_model.model_from_config import build_model_config, initial_params
-    from rlax_paramserver.persist import load_newest
+    from rlax_paramserver.persist import load_states
     from rlax_protocol.codec import decode_tree
+    from rlax_protocol.lora_versions import LORA_SCALE, lora_base_of
 
     if weights:
         model_config, params = load_hf_checkpoint(weights, param_dtype=config.model.param_dtype)
         return dtype_policy(model_config), params, f"weights {weights}"
-    state, error = load_newest(published_state_dir(config))
+    states, error = load_states(published_state_dir(config), 1)
     if error:
         log.warning("newer published versions are corrupt: %s", error)
-    if state is None:
+    if not states:
         model_config, params = initial_params(config, tokenizer)
         return dtype_policy(model_config), params, "initial weights"
     model_config = dtype_policy(build_model_config(config, tokenizer))
     dtype = model_config.param_jnp_dtype
+    state = states[-1]  # the newest; before it, the base it names if it holds adapters only
     tree = decode_tree(state.manifest, state.frames)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), tree)
-    return model_config, params, f"published version {state.version}"
+    base_version = lora_base_of(state.metadata, state.version)
+    if base_version is None:
+        return model_config, as_params(tree, dtype), f"published version {state.version}"
+    base = next((s for s in states if s.version == base_version), None)
+    if base is None:
+        raise FileNotFoundError(
+            f"published version {state.version} holds LoRA adapters on base version {base_version}, "
+            f"whose state file is not in {published_state_dir(config)}"
+        )
+    params = merge_adapters(
+        as_params(decode_tree(base.manifest, base.frames), dtype),
+        as_params(tree["lora"], jnp.float32),
+        float(state.metadata[LORA_SCALE]),
+    )
+    return model_config, params, f"published version {state.version} (LoRA on version {base_version})"
 
 
 class EngineSampler:

@@ -68,6 +68,7 @@ from rlax_inference.admission import AdmissionQueue
 from rlax_inference.agent_loop import AgentLoop, TurnCodec
 from rlax_inference.engine import EngineConfig, LLMEngine
 from rlax_inference.engine_config import ENGINE_OPTIONS
+from rlax_inference.lora_weights import LoraBase
 from rlax_inference.warm_up import WarmUp
 from rlax_inference.worker_config import WorkerConfig, WorkerConfigError
 from rlax_inference.worker_io import WorkerIO
@@ -173,6 +174,7 @@ class Worker(RequestServing, WeightFollowing):
         self.shared_weight_bytes = 0
         self._version_client: ParamClient | None = None
         self._pull_client: ParamClient | None = None
+        self.lora_base = LoraBase(self._pull_base)
 
     @classmethod
     def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> Worker:

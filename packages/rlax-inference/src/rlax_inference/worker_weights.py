@@ -19,18 +19,19 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import rlax_protocol as rp
 from rlax_inference.admission import AdmissionQueue, Queued
 from rlax_inference.agent_loop import AgentLoop, TurnCodec
 from rlax_inference.engine import EngineConfig, LLMEngine
+from rlax_inference.lora_weights import LoraBase, as_params
 from rlax_inference.warm_up import WarmUp, compile_run_shapes
 from rlax_inference.worker_config import WorkerConfig, WorkerConfigError
 from rlax_inference.worker_io import WorkerIO
 from rlax_inference.worker_requests import TailText, shown_id
 from rlax_model import ModelConfig, Params, dtype_policy
-from rlax_paramserver import ParamClient, VersionNotFoundError
+from rlax_paramserver import ParamClient, PulledWeights, VersionNotFoundError
+from rlax_protocol.lora_versions import LoraVersionError
 
 __all__ = ["WeightFollowing"]
 
@@ -68,6 +69,7 @@ class WeightFollowing:
     _load_failures: dict[int, tuple[int, float, str]]
     _version_client: ParamClient | None
     _pull_client: ParamClient | None
+    lora_base: LoraBase
     num_refused: dict[str, int]
     num_weight_checks: int
     num_failed_pulls: int
@@ -255,6 +257,7 @@ class WeightFollowing:
                 pulled = self._pull_client.pull(latest)
             else:
                 pulled = self._pull_client.pull("latest", if_newer_than=self.version)
+            params = None if pulled is None else self._engine_params(pulled)
         except VersionNotFoundError:
             self.phase = previous
             raise
@@ -267,17 +270,11 @@ class WeightFollowing:
                 f"pulling version {latest} from {self.config.paramserver} failed", error, time.monotonic()
             )
             return
-        if pulled is None:
+        if pulled is None or params is None:
             self.phase = previous
             return
         self._backoff_s = self.config.reload_retry_s
-        if self.model_config is None:
-            self.model_config = dtype_policy(_model_config_from(pulled.metadata))
-        dtype = self.model_config.param_jnp_dtype
-        # On the CPU, a mapped tensor of the right dtype (64-byte aligned in the file) becomes
-        # a JAX array without a copy: the weights stay the page cache's, shared on this host.
-        params: Params = jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), pulled.tree)
-        self.shared_weight_bytes = _aliased_bytes(pulled.tree, params) if pulled.mapped else 0
+        assert self.model_config is not None  # set by `_engine_params`
         if self.engine is None:
             try:
                 self.engine = LLMEngine(
@@ -301,6 +298,31 @@ class WeightFollowing:
         log.info("loaded weights version %d (was %s)", pulled.version, self.version)
         self.version = pulled.version
         self.phase = "serving"
+
+    def _pull_base(self, version: int) -> PulledWeights | None:
+        """A LoRA run's base version, whole (`LoraBase` asks once per base)."""
+        assert self._pull_client is not None
+        return self._pull_client.pull(version)
+
+    def _engine_params(self, pulled: PulledWeights) -> Params:
+        """The engine's weights of a pulled version: its arrays, or for a LoRA run's
+        adapter-only version its adapters merged into the base (pulled once, `LoraBase`).
+        A malformed LoRA version or a base that is not the run's raises `ProtocolError`."""
+        if self.model_config is None:
+            self.model_config = dtype_policy(_model_config_from(pulled.metadata))
+        dtype = self.model_config.param_jnp_dtype
+        try:
+            adapter_only = LoraBase.names_a_base(pulled)
+        except LoraVersionError as error:
+            raise rp.ProtocolError(f"version {pulled.version}: {error}") from None
+        if adapter_only:
+            self.shared_weight_bytes = 0
+            return self.lora_base.params(pulled, dtype)
+        # On the CPU, a mapped tensor of the right dtype (64-byte aligned in the file) becomes
+        # a JAX array without a copy: the weights stay the page cache's, shared on this host.
+        params = as_params(pulled.tree, dtype)
+        self.shared_weight_bytes = _aliased_bytes(pulled.tree, params) if pulled.mapped else 0
+        return params
 
     def _warm_up(self, plan: WarmUp) -> None:
         """Compile the shapes the run will use before serving, and count the time as compile time."""

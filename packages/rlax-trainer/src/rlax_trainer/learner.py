@@ -354,6 +354,19 @@ class Learner:
             return to_host(self.state.params)
         return to_host({**self.state.params, "policy": self.policy_params()})
 
+    def host_base(self) -> Any:
+        """Under `lora`: the frozen base, in its held dtype, as numpy on this process
+        (gathered across processes)."""
+        if self.base is None:
+            raise ValueError("host_base: this learner trains every weight (trainer.lora is not set)")
+        return to_host(self.base)
+
+    def host_adapters(self) -> Any:
+        """Under `lora`: the adapters (float32) as numpy on this process (gathered)."""
+        if self.lora is None:
+            raise ValueError("host_adapters: this learner trains every weight (trainer.lora is not set)")
+        return to_host(self.state.params["lora"])
+
     def load_state(self, state: TrainState) -> None:
         """Replace the train state (e.g. restored from a checkpoint); re-shards it onto the mesh."""
         if self.mesh is not None:

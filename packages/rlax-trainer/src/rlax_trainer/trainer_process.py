@@ -59,6 +59,7 @@ from rlax_protocol.control_messages import (
     encode_control,
 )
 from rlax_protocol.errors import ProtocolTimeoutError
+from rlax_protocol.lora_versions import tree_sha256
 from rlax_protocol.request_links import ControlClient
 from rlax_trainer.buffer import collate
 from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
@@ -185,7 +186,10 @@ class TrainerLoop:
             if self.learner.uses_reference and self.learner.lora is None:  # under lora: the base
                 reference_store.save(self.learner.state, version=0)
                 reference_store.wait()
-            self.checkpoints.save(self.learner.state, version=0, extra={"rollout_ids": []})
+            self.base_sha256 = self._base_digest()
+            self.checkpoints.save(
+                self.learner.state, version=0, extra={"rollout_ids": [], **self._base_record()}
+            )
             self.checkpoints.wait()
             self.journal.clear()  # nothing before step 0 is replayed
             log.info("initial checkpoint saved (step 0)")
@@ -209,6 +213,15 @@ class TrainerLoop:
                 seed=config.run.seed,
             )
             self.learner.load_state(state)
+            self.base_sha256 = self._base_digest()
+            recorded = info.extra.get("lora_base_sha256")
+            if recorded != self.base_sha256:
+                raise RuntimeError(
+                    f"{self.checkpoints.directory}: checkpoint step {info.step} holds adapters trained on a "
+                    f"base with SHA-256 {str(recorded)[:16]}..., this run's base is "
+                    f"{str(self.base_sha256)[:16]}... (model.* or the base's file changed): "
+                    "resume with the base it was trained on, or start a new run (--overwrite)"
+                )
             self.last_metrics = dict(info.extra.get("metrics", {}))
             self.last_rollout_ids = list(info.extra.get("rollout_ids", []))
             log.info("resumed from checkpoint step %d (version %d)", info.step, info.version)
@@ -218,6 +231,18 @@ class TrainerLoop:
         self.param_bytes = sum(x.nbytes for x in jax.tree.leaves(self.learner.state.params))
         if restored is not None:
             self._replay(restored[1].step)
+
+    def _base_digest(self) -> str | None:
+        """Under `trainer.lora`, the SHA-256 of the frozen base as the trainer holds it (a
+        gather: every process of the gang computes it); None for a full-parameter run."""
+        if self.learner.lora is None:
+            return None
+        return tree_sha256(self.learner.host_base())
+
+    def _base_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the base: a LoRA checkpoint holds adapters only, and
+        resuming them on another base would train another model without a word."""
+        return {} if self.base_sha256 is None else {"lora_base_sha256": self.base_sha256}
 
     def precompile(self) -> None:
         """Start compiling the update for each padded length a batch can have: the length
@@ -292,7 +317,14 @@ class TrainerLoop:
         """Push the weights of `self.step` unless the parameter server already has them,
         retrying while the parameter server restarts (up to controller.request_timeout_s).
         Every process of the gang calls it (the gather of the weights is a collective)."""
-        self.pusher.publish(self.step, lambda: self.learner.host_params()["policy"])
+        lora = self.learner.lora
+        if lora is None:
+            self.pusher.publish(self.step, lambda: self.learner.host_params()["policy"])
+            return
+        # Adapter-only versions on a base pushed once (`rlax_protocol.lora_versions`).
+        self.pusher.publish_adapters(
+            self.step, self.learner.host_base, self.learner.host_adapters, lora.scale
+        )
 
     def _trim_memory(self) -> None:
         """Hand freed memory back to the OS when the model is big enough for it to matter
@@ -376,7 +408,7 @@ class TrainerLoop:
         self.checkpoints.save(
             self.learner.state,
             version=self.step,
-            extra={"rollout_ids": self.last_rollout_ids, "metrics": self.last_metrics},
+            extra={"rollout_ids": self.last_rollout_ids, "metrics": self.last_metrics, **self._base_record()},
         )
         self.checkpoints.wait()
         self._trim_memory()  # the checkpoint's buffers, before the next update

@@ -1,5 +1,6 @@
-"""The trainer's pushes to the parameter server: the weights of a step, unless the parameter
-server holds that version already, retrying while it restarts.
+"""The trainer's pushes to the parameter server: the weights of a step (a LoRA run's
+adapters alone, on a base pushed once), unless the parameter server holds that version
+already, retrying while it restarts.
 
 Every process of a trainer gang calls `WeightPusher.publish` (gathering the weights is a
 collective); the leader alone decides whether a push is needed, tells the others, and pushes.
@@ -18,6 +19,7 @@ import numpy as np
 
 from rlax_paramserver import ParamClient, StaleVersionError
 from rlax_protocol.errors import ProtocolTimeoutError
+from rlax_protocol.lora_versions import LORA_BASE_SHA256, LORA_BASE_VERSION, LORA_SCALE, tree_sha256
 from rlax_trainer.gang import Gang
 
 __all__ = ["WeightPusher", "to_numpy_tree"]
@@ -49,6 +51,7 @@ class WeightPusher:
         self.address = address
         self.timeout_s = timeout_s
         self.dtype = dtype
+        self._base_sha256: str | None = None  # a LoRA run's base, as pushed (computed once)
 
     def publish(self, step: int, policy_on_host: Callable[[], Any]) -> None:
         """Push the weights of `step` unless the parameter server already has them, retrying
@@ -60,6 +63,37 @@ class WeightPusher:
         tree = to_numpy_tree(policy_on_host(), self.dtype)
         if self.gang.leader:
             self._retrying(step, lambda: self._push(step, tree))
+
+    def publish_adapters(
+        self,
+        step: int,
+        base_on_host: Callable[[], Any],
+        adapters_on_host: Callable[[], Any],
+        scale: float,
+    ) -> None:
+        """A LoRA run's version `step` (`rlax_protocol.lora_versions`): the frozen base once,
+        as version 0, when the parameter server holds nothing (a fresh run, or a server
+        that lost its state); otherwise the adapters alone, float32 whatever
+        `publish_dtype` (they are small, and a worker merges what the trainer trained), on
+        base version 0. `base_on_host()` and `adapters_on_host()` gather across the gang:
+        every process calls this."""
+        latest = self._retrying(step, self.client.latest) if self.gang.leader and self.client else None
+        needed = self.gang.broadcast_flag(latest is None or latest < step if self.gang.leader else None)
+        if not needed:
+            return
+        base_missing = self.gang.broadcast_flag(latest is None if self.gang.leader else None)
+        if base_missing or self._base_sha256 is None:
+            base = to_numpy_tree(base_on_host(), self.dtype)
+            self._base_sha256 = tree_sha256(base) if self.gang.leader else ""
+            if base_missing and self.gang.leader:
+                self._retrying(0, lambda: self._push(0, base))
+            del base
+        if step == 0:
+            return  # version 0 is the base itself: B starts at zero
+        tree = {"lora": to_numpy_tree(adapters_on_host(), "float32")}
+        metadata = {LORA_BASE_VERSION: 0, LORA_BASE_SHA256: self._base_sha256, LORA_SCALE: float(scale)}
+        if self.gang.leader:
+            self._retrying(step, lambda: self._push(step, tree, metadata))
 
     def _retrying(self, step: int, attempt: Callable[[], Any]) -> Any:
         deadline = time.monotonic() + self.timeout_s
@@ -78,10 +112,10 @@ class WeightPusher:
         latest = self._retrying(step, client.latest)
         return latest is None or latest < step
 
-    def _push(self, step: int, tree: Any) -> None:
+    def _push(self, step: int, tree: Any, metadata: dict[str, Any] | None = None) -> None:
         assert self.client is not None
         try:
-            self.client.push(tree, step, {"step": step})
+            self.client.push(tree, step, {"step": step, **(metadata or {})})
         except StaleVersionError:
             # Pushed already: by a previous life of this process, concurrently, or by this
             # call's first attempt whose reply was lost (`publish` checked `latest` just before).
