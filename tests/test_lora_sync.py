@@ -60,7 +60,7 @@ def pusher(address: str) -> WeightPusher:
 
 def test_the_base_crosses_once_and_each_version_carries_only_the_adapters(base: Any) -> None:
     with running_server(None, keep=1) as address, ParamClient(address, timeout_s=10) as client:
-        push, worker = pusher(address), LoraBase(client.pull)
+        push, worker = pusher(address), LoraBase(client.pull, "merged")
         for step in range(4):
             push.publish_adapters(step, lambda: base, lambda s=step: adapters_at(s), LORA.scale)
             if step == 0:
@@ -84,7 +84,7 @@ def test_a_server_that_lost_its_versions_gets_the_base_again_before_the_adapters
     with running_server(None, keep=2) as address, ParamClient(address, timeout_s=10) as client:
         pusher(address).publish_adapters(5, lambda: base, lambda: adapters_at(5), LORA.scale)
         assert client.stat().versions == (0, 5)
-        got = LoraBase(client.pull).params(client.pull(5), np.float32)  # type: ignore[arg-type]
+        got = LoraBase(client.pull, "merged").params(client.pull(5), np.float32)  # type: ignore[arg-type]
         want = lora.merge_adapters(base, adapters_at(5), LORA.scale)
         np.testing.assert_allclose(got["layers"]["q_proj"], want["layers"]["q_proj"], rtol=0, atol=1e-6)
 
@@ -112,3 +112,38 @@ def test_a_lora_checkpoint_refuses_to_resume_on_another_base(tmp_path: pathlib.P
         loop.close()
     with pytest.raises(RuntimeError, match="adapters trained on a base with SHA-256"):
         TrainerLoop(load_config(DEMO_CONFIG, [*overrides, "run.seed=1"]))
+
+
+def test_unmerged_a_worker_keeps_one_program_shape_from_the_base_version_on(base: Any) -> None:
+    """`workers.lora_apply: unmerged`: the base version (which announces the layout) gets zero
+    adapters attached, each adapter version its own; the engine never changes program shape,
+    the worker that loaded version 0 pulls no base again, and the forward equals the merged
+    weights' forward."""
+    from rlax_inference import EngineConfig, LLMEngine
+
+    tokens = np.array([[3, 17, 9, 41, 5, 22, 8, 30]], np.int32)
+    positions = np.arange(8, dtype=np.int32)[None]
+    with running_server(None, keep=4) as address, ParamClient(address, timeout_s=10) as client:
+        push = pusher(address)
+        for step in range(3):
+            push.publish_adapters(step, lambda: base, lambda s=step: adapters_at(s), LORA.scale)
+        unmerged, merged = LoraBase(client.pull, "unmerged"), LoraBase(client.pull, "merged")
+        first = client.pull(0)
+        assert first is not None
+        at_base = unmerged.params(first, np.float32)
+        assert at_base is not None and set(at_base["layers"]["lora"]) == set(LORA.target_names())
+        engine = LLMEngine(CONFIG, at_base, EngineConfig(max_num_seqs=2, max_model_len=16, seed=0))
+        for version in (1, 2):
+            pulled = client.pull(version)
+            assert pulled is not None
+            attached = unmerged.params(pulled, np.float32)
+            assert jax.tree.structure(attached) == jax.tree.structure(at_base)
+            engine.update_weights(attached, version)  # refuses a tree of another shape
+            want = merged.params(pulled, np.float32)
+            got_logits = rlax_model.forward(attached, tokens, positions, config=CONFIG)[0]
+            want_logits = rlax_model.forward(want, tokens, positions, config=CONFIG)[0]
+            base_logits = rlax_model.forward(base, tokens, positions, config=CONFIG)[0]
+            assert float(np.abs(np.asarray(want_logits) - np.asarray(base_logits)).max()) > 1e-3
+            np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=2e-5)
+        assert unmerged.base_pulls == 0  # it loaded version 0, the base, itself
+        assert merged.base_pulls == 1

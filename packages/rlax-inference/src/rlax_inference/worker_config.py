@@ -7,6 +7,7 @@ from typing import Any
 
 from rlax_core.config import ConfigError, RunConfig
 from rlax_inference.admission import RequestLimits
+from rlax_inference.lora_weights import LoraApply
 
 __all__ = ["WorkerConfig", "WorkerConfigError"]
 
@@ -50,6 +51,7 @@ class WorkerConfig:
       (`ParamClient(local=...)`): the weights are the page cache's, shared, not a copy.
     max_delay_s: `chaos.max_delay_s`: sleep a random time up to this before each engine
       step (a test hook: timing must not change a pinned run).
+    lora_apply: how a LoRA run's adapters are applied (`workers.lora_apply`, `LoraBase`).
     address_book: the run's address book (`addresses.book`); the parameter server's
       address is read there before each reconnect, so one that moved to another node is
       followed without a restart. Empty: `paramserver` for good.
@@ -75,6 +77,7 @@ class WorkerConfig:
     version_load_attempts: int = 3
     limits: RequestLimits = RequestLimits()
     address_book: str = ""
+    lora_apply: LoraApply = "unmerged"
 
     def __post_init__(self) -> None:
         for name in ("reload_staleness", "max_inflight_requests"):
@@ -135,5 +138,6 @@ class WorkerConfig:
                 max_tool_timeout_s=max(RequestLimits.max_tool_timeout_s, config.agent.tool_timeout_s),
             ),
             "address_book": config.addresses.book,
+            "lora_apply": config.workers.lora_apply,
         }
         return cls(**{**fields, **overrides})

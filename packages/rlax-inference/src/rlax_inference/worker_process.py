@@ -174,7 +174,7 @@ class Worker(RequestServing, WeightFollowing):
         self.shared_weight_bytes = 0
         self._version_client: ParamClient | None = None
         self._pull_client: ParamClient | None = None
-        self.lora_base = LoraBase(self._pull_base)
+        self.lora_base = LoraBase(self._pull_base, config.lora_apply)
 
     @classmethod
     def from_run(cls, config: RunConfig, index: int, **overrides: Any) -> Worker:

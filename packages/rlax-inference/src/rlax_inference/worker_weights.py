@@ -312,12 +312,12 @@ class WeightFollowing:
             self.model_config = dtype_policy(_model_config_from(pulled.metadata))
         dtype = self.model_config.param_jnp_dtype
         try:
-            adapter_only = LoraBase.names_a_base(pulled)
+            lora_params = self.lora_base.params(pulled, dtype)
         except LoraVersionError as error:
             raise rp.ProtocolError(f"version {pulled.version}: {error}") from None
-        if adapter_only:
+        if lora_params is not None:
             self.shared_weight_bytes = 0
-            return self.lora_base.params(pulled, dtype)
+            return lora_params
         # On the CPU, a mapped tensor of the right dtype (64-byte aligned in the file) becomes
         # a JAX array without a copy: the weights stay the page cache's, shared on this host.
         params = as_params(pulled.tree, dtype)

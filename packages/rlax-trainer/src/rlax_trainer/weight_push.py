@@ -19,7 +19,14 @@ import numpy as np
 
 from rlax_paramserver import ParamClient, StaleVersionError
 from rlax_protocol.errors import ProtocolTimeoutError
-from rlax_protocol.lora_versions import LORA_BASE_SHA256, LORA_BASE_VERSION, LORA_SCALE, tree_sha256
+from rlax_protocol.lora_versions import (
+    LORA_BASE_SHA256,
+    LORA_BASE_VERSION,
+    LORA_RANK,
+    LORA_SCALE,
+    LORA_TARGETS,
+    tree_sha256,
+)
 from rlax_trainer.gang import Gang
 
 __all__ = ["WeightPusher", "to_numpy_tree"]
@@ -73,27 +80,35 @@ class WeightPusher:
     ) -> None:
         """A LoRA run's version `step` (`rlax_protocol.lora_versions`): the frozen base once,
         as version 0, when the parameter server holds nothing (a fresh run, or a server
-        that lost its state); otherwise the adapters alone, float32 whatever
-        `publish_dtype` (they are small, and a worker merges what the trainer trained), on
-        base version 0. `base_on_host()` and `adapters_on_host()` gather across the gang:
+        that lost its state); otherwise the adapters alone, in `publish_dtype` like the base
+        (rounding A and B to bfloat16 moves the merged weights by ~2^-8 of the adapters'
+        small delta, far less than rounding W itself does to a full version), on base
+        version 0. `base_on_host()` and `adapters_on_host()` gather across the gang:
         every process calls this."""
         latest = self._retrying(step, self.client.latest) if self.gang.leader and self.client else None
         needed = self.gang.broadcast_flag(latest is None or latest < step if self.gang.leader else None)
         if not needed:
             return
         base_missing = self.gang.broadcast_flag(latest is None if self.gang.leader else None)
+        adapters = to_numpy_tree(adapters_on_host(), self.dtype)
         if base_missing or self._base_sha256 is None:
             base = to_numpy_tree(base_on_host(), self.dtype)
             self._base_sha256 = tree_sha256(base) if self.gang.leader else ""
             if base_missing and self.gang.leader:
-                self._retrying(0, lambda: self._push(0, base))
+                # The adapters' layout rides on the base, so that a worker applying them
+                # unmerged attaches zero adapters to it and keeps one program shape.
+                layout = {
+                    LORA_RANK: int(next(iter(adapters.values()))["a"].shape[-1]),
+                    LORA_TARGETS: list(adapters),
+                    LORA_SCALE: float(scale),
+                }
+                self._retrying(0, lambda: self._push(0, base, layout))
             del base
         if step == 0:
             return  # version 0 is the base itself: B starts at zero
-        tree = {"lora": to_numpy_tree(adapters_on_host(), "float32")}
         metadata = {LORA_BASE_VERSION: 0, LORA_BASE_SHA256: self._base_sha256, LORA_SCALE: float(scale)}
         if self.gang.leader:
-            self._retrying(step, lambda: self._push(step, tree, metadata))
+            self._retrying(step, lambda: self._push(step, {"lora": adapters}, metadata))
 
     def _retrying(self, step: int, attempt: Callable[[], Any]) -> Any:
         deadline = time.monotonic() + self.timeout_s
