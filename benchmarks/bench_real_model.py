@@ -39,6 +39,9 @@ clipping, no KL term, one optimizer step per generation batch.
 5. bench_alignment.py (packages/rlax-inference) measures the bfloat16 engine-vs-trainer
    |delta logprob| (RLAX_BENCH_ALIGNMENT=0 skips it); float32's comes from the run itself.
 
+`--lora` (benchmarks/real_model_lora.py): RLAX LoRA against TRL + peft of the same rank and
+targets and against RLAX full-parameter, on the same job; its own JSON keys are listed there.
+
 RLAX_BENCH_JSON=FILE writes the headline figures there as one JSON object:
 step_seconds_ratio (RLAX / TRL on the same work; step_seconds_ratio_own_samples beside it)
 and train_seconds_per_1k_tokens_ratio (RLAX / TRL), trainer_peak_rss_mb (against
@@ -65,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rlax_protocol.procfs import memory_mb
@@ -135,16 +139,19 @@ def keep_journal(steps: int) -> str:
     return f"trainer.checkpoint_keep={max(trainer.checkpoint_keep, steps // trainer.checkpoint_every + 1)}"
 
 
-def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
-    """Launch the run; sample every component's memory until it ends; per-step figures."""
-    run_dir = out / "rlax"
+def run_rlax(
+    out: pathlib.Path, steps: int, *, name: str = "rlax", extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Launch the run (in `out/name`, with the `extra` overrides); sample every component's
+    memory until it ends; per-step figures."""
+    run_dir = out / name
     cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES, keep_journal(steps),
+        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG), *OVERRIDES, *extra, keep_journal(steps),
         f"run.steps={steps}", f"run.output_dir={run_dir}", "--overwrite",
     ]  # fmt: skip
     memory = MemorySampler()
     started = time.perf_counter()
-    with open(out / "rlax.log", "wb") as log:
+    with open(out / f"{name}.log", "wb") as log:
         launcher = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
         try:
             while launcher.poll() is None:
@@ -163,7 +170,7 @@ def run_rlax(out: pathlib.Path, steps: int) -> dict[str, Any]:
                 launcher.wait(60)
     wall = time.perf_counter() - started
     if launcher.returncode != 0:
-        raise RuntimeError(f"rlax launch failed ({launcher.returncode}); see {out / 'rlax.log'}")
+        raise RuntimeError(f"rlax launch failed ({launcher.returncode}); see {out / f'{name}.log'}")
     from rlax_controller.metrics import latest_per_step, read_metrics
 
     train = latest_per_step(read_metrics(run_dir / "metrics.jsonl", kind="train"))
@@ -235,10 +242,16 @@ def export_batches(journal_dir: str, steps: int, target: pathlib.Path) -> list[d
 
 
 def run_child(
-    script: str, out: pathlib.Path, steps: int, env: dict[str, str] | None = None, **extra: Any
+    script: str,
+    out: pathlib.Path,
+    steps: int,
+    env: dict[str, str] | None = None,
+    more_overrides: Sequence[str] = (),
+    **extra: Any,
 ) -> dict[str, Any]:
-    """Run one side in a process of its own; its result, with its sampled peak PSS added."""
-    overrides = [*OVERRIDES, f"run.steps={steps}"]
+    """Run one side in a process of its own; its result, with its sampled peak PSS added.
+    `extra["name"]`: the result's file name (default: the script's, less `real_model_`)."""
+    overrides = [*OVERRIDES, *more_overrides, f"run.steps={steps}"]
     spec = {"rlax_config": str(CONFIG), "overrides": overrides, "out": str(out), "steps": steps, **extra}
     spec_path = out / f"{script}.json"
     spec_path.write_text(json.dumps(spec))
@@ -258,7 +271,7 @@ def run_child(
             child.wait(60)
     if child.returncode != 0:
         raise RuntimeError(f"{script} failed ({child.returncode})")
-    name = script.removeprefix("real_model_") + ".json"
+    name = extra.get("name", script.removeprefix("real_model_")) + ".json"
     return {**json.loads((out / name).read_text()), "peak_pss_mb": memory.peak_pss_mb}
 
 
@@ -507,6 +520,35 @@ def test_smollm2_grpo_rlax_vs_trl(benchmark: Any, tmp_path: pathlib.Path) -> Non
         assert len(results[side]["steps"]) == STEPS, side
 
 
+def run_lora_mode(folder: pathlib.Path, steps: int) -> tuple[str, dict[str, float], dict[str, Any]]:
+    """`--lora`: RLAX LoRA against TRL + peft and RLAX full-parameter (benchmarks/real_model_lora.py)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import real_model_lora
+
+    from rlax_core.config import load_config
+
+    base_lr = load_config(CONFIG, OVERRIDES).trainer.optimizer.lr
+    results = real_model_lora.run_lora(
+        folder, steps, base_lr=base_lr, run_rlax=run_rlax, run_child=run_child, export_hf=export_hf, env=ENV
+    )
+    text, figures = real_model_lora.report_lora(results, WARM_STEPS)
+    return text, figures, results
+
+
+def test_smollm2_lora_grpo_rlax_vs_trl_peft(benchmark: Any, tmp_path: pathlib.Path) -> None:
+    outcome: dict[str, Any] = {}
+    benchmark.pedantic(
+        lambda: outcome.update(
+            zip(("text", "figures", "results"), run_lora_mode(tmp_path, STEPS), strict=True)
+        ),
+        rounds=1,
+        iterations=1,
+    )
+    print("\n" + outcome["text"])
+    benchmark.extra_info.update(outcome["figures"])
+    write_bench_json(outcome["figures"])
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -518,6 +560,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--rlax-only", action="store_true", help="only the RLAX run (no engine-alone or TRL side)"
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="LoRA mode: RLAX LoRA vs TRL + peft vs RLAX full (real_model_lora.py)",
+    )
     args = parser.parse_args()
     if args.steps <= WARM_STEPS:
         parser.error(f"--steps must be > {WARM_STEPS}: the medians leave the first {WARM_STEPS} steps out")
@@ -525,6 +572,15 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(args.out or tmp)
         folder.mkdir(parents=True, exist_ok=True)
+        if args.lora:
+            text, figures, everything = run_lora_mode(folder, args.steps)
+            if args.json:
+                pathlib.Path(args.json).write_text(
+                    json.dumps({"overrides": OVERRIDES, "results": everything}, indent=1)
+                )
+            print(text)
+            write_bench_json(figures)
+            sys.exit(0)
         everything = {"rlax": run_rlax(folder, args.steps)} if args.rlax_only else run_all(folder, args.steps)
         if args.json:  # before the report: a run that took minutes is kept even if the report fails
             pathlib.Path(args.json).write_text(

@@ -3,7 +3,8 @@
     python benchmarks/real_model_trl.py CONFIG.json
 
 CONFIG.json: {"rlax_config": path, "overrides": [...], "hf_dir": path, "out": path,
-"steps": N}. Trains the HF export of the run's initial weights on the run's prompts (in
+"steps": N, optional "lora": {"rank", "alpha", "targets"} (a peft LoRA; `--lora`),
+optional "name" (the result file's name, default "trl")}. Trains the HF export of the run's initial weights on the run's prompts (in
 stream order), with the run's verifier as the reward, one generation batch of one prompt
 x group_size completions per optimizer step, and writes `out/trl.json`: per step the
 seconds (generation, scoring and old log-probs vs the rest), the mean reward, and this
@@ -106,9 +107,18 @@ def main(spec_path: str) -> None:
             clock["step"].append(time.perf_counter() - clock["begin"])
 
     args = grpo_args(config, out / "trl", steps)
+    peft_config = None
+    if spec.get("lora"):  # `bench_real_model.py --lora`: a peft LoRA of the RLAX run's rank and targets
+        from peft import LoraConfig as PeftLoraConfig
+
+        lora = spec["lora"]
+        peft_config = PeftLoraConfig(
+            r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"], lora_dropout=0.0,
+            bias="none", task_type="CAUSAL_LM",
+        )  # fmt: skip
     trainer = TimedGRPO(
         model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tok, callbacks=[StepClock()],
+        processing_class=tok, callbacks=[StepClock()], peft_config=peft_config,
     )  # fmt: skip
     started = time.perf_counter()
     trainer.train()
@@ -130,7 +140,7 @@ def main(spec_path: str) -> None:
         ],
         "wall_s": wall,
     }
-    write_result(out, "trl", result)
+    write_result(out, spec.get("name", "trl"), result)
 
 
 if __name__ == "__main__":

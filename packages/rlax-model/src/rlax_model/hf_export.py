@@ -13,7 +13,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlax_core.gguf_file import GGUFFile
@@ -106,12 +106,24 @@ def save_hf_folder(
     Built in a sibling temp folder, then renamed into place. A non-empty `directory`
     without config.json is refused, since it is not an earlier export to replace.
     """
-    directory = pathlib.Path(directory)
+    replace_folder(
+        pathlib.Path(directory),
+        lambda tmp: _write_folder(tmp, config, params, tokenizer, sampling, max_shard_bytes),
+        marker="config.json",
+    )
+
+
+def replace_folder(directory: pathlib.Path, write: Callable[[pathlib.Path], None], *, marker: str) -> None:
+    """Build a folder with `write(tmp)` in a sibling temp folder and rename it to `directory`,
+    replacing an earlier export there: one that holds `marker`. A non-empty `directory`
+    without it is refused (it is not an earlier export)."""
     if directory.exists():
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: exists and is not a folder")
-        if any(directory.iterdir()) and not (directory / "config.json").exists():
-            raise CheckpointError(f"{directory}: not empty and not an HF folder; refusing to replace it")
+        if any(directory.iterdir()) and not (directory / marker).exists():
+            raise CheckpointError(
+                f"{directory}: not empty and not an earlier export ({marker}); refusing to replace it"
+            )
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
     try:
@@ -119,7 +131,7 @@ def save_hf_folder(
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
-        _write_folder(tmp, config, params, tokenizer, sampling, max_shard_bytes)
+        write(tmp)
         if directory.exists():
             old = tmp.with_name(f"{tmp.name}.old")
             os.replace(directory, old)
