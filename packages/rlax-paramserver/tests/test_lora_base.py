@@ -111,3 +111,13 @@ def test_malformed_lora_metadata_is_refused_by_name(metadata: dict[str, Any], ne
             client.push(adapters(5), 5, metadata)
         assert client.stat().versions == (0,)
         client.push(adapters(5), 5, on_base(base_tree()))  # and the server goes on serving
+
+
+def test_a_base_must_be_a_full_version() -> None:
+    base = base_tree()
+    with running_server(None) as address, ParamClient(address, timeout_s=10) as client:
+        client.push(base, 0, {})
+        client.push(adapters(1), 1, on_base(base))
+        with pytest.raises(RemoteError, match="holds adapters itself"):
+            client.push(adapters(2), 2, on_base(base, version=1))
+        assert client.stat().versions == (0, 1)

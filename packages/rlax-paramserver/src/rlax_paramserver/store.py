@@ -324,11 +324,19 @@ class VersionStore:
     def _require_base(self, version: int, base: int | None) -> None:
         """An adapter-only version is accepted only while its base is held (a puller must
         be able to apply it); held, the base is then kept as long as the version is."""
-        if base is not None and base not in self.versions:
+        if base is None:
+            return
+        if base not in self.versions:
             raise StoreError(
                 "not_found",
                 f"version {version} holds adapters on base version {base}, which this server does not "
                 f"hold (held: {sorted(self.versions)}): push the base first",
+            )
+        if _named_base(base, self.versions[base].metadata) is not None:
+            raise StoreError(
+                "malformed",
+                f"version {version} names version {base} as its base, which holds adapters itself: "
+                "a base must be a full version",
             )
 
     def _evict(self) -> None:
