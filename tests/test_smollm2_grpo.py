@@ -76,7 +76,9 @@ def test_lora_grpo_raises_the_training_reward_of_smollm2(tmp_path: pathlib.Path)
     """Issue 31: the same 20 steps with `trainer.lora` (the default rank 8 on every linear
     layer, docs/lora.md's learning rate: 10x the config's full-parameter 3e-5), versions
     published as adapters alone and applied unmerged by the worker: the reward rises as it
-    does for full parameters."""
+    does for full parameters. Measured 2026-12-05 (seed 0, alone on the 2-core machine):
+    2 min 6 s, rewards of steps 1-5 -> 16-20 0.36 -> 0.89 (full parameters: 0.40 -> 1.00),
+    median 2.5 s per step (training 1.45 s), trainer peak 1,577 MiB."""
     train = launch(tmp_path / "run", "trainer.lora.rank=8", "trainer.optimizer.lr=3e-4")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     rewards = [float(r["reward_mean"]) for r in train]
