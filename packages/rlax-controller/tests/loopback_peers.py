@@ -3,6 +3,7 @@ request link (a real ROUTER socket the test thread answers by hand), and a polli
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -52,7 +53,20 @@ class WorkerSocket:
             time.sleep(0.005)
 
     def close(self) -> None:
+        """Close the socket and return once nothing listens on its port any more: ZeroMQ
+        closes a listener in its I/O thread, after `close` returns, and a peer connecting
+        in between is still accepted (seen under load: a 'dead' worker took a send)."""
         self.socket.close(linger=0)
+        host, port = self.address.removeprefix("tcp://").rsplit(":", 1)
+        wait_until(lambda: not _listening(host, int(port)), lambda: None, timeout_s=10.0)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def result_for(
