@@ -120,8 +120,11 @@ def tests(session: nox.Session) -> None:
     """Every package's unit tests and the root integration tests, on the CPU; then the
     lint, type and JAX-free-install checks, so that CI (`.ci/run`) gates on all of them."""
     require_bubblewrap(session)
-    for gate in ("lint", "typecheck", "protocol_alone", "node_installs"):
+    for gate in ("lint", "typecheck", "protocol_alone"):
         session.notify(gate)
+    # Every role's environment installs and starts, without the two side-by-side demos
+    # (~2.5 minutes, mostly their start-up): `nox -s slow` and `nox -s node_installs` run them.
+    session.notify("node_installs", ["--demo-steps", "0"])
     install_checkout(session, reference=True)
     session.install("pytest-xdist>=3.5")
     # Two pytest workers, a whole file each at a time (module fixtures such as the end-to-end
@@ -143,7 +146,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def slow(session: nox.Session) -> None:
-    """Long tests kept out of `tests` (full-size models, long learning runs)."""
+    """Long tests kept out of `tests` (full-size models, long learning runs), then the
+    per-node installs with their two demos side by side (`node_installs`)."""
+    session.notify("node_installs")
     install_checkout(session, reference=True)
     run_pytest(session, "-m", "slow", *session.posargs, *test_dirs(), allow_empty=True)
 
@@ -230,10 +235,10 @@ def node_installs(session: nox.Session) -> None:
         str(ROOT / "tools" / "node_installs.py"),
         "--out",
         str(ROOT / ".nox" / "node-envs"),
-        # 10 steps show the five environments give the one-environment run's trajectory; the
-        # whole `nox -s tests` stays under CI's 15 minutes (30 steps took ~2 minutes more).
+        # The five environments must give the one-environment run's trajectory (`nox -s tests`
+        # passes --demo-steps 0: the installs and entry points only).
         "--demo-steps",
-        "10",
+        "30",
         # At trainer.k=0 the trajectory is a function of the config and seed: the five
         # environments must reproduce the one-environment run exactly.
         "--require-identical",
