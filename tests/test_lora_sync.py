@@ -147,3 +147,37 @@ def test_unmerged_a_worker_keeps_one_program_shape_from_the_base_version_on(base
             np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=2e-5)
         assert unmerged.base_pulls == 0  # it loaded version 0, the base, itself
         assert merged.base_pulls == 1
+
+
+def test_rlax_eval_reads_a_lora_runs_newest_adapters_merged_onto_their_base(tmp_path: pathlib.Path) -> None:
+    """`rlax eval`'s weights of a LoRA run (`load_run_params`): the newest version holds only
+    adapters, so they are merged onto the base file it names, from the run's state folder."""
+    from rlax_core.config import load_config, published_state_dir
+    from rlax_data.task_from_config import build_task
+    from rlax_inference.eval_process import load_run_params
+    from rlax_model.model_from_config import initial_params
+
+    overrides = [*TINY_RUN, "trainer.sft_steps=0", "trainer.lora.rank=4", "trainer.lora.alpha=8"]
+    config = load_config(DEMO_CONFIG, [*overrides, f"run.output_dir={tmp_path}", "paramserver.storage=disk"])
+    task = build_task(config)
+    model_config, init = initial_params(config, task.tokenizer)
+    base_tree = host(init)
+    layout = LoraConfig(rank=4, alpha=8)
+    fresh = lora.init_adapters(model_config, layout, jax.random.key(1))
+    trained = host(
+        {
+            n: {"a": ad["a"], "b": 0.5 * jax.random.normal(jax.random.key(i), ad["b"].shape)}
+            for i, (n, ad) in enumerate(fresh.items())
+        }
+    )
+    with running_server(published_state_dir(config), keep=1) as address:
+        push = pusher(address)
+        for step in (0, 1, 2):
+            push.publish_adapters(step, lambda: base_tree, lambda: trained, layout.scale)
+        push.close()
+    _, params, described = load_run_params(config, task.tokenizer)
+    assert described == "published version 2 (LoRA on version 0)"
+    want = lora.merge_adapters(base_tree, trained, layout.scale)
+    for name in layout.target_names():
+        assert np.abs(np.asarray(want["layers"][name]) - base_tree["layers"][name]).max() > 1e-3
+        np.testing.assert_allclose(params["layers"][name], want["layers"][name], rtol=0, atol=1e-6)
