@@ -209,15 +209,13 @@ def test_a_task_the_verifier_service_cannot_score_stops_the_run_with_a_config_er
     ct = ControllerThread(config, toy, workers, scorer=RouteMissingScorer())
     # The trainer's first request starts the dispatch; no batch can ever be scored. (30 s:
     # under the full suite's load the controller once took more than 5 s to answer.) The
-    # run may stop on the unscorable group before it answers (seen beside a second suite):
-    # then the ask times out, and only a controller that has stopped may leave it unanswered.
+    # request is held until a batch is ready, so the run may stop on the unscorable group
+    # while it holds it (seen beside a second suite): stopping answers it.
     client = ControlClient(
         config.controller.address, encode=encode_control, decode=decode_control, timeout_s=30.0
     )
     try:
         assert isinstance(client.call(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
-    except ProtocolTimeoutError:
-        assert not ct.thread.is_alive(), "the controller neither answered the trainer nor stopped"
     finally:
         client.close()
     with pytest.raises(ConfigError, match="verifier service cannot score.*tool_arithmetic"):

@@ -195,3 +195,18 @@ def test_a_newer_batch_request_supersedes_the_held_one(endpoint: Any) -> None:
     answers.ready = True
     made.answer_held(0.0)  # with a batch ready, however long it was held
     assert isinstance(new.reply(), RunComplete)
+
+
+def test_a_stopping_controller_answers_the_request_it_holds(endpoint: Any) -> None:
+    """A run that stops while it holds the trainer's BatchRequest (its end, or a config error
+    the dispatch found) answers it, instead of leaving the trainer to its whole timeout."""
+    made, answers, peer = endpoint
+    answers.restored = True
+    trainer = peer()
+    trainer.ask(BatchRequest(trainer_step=0))
+    wait_until(lambda: answers.asked, made.serve)
+    assert not trainer.has_reply()  # held
+    made.close()
+    wait_until(lambda: trainer.socket.poll(5), lambda: None)
+    last = decode_control(trainer.socket.recv_multipart()[1])
+    assert isinstance(last, NoBatchYet) and last.reason == "the controller is stopping"

@@ -155,5 +155,16 @@ class TrainerEndpoint:
             log.warning("dropped a reply to a peer whose queue is full")
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        """Stop serving. A held BatchRequest is answered first (`NoBatchYet`, retry soon): a
+        controller that stops while it holds one (the run's end, a config error found by the
+        dispatch) would otherwise leave the trainer waiting out its whole timeout."""
+        linger = 0
+        if self._held is not None:
+            identity, request_id, _, _ = self._held
+            self._held = None
+            self._reply(
+                identity, request_id, NoBatchYet(reason="the controller is stopping", retry_after_s=0.5)
+            )
+            linger = 200  # ms: long enough to hand that one reply to the kernel, no longer
+        self.socket.close(linger=linger)
         self.auth.close()
