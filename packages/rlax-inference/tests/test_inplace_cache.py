@@ -148,13 +148,11 @@ def test_prefill_chunk_step_reads_the_cache_in_place():
     runner = mr.ModelRunner(
         CONFIG, PARAMS, num_blocks=4096, block_size=16, max_num_seqs=8, max_model_len=256, attention="cpu"
     )
-    rows, length, width = 4, 64, 8
-    batch = mr.ModelRunner._sampling_batch([(1.0, 1.0, 0, 0, 0, 0)] * 8, 8)
+    rows, length, width = 4, 64, runner.prefill_width
     zeros = np.zeros((rows, length), np.int32)
     compiled = mr._prefill_step.lower(
         runner.params, runner.cache, zeros, np.zeros(rows, np.int32), np.ones(rows, np.int32), zeros,
-        np.zeros((rows, width), np.int32), np.zeros(8, np.int32), batch, config=CONFIG, use_filters=False,
-        num_top=0,
+        np.zeros((rows, width), np.int32), config=CONFIG,
     ).compile()  # fmt: skip
     mem = compiled.memory_analysis()
     cache_bytes = sum(x.nbytes for x in runner.cache.values())

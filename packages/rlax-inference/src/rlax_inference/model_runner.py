@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -49,6 +50,7 @@ import numpy as np
 
 import rlax_kernels
 from rlax_inference.runner_attention import (
+    PREFILL_PAGES_PER_STEP,
     FusedDecodeContext,
     KVCache,
     PrefillContext,
@@ -60,22 +62,13 @@ from rlax_inference.runner_attention import (
     write_all_layers,
 )
 from rlax_inference.sampler import SamplerOutput, SamplingBatch, sample
+from rlax_inference.shape_buckets import bucket, buckets_up_to
 from rlax_model import ModelConfig, Params, hidden_states, project_logits
 from rlax_model.layers import ALIGNED_COMPILER_OPTIONS, ALIGNED_ROW_BLOCK, matmul_row_blocks
 
 AttentionBackend = Literal["auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
 # Backends that keep a float32 cache (see `ModelRunner.cache_dtype`).
 _FLOAT32_CACHE = ("cpu", "xla")
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest power-of-two multiple of `minimum` >= n, capped at `maximum` (n must fit)."""
-    if n > maximum:
-        raise ValueError(f"size {n} exceeds the largest bucket {maximum}")
-    b = minimum
-    while b < n:
-        b *= 2
-    return min(b, maximum)
 
 
 COMPILATIONS: collections.Counter[str] = collections.Counter()
@@ -109,16 +102,13 @@ def _prefill_impl(
     lengths: jax.Array,
     slots: jax.Array,
     block_tables: jax.Array,
-    row_of_sample: jax.Array,
-    sampling: SamplingBatch,
     *,
     config: ModelConfig,
-    use_filters: bool,
-    num_top: int,
     aligned: bool = False,
-) -> tuple[SamplerOutput, KVCache]:
+) -> tuple[jax.Array, KVCache]:
     """Prefill one chunk per row: row i's `lengths[i]` tokens sit at positions `starts[i]`... and
     attend to the row's `starts[i]` cached tokens (block_tables) and causally to each other.
+    Returns each row's last hidden state [rows, hidden] (sampled by `_sample_impl`) and the cache.
     aligned: the trainer's batch-invariant formulation (`ModelRunner`'s `aligned`)."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     with matmul_row_blocks(ALIGNED_ROW_BLOCK if aligned else 0):
@@ -135,13 +125,34 @@ def _prefill_impl(
         flat = {n: a.reshape(layers, rows * length, *a.shape[3:]) for n, a in new.items()}
         cache = write_all_layers(cache, flat["k"], flat["v"], slots.reshape(-1))
         last = hidden[jnp.arange(rows), jnp.maximum(lengths - 1, 0)]  # [rows, hidden]
+    return last, cache
+
+
+def _sample_impl(
+    params: Params,
+    last: jax.Array,
+    row_of_sample: jax.Array,
+    sampling: SamplingBatch,
+    *,
+    config: ModelConfig,
+    use_filters: bool,
+    num_top: int,
+    aligned: bool = False,
+) -> SamplerOutput:
+    """Sample one token per sample row from the prefill rows' last hidden states.
+
+    last: [rows, hidden]; row_of_sample: [samples] int32, the row each sample reads (the n
+    samples of a request share one row). A program of its own, so that the prefill's programs
+    do not multiply by the number of sample rows (`ModelRunner.compile_shapes`)."""
+    with matmul_row_blocks(ALIGNED_ROW_BLOCK if aligned else 0):
         logits = project_logits(last[row_of_sample], params, config)
-    return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned), cache
+    return sample(logits, sampling, use_filters=use_filters, num_top=num_top, aligned=aligned)
 
 
 _prefill_step, _prefill_step_aligned = _jits(
-    _counted("prefill")(_prefill_impl), static_argnames=_STEP_STATICS, donate_argnums=(1,)
+    _counted("prefill")(_prefill_impl), static_argnames=("config", "aligned"), donate_argnums=(1,)
 )
+_sample_step, _sample_step_aligned = _jits(_counted("sample")(_sample_impl), static_argnames=_STEP_STATICS)
 
 
 def _decode_one(
@@ -308,6 +319,8 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // block_size)
         # Short block tables share one program: padding a few pages is cheaper than compiling.
         self.min_width_bucket = min(self.max_pages_per_seq, max(1, 64 // block_size))
+        # The one block-table width of the default prefill (its attention reads only the pages needed).
+        self.prefill_width = -(-self.max_pages_per_seq // PREFILL_PAGES_PER_STEP) * PREFILL_PAGES_PER_STEP
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
         self.interpret = interpret
@@ -387,10 +400,15 @@ class ModelRunner:
         sample_index, step))` rows, sampled from the logits of the chunk's last token;
         several rows may share one chunk (the n samples of a request).
         """
-        rows = bucket(len(chunks), min(4, self.max_prefill_rows), max(self.max_prefill_rows, len(chunks)))
-        length = bucket(max(len(c.tokens) for c in chunks), self.min_len_bucket, self.max_model_len)
+        return self._sample(self._prefill_last(chunks), samples, num_top)
+
+    def _prefill_last(self, chunks: Sequence[PrefillChunk]) -> jax.Array:
+        """Run the prefill of `chunks` (K/V into their slots); -> their last hidden states [rows, hidden]."""
+        rows = self.prefill_rows_bucket(len(chunks))
+        length = self.prefill_length_bucket(max(len(c.tokens) for c in chunks))
         pages = max(-(-c.start // self.block_size) for c in chunks)
-        width = self.width_bucket(max(pages, 1))
+        # Default attention loops over only the pages it needs: one table width for every call.
+        width = self.width_bucket(max(pages, 1)) if self.aligned else self.prefill_width
         tokens = np.zeros((rows, length), np.int32)
         slot_arr = np.full((rows, length), -1, np.int32)  # negative: padding, never written
         lengths = np.zeros(rows, np.int32)
@@ -404,15 +422,28 @@ class ModelRunner:
             lengths[i], starts[i] = len(c.tokens), c.start
             used = -(-c.start // self.block_size)
             tables[i, :used] = c.block_table[:used]
+        last, self.cache = (_prefill_step_aligned if self.aligned else _prefill_step)(
+            self._step_params, self.cache, tokens, starts, lengths, slot_arr, tables,
+            config=self.step_config, aligned=self.aligned,
+        )  # fmt: skip
+        last_hidden: jax.Array = last
+        return last_hidden
+
+    def _sample(
+        self,
+        last: jax.Array | np.ndarray,
+        samples: Sequence[tuple[int, tuple[float, float, int, int, int, int]]],
+        num_top: int,
+    ) -> StepResult:
+        """Sample `samples` (`(row, sampling row)`) from the last hidden states [rows, hidden]."""
         n = len(samples)
-        sample_rows = bucket(max(n, 1), min(8, self.max_num_seqs), max(self.max_num_seqs, n))
+        sample_rows = self.sample_rows_bucket(n)
         row_of_sample = np.zeros(sample_rows, np.int32)
         row_of_sample[:n] = [r for r, _ in samples]
         batch = self._sampling_batch([s for _, s in samples], sample_rows)
-        out, self.cache = (_prefill_step_aligned if self.aligned else _prefill_step)(
-            self._step_params, self.cache, tokens, starts, lengths, slot_arr, tables, row_of_sample, batch,
-            config=self.step_config, use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top),
-            aligned=self.aligned,
+        out = (_sample_step_aligned if self.aligned else _sample_step)(
+            self._step_params, last, row_of_sample, batch, config=self.step_config,
+            use_filters=self._needs_filters(samples), num_top=self._top_bucket(num_top), aligned=self.aligned,
         )  # fmt: skip
         return self._host(out, n, num_top)
 
@@ -466,31 +497,83 @@ class ModelRunner:
             width = bucket(width, 8 * step, max(self.max_pages_per_seq, 8 * step))
         return min(width, self.max_pages_per_seq)
 
-    def width_buckets(self) -> list[int]:
+    def widthbuckets_up_to(self) -> list[int]:
         """Every block-table width decode compiles for."""
         return sorted({self.width_bucket(p) for p in range(1, self.max_pages_per_seq + 1)})
 
-    def warmup(self, num_seqs: int, num_steps: Sequence[int] = (1,)) -> None:
-        """Compile decode for `num_seqs` rows at every width and step count, and every block-copy bucket.
+    def prefill_rows_bucket(self, num_chunks: int) -> int:
+        """Rows of a prefill call holding `num_chunks` chunks: 4, 8, ... `max_prefill_rows`."""
+        return bucket(num_chunks, min(4, self.max_prefill_rows), max(self.max_prefill_rows, num_chunks))
 
-        Padding rows and page-0 self-copies only: the cache's contents do not change.
+    def prefill_length_bucket(self, num_tokens: int) -> int:
+        """Columns of a prefill call whose longest chunk has `num_tokens` tokens."""
+        return bucket(num_tokens, self.min_len_bucket, self.max_model_len)
+
+    def sample_rows_bucket(self, num_samples: int) -> int:
+        """Rows of a sampling call (after a prefill) for `num_samples` samples."""
+        return bucket(max(num_samples, 1), min(8, self.max_num_seqs), max(self.max_num_seqs, num_samples))
+
+    def compile_shapes(
+        self,
+        *,
+        max_chunk_tokens: int,
+        decode_rows: int,
+        decode_steps: Sequence[int] = (1,),
+        sampling: Sequence[tuple[float, float, int, int, int, int]] = ((1.0, 1.0, 0, 0, 0, 0),),
+        num_top: int = 0,
+    ) -> None:
+        """Compile every program a run within these bounds can call, so none compiles while it serves.
+
+        max_chunk_tokens: the longest prefill chunk (the engine's token budget or chunk size);
+        decode_rows: the most sequences decoding at once; decode_steps: the step counts of a
+        decode call; sampling: sampling rows (`_sampling_row`) whose filter use must be
+        covered; num_top: the most top log-probs a request may ask for (0: none). Covered: block copies
+        (every bucket), decode (every row bucket up to `decode_rows`, every block-table width,
+        every step count), prefill (every row and length bucket; the default prefill has one
+        table width, the aligned one every width) and sampling (every sample-row bucket after
+        every prefill row bucket). Padding rows, page-0 self-copies and unwritten slots only:
+        the cache's contents do not change.
         """
-        n = 8
+        copies = 8
         while True:
-            self.copy_blocks([(0, 0)] * n)
-            if n >= max(8, self.max_num_seqs):
+            self.copy_blocks([(0, 0)] * copies)
+            if copies >= max(8, self.max_num_seqs):
                 break
-            n *= 2
-        for steps in num_steps:
-            for width in self.width_buckets():
+            copies *= 2
+        tops = [0, *buckets_up_to(1, num_top, max(num_top, 64))]  # `_top_bucket`'s values up to num_top
+        sampling = list(dict.fromkeys(sampling))
+        for rows in buckets_up_to(min(8, self.max_num_seqs), decode_rows, self.max_num_seqs):
+            for steps, width, top, row in itertools.product(
+                decode_steps, self.widthbuckets_up_to(), tops, sampling
+            ):
                 self.decode(
-                    [0] * num_seqs,
-                    [[-1] * steps] * num_seqs,
-                    [[0] * width] * num_seqs,
-                    [1] * num_seqs,
-                    [(1.0, 1.0, 0, 0, 0, 0)] * num_seqs,
-                    num_steps=steps,
-                )
+                    [0] * rows, [[-1] * steps] * rows, [[0] * width] * rows, [1] * rows, [row] * rows,
+                    num_steps=steps, num_top=top,
+                )  # fmt: skip
+        if max_chunk_tokens < 1:
+            return
+        lengths = buckets_up_to(
+            self.min_len_bucket, min(max_chunk_tokens, self.max_model_len), self.max_model_len
+        )
+        # Aligned prefill reads a width bucket of pages: a chunk after `start` cached tokens per width.
+        starts = (
+            [0] if not self.aligned else [(w - 1) * self.block_size + 1 for w in self.widthbuckets_up_to()]
+        )
+        for rows in buckets_up_to(
+            min(4, self.max_prefill_rows), self.max_prefill_rows, self.max_prefill_rows
+        ):
+            for length, start in itertools.product(lengths, starts):
+                chunk = PrefillChunk([0] * length, start, [-1] * length, [0] * self.max_pages_per_seq)
+                last = self._prefill_last([chunk] * rows)
+            for samples, top, row in itertools.product(
+                buckets_up_to(min(8, self.max_num_seqs), self.max_num_seqs, self.max_num_seqs), tops, sampling
+            ):
+                self._sample(last, [(0, row)] * samples, top)
+
+    def warmup(self, num_seqs: int, num_steps: Sequence[int] = (1,)) -> None:
+        """Compile decode for `num_seqs` rows at every width and step count, and every block-copy
+        bucket (`compile_shapes` compiles everything a run can call)."""
+        self.compile_shapes(max_chunk_tokens=0, decode_rows=num_seqs, decode_steps=num_steps)
 
     # -- helpers ----------------------------------------------------------------------
     @staticmethod

@@ -23,6 +23,7 @@ from rlax_model import dense_attention_reference
 from rlax_model.attention import KEY_BLOCK
 
 __all__ = [
+    "PREFILL_PAGES_PER_STEP",
     "FusedDecodeContext",
     "KVCache",
     "PrefillContext",
@@ -68,39 +69,92 @@ def write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots: 
     return out
 
 
+# Pages of context one iteration of `prefill_attention`'s loop reads (64 keys at 16 per page).
+PREFILL_PAGES_PER_STEP = 4
+
+
 def prefill_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: PrefillContext
 ) -> tuple[jax.Array, KVCache]:
     """A chunk of each row's prompt attends to the row's cached tokens and causally to itself.
 
     q: [rows, chunk, heads, head_dim]; k, v: [rows, chunk, kv_heads, head_dim]; layer: int32
-    scalar. The cached tokens (positions < starts) are gathered from the read-only cache
-    through the block tables (only this layer's pages of the table, never the whole cache)
-    and join the chunk's own K/V in one exact float32 softmax, in position order, so a prompt
-    fed in chunks gives the logits of a prompt fed at once up to float32 rounding. The chunk's
-    K/V leave the scan, to be written after it.
+    scalar; ctx.block_tables: [rows, width] with width a multiple of `PREFILL_PAGES_PER_STEP`
+    (the runner passes the longest table a sequence can have, so the table's width never
+    selects a program). The chunk's own keys come first; then a loop whose trip count is
+    computed on the device reads `PREFILL_PAGES_PER_STEP` pages of this layer's cache per
+    iteration, only as many as the longest row's cached prefix needs, and folds them into
+    an online float32 softmax (flash attention's running max and sum). So a prompt fed in
+    chunks gives the logits of a prompt fed at once up to float32 rounding, a fresh prompt
+    reads no cache at all, and the cost follows the cached tokens, not the table's width.
+    The chunk's K/V leave the scan, to be written after it.
     """
-    rows, chunk = q.shape[:2]
-    kv_heads, head_dim = k.shape[2:]
-    width, page_size = ctx.block_tables.shape[1], ctx.cache["k"].shape[3]
-
-    def cached(pages: jax.Array) -> jax.Array:  # -> [rows, width * page_size, kv_heads, head_dim]
-        got = pages[layer, :, ctx.block_tables]  # advanced indices around a slice go first
-        got = got.transpose(0, 1, 3, 2, 4)  # [rows, width, page_size, kv_heads, head_dim]
-        return got.reshape(rows, width * page_size, kv_heads, head_dim).astype(k.dtype)
-
-    keys = jnp.concatenate([cached(ctx.cache["k"]), k], axis=1)
-    values = jnp.concatenate([cached(ctx.cache["v"]), v], axis=1)
+    rows, chunk, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    layers, _, num_pages, page_size, _ = ctx.cache["k"].shape
+    per_step = PREFILL_PAGES_PER_STEP
+    width = ctx.block_tables.shape[1]
+    if width % per_step:
+        raise ValueError(f"prefill block tables are {width} wide, not a multiple of {per_step}")
+    scale = 1.0 / float(head_dim) ** 0.5
+    qg = q.reshape(rows, chunk, kv_heads, group, head_dim)
     q_pos = ctx.starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [rows, chunk]
-    ctx_pos = jnp.broadcast_to(jnp.arange(width * page_size, dtype=jnp.int32), (rows, width * page_size))
-    key_pos = jnp.concatenate([ctx_pos, q_pos], axis=1)
-    key_valid = jnp.concatenate(
-        [ctx_pos < ctx.starts[:, None], jnp.arange(chunk)[None, :] < ctx.lengths[:, None]], axis=1
-    )
-    mask = key_valid[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+
+    def fold(
+        state: tuple[jax.Array, jax.Array, jax.Array], keys: jax.Array, values: jax.Array, visible: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Fold keys/values [rows, n, kv_heads, head_dim] with `visible` [rows, chunk, n] into
+        the running (max [rows, kv, group, chunk], sum, weighted values [..., head_dim])."""
+        top, total, acc = state
+        scores = jnp.einsum("bqkgd,bckd->bkgqc", qg, keys, preferred_element_type=jnp.float32) * scale
+        visible = visible[:, None, None]
+        new_top = jnp.maximum(top, jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1))
+        weights = jnp.where(visible, jnp.exp(scores - new_top[..., None]), 0.0)
+        rescale = jnp.exp(top - new_top)  # both -inf only where nothing is visible yet: 0 below
+        rescale = jnp.where(jnp.isfinite(new_top), rescale, 0.0)
+        total = total * rescale + weights.sum(-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "bkgqc,bckd->bkgqd", weights, values.astype(jnp.float32), preferred_element_type=jnp.float32
+        )
+        return new_top, total, acc
+
+    own = jnp.arange(chunk, dtype=jnp.int32)
+    visible = (own[None, None, :] <= own[None, :, None]) & (own[None, None, :] < ctx.lengths[:, None, None])
     if ctx.sliding_window is not None:
-        mask &= q_pos[:, :, None] - key_pos[:, None, :] < ctx.sliding_window
-    return dense_attention_reference(q, keys, values, mask[:, None]), {"k": k, "v": v}
+        visible &= own[None, :, None] - own[None, None, :] < ctx.sliding_window
+    state = (
+        jnp.full((rows, kv_heads, group, chunk), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, kv_heads, group, chunk), jnp.float32),
+        jnp.zeros((rows, kv_heads, group, chunk, head_dim), jnp.float32),
+    )
+    state = fold(state, k, v, visible)
+
+    # This layer's pages as rows of one flat table: one contiguous slice per page.
+    flat_k = ctx.cache["k"].reshape(layers * kv_heads * num_pages, page_size * head_dim)
+    flat_v = ctx.cache["v"].reshape(layers * kv_heads * num_pages, page_size * head_dim)
+    heads_base = (layer * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)) * num_pages  # [kv_heads]
+    span = per_step * page_size
+
+    def gather(flat: jax.Array, tables: jax.Array) -> jax.Array:  # -> [rows, span, kv_heads, head_dim]
+        got = jnp.take(flat, heads_base[None, :, None] + tables[:, None, :], axis=0, mode="clip")
+        return got.reshape(rows, kv_heads, span, head_dim).transpose(0, 2, 1, 3)
+
+    def cached_step(step: jax.Array, state: tuple[jax.Array, jax.Array, jax.Array]) -> Any:
+        tables = jax.lax.dynamic_slice_in_dim(ctx.block_tables, step * per_step, per_step, axis=1)
+        key_pos = step * span + jnp.arange(span, dtype=jnp.int32)  # [span]
+        seen = jnp.broadcast_to((key_pos[None, :] < ctx.starts[:, None])[:, None, :], (rows, chunk, span))
+        if ctx.sliding_window is not None:
+            seen &= q_pos[:, :, None] - key_pos[None, None, :] < ctx.sliding_window
+        return fold(
+            state, gather(flat_k, tables).astype(k.dtype), gather(flat_v, tables).astype(v.dtype), seen
+        )
+
+    steps = (jnp.max(ctx.starts) + span - 1) // span
+    top, total, acc = jax.lax.fori_loop(0, steps, cached_step, state)
+    out = acc / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]  # padding queries: 0
+    out = out.transpose(0, 3, 1, 2, 4).reshape(rows, chunk, heads, head_dim)
+    return out.astype(q.dtype), {"k": k, "v": v}
 
 
 def _positioned(

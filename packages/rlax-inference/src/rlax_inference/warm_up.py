@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from rlax_core.config import RunConfig
 from rlax_inference.engine import LLMEngine
 from rlax_inference.sequence import SamplingParams
 
-__all__ = ["WarmUp", "compile_run_shapes"]
+__all__ = ["WarmUp", "compile_all_shapes", "compile_run_shapes"]
 
 log = logging.getLogger("rlax.worker")
 
@@ -81,4 +82,31 @@ def compile_run_shapes(engine: LLMEngine, plan: WarmUp) -> float:
         for count in plan.prompt_counts:
             # Distinct first tokens: no prompt shares another's prefix (or its cache).
             engine.generate([[i % vocab] + [0] * (length - 1) for i in range(count)], plan.sampling)
+    return time.monotonic() - started
+
+
+def compile_all_shapes(engine: LLMEngine, sampling: Sequence[SamplingParams] = (SamplingParams(),)) -> float:
+    """Compile every program `engine` can call for requests sampled like `sampling`; -> seconds.
+
+    The shapes are bounded by the engine's config: decode rows up to `max_num_seqs`, every
+    block-table width, one and `num_decode_steps` steps; prefill chunks up to the step's
+    token budget (or `prefill_chunk_size`), every prefill row bucket; sampling of every
+    sample-row bucket; every block-copy bucket. After it, preemption, copy-on-write, prefix
+    hits and chunked prefill run without compiling (`test_engine_compilation`).
+    """
+    started = time.monotonic()
+    config = engine.config
+    if config.enable_chunked_prefill:
+        longest_chunk = min(
+            config.prefill_chunk_size or config.max_num_batched_tokens, config.max_num_batched_tokens
+        )
+    else:
+        longest_chunk = config.max_model_len
+    engine.runner.compile_shapes(
+        max_chunk_tokens=longest_chunk,
+        decode_rows=config.max_num_seqs,
+        decode_steps=sorted({1, config.num_decode_steps}),
+        sampling=[(float(p.temperature), float(p.top_p), p.top_k, 0, 0, 0) for p in sampling],
+        num_top=max(p.logprobs for p in sampling),
+    )
     return time.monotonic() - started
