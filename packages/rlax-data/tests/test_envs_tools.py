@@ -409,6 +409,7 @@ def test_tool_result_and_error_reject_unknown_kinds():
         "crash",
         "timeout",
         "too_large",
+        "too_many_calls",
     }
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         run_fake(lambda a: "x", timeout_s=0)

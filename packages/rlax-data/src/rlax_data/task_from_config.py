@@ -145,7 +145,8 @@ class RunTask:
             self._agent_turns = AgentTurns(
                 self.tokenizer,
                 chat=self.chat,
-                tool_format=agent.tool_format or ("hermes" if self.chat else "bracket"),
+                tool_format=agent.tool_format,  # "": the chat template's own format (AgentTurns)
+                max_calls_per_turn=agent.max_calls_per_turn,
                 tool_timeout_s=agent.tool_timeout_s,
                 service_address=self.config.verifier.address if agent.where == "service" else "",
             )

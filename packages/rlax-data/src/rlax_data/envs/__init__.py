@@ -2,7 +2,8 @@
 and a registry of environments by name.
 
 Built-in environments (each takes `format` — a `ToolFormat` or a name, "hermes" by
-default — plus `ToolEnvironment`'s keyword options; the Python ones also `sandbox`):
+default; the number of calls a turn may hold is the format's `max_calls` — plus
+`ToolEnvironment`'s keyword options; the Python ones also `sandbox`):
 "calculator" (`CalculatorTool`), "python" (`PythonTool`) and "tools" (both).
 """
 
@@ -13,13 +14,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rlax_data.envs.environment import Environment, EnvStep, ToolEnvironment
+from rlax_data.envs.environment import TOOL_MESSAGE_SEPARATOR, Environment, EnvStep, ToolEnvironment
 from rlax_data.envs.formats import (
     BracketToolFormat,
     HermesToolFormat,
+    Llama3JsonToolFormat,
+    MalformedCall,
+    MistralToolFormat,
+    ParsedCall,
     ToolCallError,
     ToolFormat,
     make_tool_format,
+    tool_format_for_template,
     tool_format_names,
 )
 from rlax_data.envs.tools import (
@@ -32,17 +38,23 @@ from rlax_data.envs.tools import (
     ToolResult,
     ToolThreads,
     run_tool,
+    run_tools,
 )
 from rlax_data.verify.sandbox import Sandbox, SandboxConfig
 
 __all__ = [
     "TOOL_ERROR_KINDS",
+    "TOOL_MESSAGE_SEPARATOR",
     "BracketToolFormat",
     "CalculatorTool",
     "EnvStep",
     "Environment",
     "EnvironmentFactory",
     "HermesToolFormat",
+    "Llama3JsonToolFormat",
+    "MalformedCall",
+    "MistralToolFormat",
+    "ParsedCall",
     "PythonTool",
     "Tool",
     "ToolCall",
@@ -57,6 +69,8 @@ __all__ = [
     "make_tool_format",
     "register_environment",
     "run_tool",
+    "run_tools",
+    "tool_format_for_template",
     "tool_format_names",
 ]
 

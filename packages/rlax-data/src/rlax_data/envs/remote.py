@@ -13,7 +13,8 @@ in the worker. Environments whose steps do not depend on the earlier ones say so
 
 What a stranger's request can choose is bounded: only registered environments, or the
 `package.module:factory` paths the service was started with, are made; the options are
-the three every factory takes, typed and checked; the record is decoded with msgspec
+the three every factory takes (the format is made here, from its name and the calls a
+turn may hold), typed and checked; the record is decoded with msgspec
 (depth and size errors are refusals); and the whole request is bounded by its
 `timeout_s`: a step that overruns it is abandoned, its answer dropped, and its thread slot
 goes to the next request at once (`rlax_core.deadline_threads`), so hung environments
@@ -38,13 +39,18 @@ __all__ = ["EnvOptions", "EnvStepServer", "RemoteEnvironment", "RemoteEnvironmen
 
 
 class EnvOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The keyword options every environment factory takes (`EnvStepRequest.options`)."""
+    """The keyword options every environment factory takes (`EnvStepRequest.options`):
+    the tool format by name (made with `max_calls_per_turn` as its `max_calls`) and the
+    tool limits."""
 
     format: str = "hermes"
+    max_calls_per_turn: int = 1
     max_result_chars: int = 4096
     tool_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_calls_per_turn <= 64:
+            raise ValueError(f"max_calls_per_turn={self.max_calls_per_turn}: must be in [1, 64]")
         if not 1 <= self.max_result_chars <= 1 << 20:
             raise ValueError(f"max_result_chars={self.max_result_chars}: must be in [1, 1048576]")
         if not 0 < self.tool_timeout_s <= 600:
@@ -102,7 +108,7 @@ class EnvStepServer:
         self._threads.close()
 
     def _step(self, request: rp.EnvStepRequest) -> rp.EnvStepResult:
-        from rlax_data.envs import environment_names, make_environment
+        from rlax_data.envs import environment_names, make_environment, make_tool_format
 
         name = request.environment
         if name not in environment_names() and name not in self.allowed_paths:
@@ -116,7 +122,12 @@ class EnvStepServer:
             raise rp.RemoteError(
                 "malformed", f"EnvStepRequest: {type(error).__name__}: {error}"[:500]
             ) from None
-        env = make_environment(name, **msgspec.structs.asdict(options))
+        env = make_environment(
+            name,
+            format=make_tool_format(options.format, max_calls=options.max_calls_per_turn),
+            max_result_chars=options.max_result_chars,
+            tool_timeout_s=options.tool_timeout_s,
+        )
         env.reset(record)
         earlier = request.turns[:-1]
         if not getattr(env, "independent_steps", False):

@@ -8,7 +8,8 @@ non-string result, a huge result, a hang) into a `ToolResult` the model reads ne
 a machine-readable `error` kind for the metrics.
 
 In-process tools run in a daemon thread each, at most `ToolThreads.max_threads` at once
-across the process. A call that overruns its time limit is answered with a timeout and
+across the process; `run_tools` runs the calls of one model turn at once, each under its
+own time limit. A call that overruns its time limit is answered with a timeout and
 abandoned (`rlax_core.deadline_threads`): its slot goes to the next call at once, so hung
 tools never shrink how many calls can run, and its thread is interrupted (which ends a
 tool that runs Python code; one blocked in a C call ends when that call returns). At most
@@ -23,11 +24,14 @@ contained in-process; the built-in tools do neither.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import operator
 import re
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -45,6 +49,7 @@ __all__ = [
     "ToolThreads",
     "evaluate_arithmetic",
     "run_tool",
+    "run_tools",
 ]
 
 # Why a call did not give a plain result:
@@ -52,8 +57,11 @@ __all__ = [
 #   unknown_tool: no tool of that name; bad_arguments: the tool refused its arguments;
 #   crash: the tool raised (or the program it ran for the model failed);
 #   timeout: the tool did not finish (or could not start) in time;
-#   too_large: the output went over a size limit (see `ToolResult`).
-TOOL_ERROR_KINDS: Final = ("malformed", "unknown_tool", "bad_arguments", "crash", "timeout", "too_large")
+#   too_large: the output went over a size limit (see `ToolResult`);
+#   too_many_calls: the turn held more calls than a turn may (the format's `max_calls`).
+TOOL_ERROR_KINDS: Final = (
+    "malformed", "unknown_tool", "bad_arguments", "crash", "timeout", "too_large", "too_many_calls",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -153,9 +161,28 @@ class ToolThreads:
         time, "overloaded" when too many abandoned calls still run, "no_thread" when the
         host would not start a thread, or "lost" when `work` raised (`run_tool`'s work
         catches everything: only if building its result failed)."""
-        future = self._threads.submit(work)
+        return self.run_all([(work, timeout_s)])[0]
+
+    def run_all(self, works: Sequence[tuple[Callable[[], ToolResult], float]]) -> list[ToolResult | str]:
+        """Each `(work, timeout_s)` started at once (as slots allow), each given its own
+        `timeout_s` from now (its wait for a slot included): what `run` gives for each, in
+        the order of `works`. The calls overlap, so this takes as long as the slowest, not
+        their sum."""
+        start = time.monotonic()
+        futures = [self._threads.submit(work) for work, _ in works]
         try:
-            return future.result(timeout=max(0.0, timeout_s))
+            return [
+                self._outcome(future, start + timeout_s - time.monotonic())
+                for future, (_, timeout_s) in zip(futures, works, strict=True)
+            ]
+        except BaseException:  # this thread is interrupted (an environment step abandoned)
+            for future in futures:
+                self._threads.abandon(future)  # nothing happens to a finished one
+            raise
+
+    def _outcome(self, future: Future[ToolResult], wait_s: float) -> ToolResult | str:
+        try:
+            return future.result(timeout=max(0.0, wait_s))
         except TimeoutError:
             started = self._threads.started_at(future)
             self._threads.abandon(future)
@@ -166,9 +193,6 @@ class ToolThreads:
             return "no_thread"
         except Exception:
             return "lost"
-        except BaseException:  # this thread is interrupted (an environment step abandoned)
-            self._threads.abandon(future)
-            raise
 
 
 _THREADS = ToolThreads()
@@ -190,14 +214,45 @@ def run_tool(
     then a truncation marker. `known_tools` names the tools in the unknown-tool message.
     `threads`: the bounded thread launcher (the process-wide one by default).
     """
-    if timeout_s <= 0:
-        raise ValueError(f"run_tool: timeout_s must be > 0, got {timeout_s}")
+    return run_tools(
+        [(tool, call, timeout_s)], max_result_chars=max_result_chars, known_tools=known_tools, threads=threads
+    )[0]
+
+
+def run_tools(
+    jobs: Sequence[tuple[Tool | None, ToolCall, float]],
+    *,
+    max_result_chars: int,
+    known_tools: tuple[str, ...] = (),
+    threads: ToolThreads | None = None,
+) -> list[ToolResult]:
+    """`run_tool` for each `(tool, call, timeout_s)` of `jobs`, the calls running at once
+    (each in a thread of its own, each under its own time limit): their results in the
+    order of `jobs`, however the calls finish."""
+    for _, _, timeout_s in jobs:
+        if timeout_s <= 0:
+            raise ValueError(f"run_tool: timeout_s must be > 0, got {timeout_s}")
     if max_result_chars < 1:
         raise ValueError(f"run_tool: max_result_chars must be >= 1, got {max_result_chars}")
-    if tool is None:
-        names = f"; the tools are: {', '.join(known_tools)}" if known_tools else ""
-        return _failure("unknown_tool", f"there is no tool named {call.name!r:.100}{names}", max_result_chars)
-    outcome = (threads or _THREADS).run(lambda: _call(tool, call, max_result_chars), timeout_s)
+    results: list[ToolResult | None] = [None] * len(jobs)
+    started: list[tuple[int, Tool, float]] = []
+    works: list[tuple[Callable[[], ToolResult], float]] = []
+    for i, (tool, call, timeout_s) in enumerate(jobs):
+        if tool is None:
+            names = f"; the tools are: {', '.join(known_tools)}" if known_tools else ""
+            message = f"there is no tool named {call.name!r:.100}{names}"
+            results[i] = _failure("unknown_tool", message, max_result_chars)
+            continue
+        started.append((i, tool, timeout_s))
+        works.append((functools.partial(_call, tool, call, max_result_chars), timeout_s))
+    outcomes = (threads or _THREADS).run_all(works) if works else []
+    for (i, tool, timeout_s), outcome in zip(started, outcomes, strict=True):
+        results[i] = _result_of(outcome, tool, timeout_s, max_result_chars)
+    return [r for r in results if r is not None]
+
+
+def _result_of(outcome: ToolResult | str, tool: Tool, timeout_s: float, max_result_chars: int) -> ToolResult:
+    """The `ToolResult` of a call's `ToolThreads` outcome."""
     if outcome == "no_slot":
         return _failure(
             "timeout",
