@@ -4,6 +4,7 @@ or their evaluation prompt; the work of a lost request or worker goes back to th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -13,9 +14,9 @@ from rlax_controller.run_tally import RunTally
 from rlax_core.config import ConfigError
 from rlax_data.agent_turns import last_model_turn
 from rlax_protocol.errors import ProtocolError, RemoteError
-from rlax_protocol.messages import GenerateResult
+from rlax_protocol.messages import GenerateResult, Sample
 
-__all__ = ["EVAL_TAG_PREFIX", "RolloutResults", "RolloutScorer"]
+__all__ = ["EVAL_TAG_PREFIX", "RolloutResults", "RolloutScorer", "scored_sample"]
 
 log = logging.getLogger("rlax.controller")
 
@@ -27,6 +28,33 @@ class RolloutScorer(Protocol):
     """Scores the completions of one prompt: one (reward, correct) per completion."""
 
     def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]: ...
+
+
+def scored_sample(sample: Sample, verifier_reward: float, correct: bool) -> ScoredSample:
+    """A worker's sample with its reward. The environment's reward of the last step
+    (`Sample.env_reward`) when it gave one, else the verifier's score of the final answer,
+    is the last turn's reward; a trajectory's `reward` is the sum of its turns' rewards
+    (without per-turn rewards: that one reward, as before)."""
+    final = verifier_reward if sample.env_reward is None else sample.env_reward
+    turn_rewards = list(sample.turn_rewards)
+    if turn_rewards and sample.env_reward is None:
+        # The worker sent 0.0 for a last turn whose step gave no reward: the score is paid there.
+        turn_rewards[-1] += verifier_reward
+    reward = math.fsum(turn_rewards) if turn_rewards else final
+    return ScoredSample(
+        tuple(sample.token_ids),
+        tuple(sample.logprobs),
+        sample.finish_reason,
+        reward,
+        correct,
+        model_mask=tuple(sample.model_mask),
+        turns=sample.turns,
+        tool_calls=sample.tool_calls,
+        tool_errors=sample.tool_errors,
+        end=sample.end,
+        turn_ends=tuple(sample.turn_ends),
+        turn_rewards=tuple(turn_rewards),
+    )
 
 
 class RolloutResults:
@@ -78,19 +106,7 @@ class RolloutResults:
             self.scheduler.release(group)
             return
         samples = [
-            ScoredSample(
-                tuple(s.token_ids),
-                tuple(s.logprobs),
-                s.finish_reason,
-                float(r) if s.env_reward is None else s.env_reward,
-                bool(c),
-                model_mask=tuple(s.model_mask),
-                turns=s.turns,
-                tool_calls=s.tool_calls,
-                tool_errors=s.tool_errors,
-                end=s.end,
-            )
-            for s, (r, c) in zip(result.samples, scores, strict=True)
+            scored_sample(s, float(r), bool(c)) for s, (r, c) in zip(result.samples, scores, strict=True)
         ]
         try:
             self.scheduler.complete(result.request_id, result.weight_version, samples)

@@ -58,7 +58,10 @@ class PromptSource(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ScoredSample:
     """One generated, scored completion (token ids and the worker's logprobs per token), or a
-    multi-turn trajectory with its model mask and tool counts."""
+    multi-turn trajectory with its model mask and tool counts. A trajectory's per-turn
+    rewards (`turn_ends`: each model turn's last token; `turn_rewards`: its reward, the
+    verifier's score included) sum to `reward`, the one figure of the sample that metrics,
+    curation and dynamic filtering read."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -71,6 +74,8 @@ class ScoredSample:
     tool_calls: int = 0
     tool_errors: int = 0
     end: str = ""
+    turn_ends: tuple[int, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
 
 
 class GroupStatus(enum.Enum):

@@ -158,6 +158,8 @@ class StepBoundaries:
                         finish_reason=sample.finish_reason,  # type: ignore[arg-type]
                         reward=sample.reward,
                         completion_mask=sample.model_mask,
+                        turn_ends=sample.turn_ends,
+                        turn_rewards=sample.turn_rewards,
                     )
                 )
         return TrainBatch(

@@ -22,6 +22,12 @@ the seed `turn_seed(seed, i, t)` (sample index 0 of its own request), so a traje
 function of the request, the weights and the environment: regenerated after a kill, it
 comes out the same.
 
+Every model turn's reward is recorded with the turn (`Sample.turn_ends`, `turn_rewards`):
+the reward of the environment step that answered it (0.0 where the step gave none, or
+none ran). `Sample.env_reward` is the last step's reward alone; when that step gave none
+the run's verifier scores the final answer, and the controller pays its score to the last
+turn. No reward overwrites another's.
+
 Limits end a trajectory with a reason (`Sample.end`): `answer` (the environment is done),
 `max_turns`, `max_tokens` (`max_total_tokens` after the prompt, or the model's context, an
 observation larger than the tokens left included), `error` (the environment raised, or its
@@ -127,7 +133,10 @@ class _Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    env_reward: float | None = None
+    # Per model turn with tokens: the index of its last token in `tokens`, and its reward.
+    turn_ends: list[int] = dataclasses.field(default_factory=list)
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    env_reward: float | None = None  # the reward of the step answering the latest model turn
     end: str = ""
     finish_reason: str = "stop"
     ended_with_stop_token: bool = False
@@ -321,7 +330,11 @@ class AgentLoop:
         spec = agent.request.agent
         assert spec is not None
         trajectory.turns += 1
+        trajectory.env_reward = None  # until the step answering this turn gives one
         trajectory.tokens += completion.tokens
+        if completion.tokens:  # only an aborted turn can be empty, and no step answers it
+            trajectory.turn_ends.append(len(trajectory.tokens) - 1)
+            trajectory.turn_rewards.append(0.0)
         trajectory.logprobs += completion.logprobs
         trajectory.mask += [1] * len(completion.tokens)
         trajectory.finish_reason = completion.finish_reason.wire
@@ -381,6 +394,8 @@ class AgentLoop:
         if outcome.error:
             self._count(outcome.error)
         if outcome.reward is not None:
+            # The step answered the latest model turn, which has tokens (it was not aborted).
+            trajectory.turn_rewards[-1] = outcome.reward
             trajectory.env_reward = outcome.reward
         if outcome.done:
             trajectory.end = "answer"
@@ -437,6 +452,8 @@ class AgentLoop:
                     tool_errors=t.tool_errors,
                     end=t.end,  # type: ignore[arg-type]
                     env_reward=t.env_reward,
+                    turn_ends=tuple(t.turn_ends),
+                    turn_rewards=tuple(t.turn_rewards),
                 )
                 for t in agent.trajectories
             ]

@@ -17,6 +17,37 @@ def _check_mask(struct: str, field: str, mask: tuple[int, ...], num_tokens: int)
         reject_field(struct, field, "<values>", "must hold only 0 and 1")
 
 
+def _check_turn_rewards(
+    struct: str,
+    ends: tuple[int, ...],
+    rewards: tuple[float, ...],
+    mask: tuple[int, ...],
+    num_tokens: int,
+) -> None:
+    """`ends[k]`: the index of model turn k's last token; `rewards[k]`: its reward. One pass
+    over the turns (a handful), never over the tokens."""
+    if len(rewards) != len(ends):
+        reject_field(
+            struct, "turn_rewards", f"<{len(rewards)} values>", f"needs one per turn end ({len(ends)})"
+        )
+    for k, reward in enumerate(rewards):
+        if not math.isfinite(reward):
+            reject_field(struct, "turn_rewards", reward, f"turn {k}'s reward must be finite")
+    previous = -1
+    for k, end in enumerate(ends):
+        if not previous < end < num_tokens:
+            reject_field(
+                struct,
+                "turn_ends",
+                end,
+                f"turn {k}'s end must follow the previous turn's ({previous}) and index one of the "
+                f"{num_tokens} tokens",
+            )
+        if mask and mask[end] != 1:
+            reject_field(struct, "turn_ends", end, f"turn {k}'s end is not a model token")
+        previous = end
+
+
 class SamplingParams(Message, frozen=True):
     """How to sample: `top_k` 0 and `top_p` 1.0 disable those filters; `temperature` 0 is greedy;
     `top_logprobs` > 0 returns that many alternatives per token."""
@@ -106,8 +137,17 @@ class Sample(Message, frozen=True):
     model's. `turns`: model turns; `tool_calls` / `tool_errors`: environment steps that ran
     a tool / whose tool call failed (malformed, unknown tool, crash, timeout, too large);
     `end`: why the trajectory ended (`answer`: the environment was done; `error`: the
-    environment failed); `env_reward`: the
-    environment's own reward, when it gives one (else the run's verifier scores)."""
+    environment failed); `env_reward`: the reward of the environment's last step (the one
+    answering the last model turn), when it gives one (else the run's verifier scores the
+    final answer).
+
+    Per-turn rewards of a trajectory: `turn_ends[k]` is the index (in `token_ids`) of model
+    turn k's last token and `turn_rewards[k]` the reward of the environment step answering
+    it (0.0 where the step gave none, or none ran); empty for a single-turn sample. The
+    last entry is `env_reward` when that is set; when it is not, the controller adds the
+    verifier's score there. Two flat lists of scalars rather than a list of pairs: they
+    decode in msgspec's fast path, old messages without them still decode (empty), and
+    they validate in one pass over the turns."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -119,9 +159,23 @@ class Sample(Message, frozen=True):
     tool_errors: int = 0
     end: TrajectoryEnd = ""
     env_reward: float | None = None
+    turn_ends: tuple[int, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _check_mask("Sample", "model_mask", self.model_mask, len(self.token_ids))
+        _check_turn_rewards("Sample", self.turn_ends, self.turn_rewards, self.model_mask, len(self.token_ids))
+        if len(self.turn_ends) > self.turns:
+            reject_field(
+                "Sample", "turn_ends", f"<{len(self.turn_ends)} values>", f"more than `turns` ({self.turns})"
+            )
+        if self.env_reward is not None and self.turn_rewards and self.turn_rewards[-1] != self.env_reward:
+            reject_field(
+                "Sample",
+                "turn_rewards",
+                self.turn_rewards[-1],
+                f"the last turn's reward must be env_reward ({self.env_reward})",
+            )
         for name in ("turns", "tool_calls", "tool_errors"):
             if getattr(self, name) < 0:
                 reject_field("Sample", name, getattr(self, name), "must be >= 0")
@@ -179,7 +233,10 @@ class GenerateResult(Message, frozen=True):
 
 class Rollout(Message, frozen=True):
     """One scored (or to-be-scored) sample of group `group_index` of prompt `prompt_id`.
-    `completion_mask`: `Sample.model_mask` (1: trained, 0: an environment token; empty: all 1)."""
+    `completion_mask`: `Sample.model_mask` (1: trained, 0: an environment token; empty: all 1).
+    `turn_ends` / `turn_rewards`: a trajectory's per-turn rewards (as in `Sample`, indices
+    into `completion_token_ids`, the verifier's score included); `reward` is then their sum.
+    Empty: one reward for the whole completion, paid at its last model token."""
 
     prompt_id: str
     group_index: int
@@ -190,9 +247,22 @@ class Rollout(Message, frozen=True):
     finish_reason: FinishReason = "stop"
     reward: float | None = None
     completion_mask: tuple[int, ...] = ()
+    turn_ends: tuple[int, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _check_mask("Rollout", "completion_mask", self.completion_mask, len(self.completion_token_ids))
+        _check_turn_rewards(
+            "Rollout",
+            self.turn_ends,
+            self.turn_rewards,
+            self.completion_mask,
+            len(self.completion_token_ids),
+        )
+        if self.turn_rewards and self.reward is not None:
+            total = math.fsum(self.turn_rewards)
+            if not math.isclose(self.reward, total, rel_tol=1e-9, abs_tol=1e-12):
+                reject_field("Rollout", "reward", self.reward, f"must be the sum of turn_rewards ({total})")
         if len(self.worker_logprobs) != len(self.completion_token_ids):
             reject_field(
                 "Rollout",

@@ -16,7 +16,7 @@ import numpy as np
 
 from rlax_protocol import Rollout
 
-__all__ = ["BufferStats", "RolloutBatch", "RolloutBuffer", "collate", "validate_group"]
+__all__ = ["BufferStats", "RolloutBatch", "RolloutBuffer", "collate", "one_turn_layout", "validate_group"]
 
 
 class BufferStats(msgspec.Struct, frozen=True):
@@ -167,8 +167,12 @@ class RolloutBatch(NamedTuple):
     mask:            [B, S-1] float32, 1.0 where logprob index t predicts a completion token
                      the model generated (not an environment token of a multi-turn rollout)
     worker_logprobs: [B, S-1] float32, the inference engine's logprobs on `mask`, 0 elsewhere
-    rewards:         [B] float32
+    rewards:         [B] float32, each rollout's reward (a trajectory's: the sum of its turns')
     versions:        [B] int32, weight version that generated each rollout
+    token_rewards:   [B, S-1] float32, each model turn's reward at the logprob index of the
+                     turn's last token, 0 elsewhere (a rollout without per-turn rewards: its
+                     reward at its last model token)
+    turn_ends:       [B, S-1] float32, 1.0 at the logprob index of each model turn's last token
     """
 
     tokens: np.ndarray
@@ -177,6 +181,8 @@ class RolloutBatch(NamedTuple):
     worker_logprobs: np.ndarray
     rewards: np.ndarray
     versions: np.ndarray
+    token_rewards: np.ndarray
+    turn_ends: np.ndarray
 
 
 def collate(
@@ -198,6 +204,8 @@ def collate(
     valid = np.zeros((b, s), bool)
     mask = np.zeros((b, s - 1), np.float32)
     wlp = np.zeros((b, s - 1), np.float32)
+    token_rewards = np.zeros((b, s - 1), np.float32)
+    turn_ends = np.zeros((b, s - 1), np.float32)
     for i, r in enumerate(rows):
         p, c = len(r.prompt_token_ids), len(r.completion_token_ids)
         tokens[i, :p] = r.prompt_token_ids
@@ -207,6 +215,38 @@ def collate(
         # A multi-turn trajectory's environment tokens are context only: mask 0.
         mask[i, p - 1 : p + c - 1] = r.completion_mask if r.completion_mask else 1.0
         wlp[i, p - 1 : p + c - 1] = r.worker_logprobs
+        ends, paid = _turns(r)
+        turn_ends[i, [p - 1 + e for e in ends]] = 1.0
+        token_rewards[i, [p - 1 + e for e in ends]] = paid
     rewards = np.array([r.reward for r in rows], np.float32)
     versions = np.array([r.policy_version for r in rows], np.int32)
-    return RolloutBatch(tokens, valid, mask, wlp, rewards, versions)
+    return RolloutBatch(tokens, valid, mask, wlp, rewards, versions, token_rewards, turn_ends)
+
+
+def _turns(rollout: Rollout) -> tuple[list[int], list[float]]:
+    """A rollout's model turns as (index of each turn's last completion token, its reward);
+    one without per-turn rewards is one turn, paid its reward at its last model token."""
+    if rollout.turn_ends:
+        return list(rollout.turn_ends), list(rollout.turn_rewards)
+    if rollout.reward is None:
+        raise ValueError(f"a rollout of prompt {rollout.prompt_id!r} has no reward (score it first)")
+    mask = rollout.completion_mask
+    if not mask:
+        last = len(rollout.completion_token_ids) - 1
+    elif 1 in mask:
+        last = len(mask) - 1 - mask[::-1].index(1)
+    else:
+        return [], []  # no model token: nothing is trained, nothing is paid
+    return [last], [rollout.reward]
+
+
+def one_turn_layout(rewards: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rewards: [B], mask: [B, S-1] -> (token_rewards, turn_ends): [B, S-1] float32, each
+    row one turn paid its reward at its last masked index (what `collate` makes of rollouts
+    without per-turn rewards), for batches built without `collate`."""
+    mask = np.asarray(mask) > 0
+    rows = np.flatnonzero(mask.any(axis=1))
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    turn_ends = np.zeros(mask.shape, np.float32)
+    turn_ends[rows, last[rows]] = 1.0
+    return turn_ends * np.asarray(rewards, np.float32)[:, None], turn_ends

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 import rlax_model
 import rlax_model.lora
-from rlax_trainer.buffer import RolloutBatch
+from rlax_trainer.buffer import RolloutBatch, one_turn_layout
 from rlax_trainer.config import LearnerConfig, learning_rate_schedule, make_optimizer
 from rlax_trainer.learner_compile import CompiledUpdates
 from rlax_trainer.learner_passes import UpdateSpec, compute_dtype, sampler_logprobs
@@ -53,7 +53,24 @@ def batch_arrays(batch: RolloutBatch) -> dict[str, np.ndarray]:
         "worker_logprobs": batch.worker_logprobs.astype(np.float32),
         "rewards": batch.rewards.astype(np.float32),
         "versions": batch.versions.astype(np.int32),
+        "token_rewards": batch.token_rewards.astype(np.float32),
+        "turn_ends": batch.turn_ends.astype(np.float32),
     }
+
+
+def _with_defaults(batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The update's arrays of a batch; a dict may leave out `versions` (unknown: counted as
+    stale) and the per-turn arrays (each row one turn, as `collate` lays out a rollout
+    without per-turn rewards), so that every batch of a length runs one compiled program."""
+    if isinstance(batch, RolloutBatch):
+        return batch_arrays(batch)
+    arrays = dict(batch)
+    arrays.setdefault("versions", np.full((arrays["tokens"].shape[0],), -1, np.int32))
+    if ("token_rewards" in arrays) != ("turn_ends" in arrays):
+        raise ValueError("batch fields token_rewards and turn_ends come together (or neither: one turn)")
+    if "token_rewards" not in arrays:
+        arrays["token_rewards"], arrays["turn_ends"] = one_turn_layout(arrays["rewards"], arrays["mask"])
+    return arrays
 
 
 class Learner:
@@ -165,9 +182,8 @@ class Learner:
     # ------------------------------------------------------------------ public
     def update(self, batch: RolloutBatch | dict[str, np.ndarray]) -> dict[str, float]:
         """One update from a batch of exactly `global_batch` rollouts; returns host metrics."""
-        arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
+        arrays = _with_defaults(batch)
         b = arrays["tokens"].shape[0]
-        arrays.setdefault("versions", np.full((b,), -1, np.int32))  # unknown: counts as stale
         if b != self.config.global_batch:
             raise ValueError(f"batch has {b} rollouts, expected global_batch={self.config.global_batch}")
         s = arrays["tokens"].shape[1]
@@ -177,6 +193,8 @@ class Learner:
             ("worker_logprobs", (b, s - 1)),
             ("rewards", (b,)),
             ("versions", (b,)),
+            ("token_rewards", (b, s - 1)),
+            ("turn_ends", (b, s - 1)),
         ):
             if arrays[name].shape != want:
                 raise ValueError(f"batch field {name} has shape {arrays[name].shape}, expected {want}")
@@ -297,7 +315,7 @@ class Learner:
             # Rollouts of 2 tokens sharing 1 pack into one row; full-row ones into several.
             real = 2 if packed_rows == 1 else min(s, pack_length[0] if pack_length else s)
             valid = np.repeat(np.arange(s)[None, :] < real, b, 0)
-            padded = RolloutBatch(rows, valid, cols, cols, np.zeros(b), np.zeros(b))
+            padded = RolloutBatch(rows, valid, cols, cols, np.zeros(b), np.zeros(b), cols, cols)
             laid_out, _ = self._lay_out(batch_arrays(padded), pack_length)
             shardings = None if self.mesh is None else self._input_shardings(laid_out)
             arrays = {
@@ -325,8 +343,7 @@ class Learner:
         Returns {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"}: temp is
         the scratch the program needs beyond its inputs and outputs (activations, logits).
         """
-        arrays = batch_arrays(batch) if isinstance(batch, RolloutBatch) else dict(batch)
-        arrays.setdefault("versions", np.full((arrays["tokens"].shape[0],), -1, np.int32))
+        arrays = _with_defaults(batch)
         m = self._lower(self._lay_out(arrays)[0]).compile().memory_analysis()
         return {
             "argument_bytes": int(m.argument_size_in_bytes),

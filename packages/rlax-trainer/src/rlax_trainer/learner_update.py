@@ -164,7 +164,8 @@ def batch_update(
     """One update -> (the next TrainState, metrics {name: scalar}).
 
     frozen: `FrozenParams`. batch: tokens, valid [B, S]; mask,
-    worker_logprobs [B, S-1]; rewards, versions [B]; when packed, also the host's row
+    worker_logprobs, token_rewards, turn_ends [B, S-1]; rewards, versions [B]; when
+    packed, also the host's row
     `order` [B] and the packing's `pk_*` arrays ([minibatches, ...])."""
     cfg = spec.config
     ref, base = frozen
@@ -218,7 +219,15 @@ def batch_update(
     metrics: dict[str, jax.Array] = {}
     if cfg.mode == "rl":
         assert cfg.objective is not None  # LearnerConfig requires one for mode="rl"
-        prep = prepare_batch(cfg.objective, batch["rewards"], mask, cfg.group_size, old.get("old_values"))
+        prep = prepare_batch(
+            cfg.objective,
+            batch["rewards"],
+            mask,
+            cfg.group_size,
+            old.get("old_values"),
+            token_rewards=batch["token_rewards"],
+            turn_ends=batch["turn_ends"],
+        )
         rows["advantages"], rows["weights"] = prep.advantages, prep.weights
         if prep.returns is not None:
             rows["returns"] = prep.returns

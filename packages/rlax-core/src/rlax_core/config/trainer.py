@@ -206,7 +206,9 @@ class UpdateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 class TrainerSection(UpdateOptions, Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The learner. `preset`: the objective (`objective_presets.yaml`), its fields
-    overridden by `objective` (e.g. `{kl: {coef: 0.0}}`); `optimizer`: `OptimizerConfig`;
+    overridden by `objective` (e.g. `{kl: {coef: 0.0}}`; `{credit: {assignment: per_turn,
+    gamma: 0.9}}` gives each model turn of a multi-turn trajectory the advantage of its own
+    discounted return, `rlax_trainer.objective.turn_credit`); `optimizer`: `OptimizerConfig`;
     the update's options: `UpdateOptions`.
     `k`: a batch holds rollouts at most k versions older than the weights it trains;
     0 is synchronous, on-policy training (generation waits for each update).

@@ -8,6 +8,8 @@ from rlax_trainer.objective.advantages import (
     GroupCentered,
     GroupNormalized,
     LeaveOneOut,
+    TokenRewardEstimator,
+    TurnAdvantageEstimator,
     advantage_from_dict,
     register_advantage,
 )
@@ -32,6 +34,7 @@ from rlax_trainer.objective.importance import (
 )
 from rlax_trainer.objective.loss import PreparedBatch, objective_loss, prepare_batch
 from rlax_trainer.objective.regularizers import KLConfig, kl_estimate, token_entropy
+from rlax_trainer.objective.turn_credit import CreditAssignment, CreditConfig, per_turn_advantages
 
 __all__ = [
     "ADVANTAGE_REGISTRY",
@@ -41,6 +44,8 @@ __all__ = [
     "Aggregation",
     "BatchNormalized",
     "CorrectionConfig",
+    "CreditAssignment",
+    "CreditConfig",
     "GroupCentered",
     "GroupNormalized",
     "ImportanceConfig",
@@ -50,6 +55,8 @@ __all__ = [
     "ObjectiveConfig",
     "OverlongConfig",
     "PreparedBatch",
+    "TokenRewardEstimator",
+    "TurnAdvantageEstimator",
     "ValueConfig",
     "advantage_from_dict",
     "behaviour_weights",
@@ -60,6 +67,7 @@ __all__ = [
     "objective_from_dict",
     "objective_to_dict",
     "objective_loss",
+    "per_turn_advantages",
     "preset",
     "prepare_batch",
     "register_advantage",

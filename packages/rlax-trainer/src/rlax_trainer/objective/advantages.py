@@ -6,6 +6,11 @@ by a registry keyed on `kind`, never by string `if`s scattered through the learn
 Batch layout shared by all estimators: `B = num_groups * group_size` rows, the G
 samples of one prompt contiguous; `mask: [B, T]` marks response tokens (1.0) within
 the padded token axis (prompt positions and padding are 0.0).
+
+`compute` pays each row one reward (`credit: trajectory`). For `credit: per_turn`
+(`turn_credit.py`) the critic-free estimators also baseline per-turn returns
+(`compute_turns`, the `TurnAdvantageEstimator` protocol) and GAE reads a reward per token
+(`compute_token_rewards`, the `TokenRewardEstimator` protocol).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ __all__ = [
     "GroupCentered",
     "GroupNormalized",
     "LeaveOneOut",
+    "TokenRewardEstimator",
+    "TurnAdvantageEstimator",
     "advantage_from_dict",
     "register_advantage",
 ]
@@ -48,6 +55,28 @@ class AdvantageEstimator(Protocol):
         ...
 
 
+@runtime_checkable
+class TurnAdvantageEstimator(Protocol):
+    """A critic-free estimator that also baselines the returns of a trajectory's turns."""
+
+    def compute_turns(self, returns: jax.Array, valid: jax.Array, group_size: int) -> jax.Array:
+        """returns: [B, K] f32, the return of row b's turn k; valid: [B, K] f32, 1.0 where row
+        b has a turn k -> advantages: [B, K] f32 (zero where not valid). Turn k of a row is
+        compared with turn k of the other rows of its group (the rows that have one)."""
+        ...
+
+
+@runtime_checkable
+class TokenRewardEstimator(Protocol):
+    """A critic estimator that reads a reward per token (each turn's at its last token)."""
+
+    def compute_token_rewards(
+        self, token_rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """token_rewards, mask, values: [B, T] f32 -> (advantages [B, T], returns [B, T])."""
+        ...
+
+
 def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -59,6 +88,19 @@ def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
 
 def _broadcast(seq_adv: jax.Array, mask: jax.Array) -> jax.Array:
     return seq_adv[:, None] * mask
+
+
+def _turn_groups(
+    returns: jax.Array, valid: jax.Array, group_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """[B, K] returns and validity -> per group: returns g and validity v [NG, G, K], the
+    number n [NG, 1, K] of the group's rows that have turn k, and the mean of their returns
+    (0 where none has)."""
+    num_groups = _grouped(returns[:, 0], group_size).shape[0]
+    v = valid.astype(jnp.float32).reshape(num_groups, group_size, -1)
+    g = returns.astype(jnp.float32).reshape(v.shape) * v
+    n = v.sum(axis=1, keepdims=True)
+    return g, v, n, g.sum(axis=1, keepdims=True) / jnp.maximum(n, 1.0)
 
 
 class GroupNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +127,15 @@ class GroupNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         std = jnp.sqrt(((g - mean) ** 2).sum(axis=1, keepdims=True) / (group_size - self.ddof))
         return _broadcast(((g - mean) / (std + self.eps)).reshape(-1), mask), None
 
+    def compute_turns(self, returns: jax.Array, valid: jax.Array, group_size: int) -> jax.Array:
+        """Per turn index k: `(G_k - mean_k) / (std_k + eps)` over the group's rows with a
+        turn k (0 where only one has: nothing to compare it with)."""
+        if self.ddof == 1 and group_size < 2:
+            raise ValueError("ddof=1 needs group_size >= 2")
+        g, v, n, mean = _turn_groups(returns, valid, group_size)
+        var = (((g - mean) * v) ** 2).sum(axis=1, keepdims=True) / jnp.maximum(n - self.ddof, 1.0)
+        return ((g - mean) / (jnp.sqrt(var) + self.eps) * v).reshape(returns.shape)
+
 
 class GroupCentered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Dr. GRPO / REINFORCE with a group-mean baseline: `R_i - mean_g` (no std division)."""
@@ -97,6 +148,11 @@ class GroupCentered(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ) -> tuple[jax.Array, jax.Array | None]:
         g = _grouped(rewards.astype(jnp.float32), group_size)
         return _broadcast((g - g.mean(axis=1, keepdims=True)).reshape(-1), mask), None
+
+    def compute_turns(self, returns: jax.Array, valid: jax.Array, group_size: int) -> jax.Array:
+        """Per turn index k: `G_k - mean_k` over the group's rows with a turn k."""
+        g, v, _, mean = _turn_groups(returns, valid, group_size)
+        return ((g - mean) * v).reshape(returns.shape)
 
 
 class LeaveOneOut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -113,6 +169,15 @@ class LeaveOneOut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         g = _grouped(rewards.astype(jnp.float32), group_size)
         others = (g.sum(axis=1, keepdims=True) - g) / (group_size - 1)
         return _broadcast((g - others).reshape(-1), mask), None
+
+    def compute_turns(self, returns: jax.Array, valid: jax.Array, group_size: int) -> jax.Array:
+        """Per turn index k: `G_k - mean of the other rows' G_k` over the group's rows with a
+        turn k (0 where only one has)."""
+        if group_size < 2:
+            raise ValueError(f"leave_one_out needs group_size >= 2, got {group_size}")
+        g, v, n, _ = _turn_groups(returns, valid, group_size)
+        others = (g.sum(axis=1, keepdims=True) - g) / jnp.maximum(n - 1.0, 1.0)
+        return (jnp.where(n >= 2, g - others, 0.0) * v).reshape(returns.shape)
 
 
 class BatchNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -136,12 +201,29 @@ class BatchNormalized(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         r = g.reshape(-1)
         return _broadcast((r - r.mean()) / (r.std() + self.eps), mask), None
 
+    def compute_turns(self, returns: jax.Array, valid: jax.Array, group_size: int) -> jax.Array:
+        """Whiten the returns of every turn of the batch (each turn one entry), optionally
+        after subtracting the per-turn-index group means."""
+        g, v, _, mean = _turn_groups(returns, valid, group_size)
+        if self.subtract_group_mean:
+            g = (g - mean) * v
+        count = jnp.maximum(v.sum(), 1.0)
+        batch_mean = g.sum() / count
+        std = jnp.sqrt((((g - batch_mean) * v) ** 2).sum() / count)
+        return ((g - batch_mean) / (std + self.eps) * v).reshape(returns.shape)
+
 
 class GAE(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """PPO: generalised advantage estimation from a value head.
 
-    The scalar reward is paid on the last response token; the value after the last
-    response token is 0. `normalize` whitens advantages over all response tokens.
+    `compute` (`credit: trajectory`): the scalar reward is paid on the last token of each
+    run of response tokens and the value after it is 0, so each model turn of a multi-turn
+    row is an episode of its own, paid the trajectory's reward.
+    `compute_token_rewards` (`credit: per_turn`): each turn's reward is paid on its last
+    token, and environment tokens are skipped (they are no actions): the value after a
+    turn's last token is that of the next turn's first token, so the return of a turn holds
+    every later turn's reward, discounted by `gamma` per model token (and `lam` for GAE).
+    `normalize` whitens advantages over all response tokens.
     """
 
     kind: ClassVar[str] = "gae"
@@ -182,11 +264,46 @@ class GAE(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         adv = adv_t.T
         returns = adv + values
         if self.normalize:
-            n = jnp.maximum(mask.sum(), 1.0)
-            mean = (adv * mask).sum() / n
-            std = jnp.sqrt((((adv - mean) * mask) ** 2).sum() / n)
-            adv = (adv - mean) / (std + self.eps) * mask
+            adv = _whiten_tokens(adv, mask, self.eps)
         return adv, returns
+
+    def compute_token_rewards(
+        self, token_rewards: jax.Array, mask: jax.Array, group_size: int, values: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        if values is None:
+            raise ValueError("gae advantages need `values` [B, T] from the value head")
+        _grouped(token_rewards[:, 0], group_size)
+        mask = mask.astype(jnp.float32)
+        values = values.astype(jnp.float32) * mask
+        token_rewards = token_rewards.astype(jnp.float32) * mask
+
+        def step(
+            carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array, jax.Array]
+        ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+            # carry: the value and advantage of the next model token (0 after the last).
+            next_value, next_adv = carry
+            reward, value, m = xs
+            adv = reward + self.gamma * next_value - value + self.gamma * self.lam * next_adv
+            model = m > 0
+            # An environment (or prompt) token passes the next model token's on unchanged.
+            carry = (jnp.where(model, value, next_value), jnp.where(model, adv, next_adv))
+            return carry, jnp.where(model, adv, 0.0)
+
+        zeros = jnp.zeros(mask.shape[:1], jnp.float32)
+        _, adv_t = jax.lax.scan(step, (zeros, zeros), (token_rewards.T, values.T, mask.T), reverse=True)
+        adv = adv_t.T
+        returns = adv + values
+        if self.normalize:
+            adv = _whiten_tokens(adv, mask, self.eps)
+        return adv, returns
+
+
+def _whiten_tokens(adv: jax.Array, mask: jax.Array, eps: float) -> jax.Array:
+    """adv, mask: [B, T] -> adv whitened over the response tokens (zero off-mask)."""
+    n = jnp.maximum(mask.sum(), 1.0)
+    mean = (adv * mask).sum() / n
+    std = jnp.sqrt((((adv - mean) * mask) ** 2).sum() / n)
+    return (adv - mean) / (std + eps) * mask
 
 
 ADVANTAGE_REGISTRY: dict[str, type] = {}

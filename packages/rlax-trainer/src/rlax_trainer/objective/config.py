@@ -15,6 +15,7 @@ from rlax_trainer.objective.advantages import AdvantageEstimator, advantage_from
 from rlax_trainer.objective.aggregation import Aggregation
 from rlax_trainer.objective.importance import ImportanceConfig
 from rlax_trainer.objective.regularizers import KLConfig
+from rlax_trainer.objective.turn_credit import CreditConfig
 
 __all__ = [
     "ObjectiveConfig",
@@ -24,6 +25,7 @@ __all__ = [
     "load_objective",
     "objective_from_dict",
     "objective_to_dict",
+    "overlong_penalty",
     "preset",
     "shape_rewards",
 ]
@@ -67,6 +69,8 @@ class ObjectiveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (+ value loss); the regularisers sit outside the clipped surrogate (see `loss.py`).
 
     `max_length` is L_max for `aggregation: max_length` (None: the batch's padded length).
+    `credit`: how a multi-turn trajectory's per-turn rewards reach its tokens
+    (`turn_credit.py`): `trajectory` (default) or `per_turn` returns discounted by `gamma`.
     """
 
     advantage: AdvantageEstimator
@@ -77,6 +81,7 @@ class ObjectiveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     value: ValueConfig | None = None
     overlong: OverlongConfig | None = None
     max_length: int | None = None
+    credit: CreditConfig = CreditConfig()
 
     def __post_init__(self) -> None:
         if not isinstance(self.advantage, AdvantageEstimator):
@@ -89,6 +94,7 @@ class ObjectiveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        self.credit.check_estimator(self.advantage)
 
 
 def decode_hook(typ: type, obj: Any) -> Any:
@@ -154,9 +160,12 @@ def shape_rewards(cfg: ObjectiveConfig, rewards: jax.Array, lengths: jax.Array) 
     rewards = rewards.astype(jnp.float32)
     if cfg.overlong is None:
         return rewards
-    o = cfg.overlong
+    return rewards + overlong_penalty(cfg.overlong, lengths)
+
+
+def overlong_penalty(o: OverlongConfig, lengths: jax.Array) -> jax.Array:
+    """lengths: [B] response lengths -> [B] f32, the (non-positive) overlong reward term."""
     soft_start = o.max_length - o.cache_length
     lengths = lengths.astype(jnp.float32)
     ramp = (soft_start - lengths) / o.cache_length * o.penalty
-    penalty = jnp.where(lengths <= soft_start, 0.0, jnp.where(lengths <= o.max_length, ramp, -o.penalty))
-    return rewards + penalty
+    return jnp.where(lengths <= soft_start, 0.0, jnp.where(lengths <= o.max_length, ramp, -o.penalty))

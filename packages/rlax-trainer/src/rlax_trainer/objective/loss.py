@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from rlax_trainer.objective.aggregation import aggregation_weights
-from rlax_trainer.objective.config import ObjectiveConfig, shape_rewards
+from rlax_trainer.objective.config import ObjectiveConfig, overlong_penalty, shape_rewards
 from rlax_trainer.objective.importance import importance_weights
 from rlax_trainer.objective.regularizers import kl_estimate
+from rlax_trainer.objective.turn_credit import last_response_token, per_turn_advantages
 
 __all__ = ["PreparedBatch", "objective_loss", "prepare_batch"]
 
@@ -47,17 +48,41 @@ def prepare_batch(
     mask: jax.Array,
     group_size: int,
     old_values: jax.Array | None = None,
+    *,
+    token_rewards: jax.Array | None = None,
+    turn_ends: jax.Array | None = None,
 ) -> PreparedBatch:
-    """rewards: [B] f32, mask: [B, T], old_values: [B, T] (critic presets) -> PreparedBatch."""
+    """rewards: [B] f32, mask: [B, T], old_values: [B, T] (critic presets) -> PreparedBatch.
+
+    token_rewards, turn_ends: [B, T] f32, the rows' per-turn rewards (`RolloutBatch`), read
+    by `credit: per_turn` only; None: each row is one turn paid `rewards` at its last
+    response token. The overlong penalty is paid with the last turn's reward."""
     mask = jnp.asarray(mask, jnp.float32)
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.shape != mask.shape[:1]:
         raise ValueError(
             f"rewards has shape {rewards.shape}, expected ({mask.shape[0]},) to match mask {mask.shape}"
         )
-    shaped = shape_rewards(cfg, rewards, mask.sum(axis=1))
+    lengths = mask.sum(axis=1)
+    shaped = shape_rewards(cfg, rewards, lengths)
     values = None if old_values is None else sg(jnp.asarray(old_values, jnp.float32))
-    adv, returns = cfg.advantage.compute(shaped, mask, group_size, values)
+    if cfg.credit.assignment == "trajectory":
+        adv, returns = cfg.advantage.compute(shaped, mask, group_size, values)
+    else:
+        if (token_rewards is None) != (turn_ends is None):
+            raise ValueError("token_rewards and turn_ends come together (or neither: one turn per row)")
+        last = last_response_token(mask)
+        if token_rewards is None or turn_ends is None:
+            token_rewards, turn_ends = last * rewards[:, None], last
+        for name, arr in (("token_rewards", token_rewards), ("turn_ends", turn_ends)):
+            if arr.shape != mask.shape:
+                raise ValueError(f"{name} has shape {arr.shape}, expected mask's shape {mask.shape}")
+        token_rewards = jnp.asarray(token_rewards, jnp.float32)
+        if cfg.overlong is not None:
+            token_rewards = token_rewards + last * overlong_penalty(cfg.overlong, lengths)[:, None]
+        adv, returns = per_turn_advantages(
+            cfg.advantage, cfg.credit.gamma, token_rewards, turn_ends, mask, group_size, values
+        )
     weights = aggregation_weights(cfg.aggregation, mask, group_size, cfg.max_length)
     return PreparedBatch(sg(adv), weights, None if returns is None else sg(returns), shaped)
 
