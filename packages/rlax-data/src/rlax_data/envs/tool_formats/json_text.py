@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from rlax_data.envs.tool_formats.base import ToolCallError
@@ -23,14 +23,12 @@ _NESTING = re.compile(f"[{_SIGNIFICANT}]")
 _SPLITTERS: dict[str, re.Pattern[str]] = {}
 
 
-def nesting(payload: str, limit: int) -> int:
-    """How deep arrays and objects nest in `payload` (outside strings), without decoding
-    it; stops counting past `limit`. Linear: only quotes, backslashes and brackets are
-    visited."""
-    depth = deepest = 0
+def _outside_strings(text: str, pattern: re.Pattern[str]) -> Iterator[tuple[str, int]]:
+    """The characters `pattern` finds in `text` that stand outside JSON strings (with their
+    positions); quotes and backslashes are consumed here. Linear."""
     in_string = False
     escaped_at = -1  # the position a backslash in a string escapes
-    for match in _NESTING.finditer(payload):
+    for match in pattern.finditer(text):
         char, at = match.group(), match.start()
         if in_string:
             if at == escaped_at:
@@ -41,7 +39,17 @@ def nesting(payload: str, limit: int) -> int:
                 in_string = False
         elif char == '"':
             in_string = True
-        elif char in "[{":
+        else:
+            yield char, at
+
+
+def nesting(payload: str, limit: int) -> int:
+    """How deep arrays and objects nest in `payload` (outside strings), without decoding
+    it; stops counting past `limit`. Linear: only quotes, backslashes and brackets are
+    visited."""
+    depth = deepest = 0
+    for char, _ in _outside_strings(payload, _NESTING):
+        if char in "[{":
             depth += 1
             deepest = max(deepest, depth)
             if deepest > limit:
@@ -63,20 +71,8 @@ def split_top_level(text: str, separator: str) -> list[str]:
         pattern = _SPLITTERS.setdefault(separator, re.compile(f"[{_SIGNIFICANT}{re.escape(separator)}]"))
     pieces: list[str] = []
     start = depth = 0
-    in_string = False
-    escaped_at = -1
-    for match in pattern.finditer(text):
-        char, at = match.group(), match.start()
-        if in_string:
-            if at == escaped_at:
-                continue
-            if char == "\\":
-                escaped_at = at + 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
+    for char, at in _outside_strings(text, pattern):
+        if char in "[{":
             depth += 1
         elif char in "]}":
             depth = max(0, depth - 1)
