@@ -148,12 +148,13 @@ def test_trajectory_mask_logprobs_and_prefix_reuse_are_exact():
         np.testing.assert_allclose(np.array(sample.logprobs)[model], reference[model], atol=1e-5, rtol=0)
         assert all(lp == 0.0 for lp, m in zip(sample.logprobs, expected_mask, strict=True) if not m)
     assert samples[0].token_ids != samples[1].token_ids
-    # Prefix reuse, counted in blocks. Turn 2 of a sample continues 20 + 6 + 3 = 29 tokens; its
-    # first turn computed 25 of them (all but the last sample): 3 full blocks = 24 tokens come from
-    # the cache. Turn 3 continues 29 + 6 + 2 = 37 tokens, 34 computed: 4 blocks = 32 tokens.
-    assert engine.num_prefix_cache_hit_tokens == 2 * (24 + 32)
-    # Computed: the prompt once (both samples share it), then 5 tokens per later turn and sample.
-    assert engine.num_computed_prefill_tokens == 20 + 2 * (29 - 24) + 2 * (37 - 32)
+    # Prefix reuse, counted in tokens. Turn 2 of a sample continues 20 + 6 + 3 = 29 tokens; its
+    # first turn computed 25 of them (all but the last sampled token), all served from the cache:
+    # 3 full blocks and the partial fourth (1 token, copied into a fresh block). Turn 3 continues
+    # 29 + 6 + 2 = 37 tokens, 34 computed: 4 blocks and 2 tokens of the fifth.
+    assert engine.num_prefix_cache_hit_tokens == 2 * (25 + 34)
+    # Computed: the prompt once (both samples share it), then the tokens no turn had computed.
+    assert engine.num_computed_prefill_tokens == 20 + 2 * (29 - 25) + 2 * (37 - 34)
 
 
 def test_trajectories_do_not_depend_on_what_else_runs():

@@ -16,6 +16,17 @@ and waits in an LRU list; it counts as free, and allocation evicts the least rec
 one (dropping its key) only when no plain free block is left. A new sequence whose tokens
 start with keyed blocks takes them (reference count + 1) instead of computing them. New
 weights make every key stale: `reset_prefix_cache` drops them all.
+
+Partial blocks (token granularity, for multi-turn trajectories): when a sequence finishes or
+is preempted, the partly filled block after its last full one is keyed too, by the hash of
+(parent key, its j computed token ids), and remembers those j tokens. A new sequence whose
+tokens continue the full blocks and share the first m <= j tokens of such a block (the
+longest such m among the blocks under the same parent) starts computing at token m: its
+table gets a fresh block and a copy of the cached one is made into it before the step's
+writes (copy-on-write), so a keyed block's first j tokens are never overwritten. Every
+other holder of a keyed partial block writes only past its j tokens (they are shared
+samples of the same prompt), so the key stays true. Partial blocks are evicted and reset
+like full ones.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
+ROOT_KEY = 0  # the parent key of a sequence's first block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -50,6 +62,10 @@ class BlockPool:
         self._key_of: dict[int, int] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.num_evictions = 0
+        # Keyed partial blocks: block -> (parent key, its cached tokens), and per (parent key, first
+        # token) the candidates a longest-prefix match scans (few: one trajectory's, or one group's).
+        self._partial: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._partial_children: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -62,8 +78,13 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        """Blocks holding a prefix-cache key (referenced or not)."""
+        """Blocks holding a prefix-cache key, full or partial (referenced or not)."""
         return len(self._key_of)
+
+    @property
+    def num_cached_partial(self) -> int:
+        """Keyed partial blocks (referenced or not)."""
+        return len(self._partial)
 
     def refcount(self, block: int) -> int:
         self._check_id(block)
@@ -75,7 +96,7 @@ class BlockPool:
             block = self._free.pop()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
+            self._drop_key(block)
             self.num_evictions += 1
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
@@ -116,13 +137,56 @@ class BlockPool:
         self._refcount[block] += 1
 
     def set_key(self, block: int, key: int) -> bool:
-        """Key a live, full block by its prefix; False (nothing changes) when the block or the key is taken."""
+        """Key a live, full block by its prefix; False (nothing changes) when the block or the key is taken.
+
+        A block keyed as partial gets its full key instead: its holder filled it (the partial
+        tokens are its first ones, so nothing cached is lost but the shorter key)."""
         self._check_live(block)
-        if block in self._key_of or key in self._block_of:
+        if key in self._block_of or (block in self._key_of and block not in self._partial):
             return False
+        if block in self._partial:
+            self._drop_key(block)
         self._key_of[block] = key
         self._block_of[key] = block
         return True
+
+    def set_partial_key(self, block: int, parent: int, tokens: Sequence[int]) -> bool:
+        """Key a live block whose first `len(tokens)` (1..block_size - 1) slots hold the K/V of
+        `tokens` after the prefix keyed `parent`. False (nothing changes) when the block holds a
+        full key, or a partial one at least as long, or another block holds this very key; a
+        shorter partial key of the block is replaced (its holder wrote past it)."""
+        self._check_live(block)
+        cached = tuple(tokens)
+        if not 1 <= len(cached) < self.block_size:
+            raise ValueError(f"a partial block holds 1..{self.block_size - 1} tokens, got {len(cached)}")
+        key = hash((parent, cached))
+        if key in self._block_of:
+            return False
+        if block in self._key_of:
+            old = self._partial.get(block)
+            if old is None or len(old[1]) >= len(cached):
+                return False
+            self._drop_key(block)
+        self._key_of[block] = key
+        self._block_of[key] = block
+        self._partial[block] = (parent, cached)
+        self._partial_children.setdefault((parent, cached[0]), {})[block] = cached
+        return True
+
+    def longest_partial(self, parent: int, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """The keyed partial block under `parent` sharing the longest prefix with `tokens`, and
+        that prefix's length: (None, 0) when none shares even the first token."""
+        if not tokens:
+            return None, 0
+        best, best_len = None, 0
+        for block, cached in self._partial_children.get((parent, tokens[0]), {}).items():
+            n = min(len(cached), len(tokens))
+            m = 1  # the first token matches (the index's key)
+            while m < n and cached[m] == tokens[m]:
+                m += 1
+            if m > best_len:
+                best, best_len = block, m
+        return best, best_len
 
     def reset_prefix_cache(self) -> int:
         """Forget every key (the weights changed); unreferenced cached blocks become free. Returns the count."""
@@ -131,7 +195,19 @@ class BlockPool:
         self._evictable.clear()
         self._key_of.clear()
         self._block_of.clear()
+        self._partial.clear()
+        self._partial_children.clear()
         return dropped
+
+    def _drop_key(self, block: int) -> None:
+        del self._block_of[self._key_of.pop(block)]
+        partial = self._partial.pop(block, None)
+        if partial is not None:
+            parent, cached = partial
+            children = self._partial_children[(parent, cached[0])]
+            del children[block]
+            if not children:
+                del self._partial_children[(parent, cached[0])]
 
     def _check_id(self, block: int) -> None:
         if not 1 <= block <= self.num_blocks:
@@ -160,11 +236,34 @@ class SlotAssignment:
     copy_to: int | None = None
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached part of a new sequence's tokens: `blocks` (full, shared as they are) hold its
+    first `len(blocks) * block_size` tokens, and `partial_block`'s first `partial_tokens` slots
+    the next ones (copied into a block of its own before it writes there)."""
+
+    blocks: list[int] = field(default_factory=list)
+    partial_block: int | None = None
+    partial_tokens: int = 0
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size + self.partial_tokens
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A new sequence's table, and the copy (src, dst) to run before anything writes in the
+    step (None: no partial block was taken)."""
+
+    table: BlockTable
+    copy: tuple[int, int] | None = None
+
+
 def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
     """Prefix-cache keys of the first `num_blocks` full blocks of `tokens`: each hashes its
     parent's key and its own token ids, so equal keys mean equal prefixes."""
     keys: list[int] = []
-    parent = 0
+    parent = ROOT_KEY
     for i in range(num_blocks):
         parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
         keys.append(parent)
@@ -175,14 +274,25 @@ class KVCacheManager:
     """Allocates, forks, extends and frees block tables over one `BlockPool`.
 
     With `enable_prefix_caching`, `cached_prefix` finds the keyed blocks a new sequence can
-    start from and `cache_full_blocks` keys a table's blocks once their K/V are computed.
+    start from and `cache_full_blocks` keys a table's blocks once their K/V are computed;
+    with `enable_partial_blocks` as well, `prefix_hit` also finds a keyed partial block after
+    them and `cache_computed_blocks` keys a finished table's partial tail too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = False,
+        enable_partial_blocks: bool = True,
+    ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_partial_blocks = enable_partial_blocks
         self.num_cow_copies = 0
+        self.num_partial_copies = 0  # copies of keyed partial blocks taken by new sequences
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -202,6 +312,44 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def prefix_hit(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest cached prefix of `tokens`, to the token: the keyed full blocks, then the
+        keyed partial block under them that shares the most of the next tokens.
+
+        At most `len(tokens) - 1` tokens: the last token is always computed (its logits give
+        the first sample)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        bs = self.block_size
+        hits: list[int] = []
+        parent = ROOT_KEY
+        for key in block_keys(tokens, bs, (len(tokens) - 1) // bs):
+            block = self.pool.cached_block(key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = key
+        start = len(hits) * bs
+        room = min(bs - 1, len(tokens) - 1 - start)
+        if not self.enable_partial_blocks or room < 1:
+            return PrefixHit(hits)
+        partial, num = self.pool.longest_partial(parent, tokens[start : start + room])
+        return PrefixHit(hits, partial, num)
+
+    def cache_computed_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> int:
+        """Key every block of `table` holding computed K/V of `tokens[:num_computed]`: the full
+        ones (`cache_full_blocks`) and, with `enable_partial_blocks`, the partly filled one after
+        them. Returns how many got a new key."""
+        keyed = self.cache_full_blocks(table, tokens, num_computed)
+        if not (self.enable_prefix_caching and self.enable_partial_blocks):
+            return keyed
+        bs = self.block_size
+        full, rest = divmod(num_computed, bs)
+        if rest == 0 or len(table.blocks) <= full:
+            return keyed
+        parent = block_keys(tokens, bs, full)[-1] if full else ROOT_KEY
+        return keyed + self.pool.set_partial_key(table.blocks[full], parent, tokens[full * bs : num_computed])
 
     def cache_full_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> int:
         """Key the full blocks of `table` among its first `num_computed` tokens (`tokens`); returns
@@ -230,6 +378,33 @@ class KVCacheManager:
             self.pool.share(block)
         fresh = self.blocks_for(num_tokens) - len(shared)
         return BlockTable([*shared, *(self.pool.allocate() for _ in range(fresh))], num_tokens)
+
+    def allocate_hit(self, num_tokens: int, hit: PrefixHit) -> Allocation:
+        """`allocate(num_tokens, hit.blocks)`, and when `hit` has a partial block, the copy of it
+        into the table's block after the shared ones (the caller runs it before the step writes).
+
+        The partial block is held while the table's blocks are taken, so they never evict it; a
+        later allocation of the same step may (it is unreferenced again), which is safe because a
+        step runs its copies before any of its writes."""
+        if hit.partial_block is None:
+            return Allocation(self.allocate(num_tokens, hit.blocks))
+        if hit.num_tokens(self.block_size) >= num_tokens:
+            raise ValueError(
+                f"a prefix hit of {hit.num_tokens(self.block_size)} tokens leaves none of {num_tokens}"
+            )
+        self.pool.share(hit.partial_block)
+        try:
+            table = self.allocate(num_tokens, hit.blocks)
+        finally:
+            self.pool.decref(hit.partial_block)
+        self.num_partial_copies += 1
+        return Allocation(table, (hit.partial_block, table.blocks[len(hit.blocks)]))
+
+    def blocks_to_allocate_hit(self, num_tokens: int, hit: PrefixHit) -> int:
+        """Free blocks `allocate_hit(num_tokens, hit)` needs: `blocks_to_allocate`, plus the
+        unreferenced partial block it holds while allocating."""
+        held = hit.partial_block is not None and self.pool.is_evictable(hit.partial_block)
+        return self.blocks_to_allocate(num_tokens, hit.blocks) + int(held)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table that shares every block of `table` (reference counts + 1)."""

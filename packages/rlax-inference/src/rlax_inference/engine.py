@@ -161,8 +161,14 @@ class LLMEngine:
             + [j.request.params.logprobs for j in out.prefills]
             + [0]
         )
+        # Every copy-on-write of the step (decode tails, and partial blocks that new prefills took
+        # from the prefix cache) runs first, in one call: a copy's source may be handed out again
+        # in this very step, and it is only written after this.
+        if out.copies and not self._run_copies(out.copies, out.decodes, out.prefills):
+            out.decodes, out.decode_slots = [], []
+            out.prefills = [j for j in out.prefills if self._is_live(j.request)]
         if out.decodes:
-            self._run_decodes(out.decodes, out.decode_slots, out.copies, num_top)
+            self._run_decodes(out.decodes, out.decode_slots, num_top)
         # Similar lengths together waste less padding; a call holds at most max_prefill_rows chunks.
         jobs = sorted(out.prefills, key=lambda j: j.chunk_end - j.chunk_start)
         rows = self.config.max_prefill_rows
@@ -175,12 +181,18 @@ class LLMEngine:
         finished, self._finished = self._finished, []
         return finished
 
-    def _run_decodes(
-        self, seqs: list[Seq], slots: list[list[int]], copies: list[tuple[int, int]], num_top: int
-    ) -> None:
-        """One decode call for the running samples (`slots`: the slots each feeds) and its tokens."""
+    def _run_copies(self, copies: list[tuple[int, int]], seqs: list[Seq], jobs: list[PrefillJob]) -> bool:
+        """Run the step's block copies; on failure end every request of the step (False)."""
         try:
             self.runner.copy_blocks(copies)
+        except Exception as error:
+            self._fail([s.request for s in seqs] + [j.request for j in jobs], error)
+            return False
+        return True
+
+    def _run_decodes(self, seqs: list[Seq], slots: list[list[int]], num_top: int) -> None:
+        """One decode call for the running samples (`slots`: the slots each feeds) and its tokens."""
+        try:
             # One program per configured step count: a call near the end runs a few idle steps.
             multi = max(len(s) for s in slots) > 1
             res = self.runner.decode(
@@ -321,7 +333,8 @@ class LLMEngine:
     # -- counters a worker can report ---------------------------------------------------
     @property
     def num_prefix_cache_hit_tokens(self) -> int:
-        """Prompt tokens whose K/V came from the prefix cache instead of being computed."""
+        """Prompt tokens whose K/V came from the prefix cache instead of being computed (to the
+        token: partial blocks count the tokens taken from them)."""
         return self.scheduler.num_prefix_cache_hit_tokens
 
     @property
@@ -335,6 +348,9 @@ class LLMEngine:
         return {
             "prefix_cache_hit_tokens": self.scheduler.num_prefix_cache_hit_tokens,
             "prefix_cache_hit_blocks": self.scheduler.num_prefix_cache_hit_blocks,
+            "prefix_cache_partial_hit_tokens": self.scheduler.num_prefix_cache_partial_hit_tokens,
+            "partial_block_copies": self.kv.num_partial_copies,
+            "cached_partial_blocks": pool.num_cached_partial,
             "computed_prefill_tokens": self.scheduler.num_computed_prefill_tokens,
             "cached_blocks": pool.num_cached,
             "evicted_blocks": pool.num_evictions,

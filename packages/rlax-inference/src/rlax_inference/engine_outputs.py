@@ -29,13 +29,15 @@ class RequestOutput:
     """All samples of one request, and the error that kept it from running or ended it (None if none).
 
     A request that failed inside a step keeps what its samples generated before the failure,
-    with finish reason ABORT.
+    with finish reason ABORT. num_cached_tokens: its prompt tokens whose K/V came from the
+    prefix cache when it was admitted (to the token; 0 if it never was).
     """
 
     request_id: str
     prompt: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def weight_version(self) -> int | None:
@@ -61,4 +63,4 @@ def request_output(request: Request) -> RequestOutput:
         )
         for s in request.sequences
     ]
-    return RequestOutput(request.request_id, list(request.prompt), outs)
+    return RequestOutput(request.request_id, list(request.prompt), outs, None, request.num_cached_tokens or 0)

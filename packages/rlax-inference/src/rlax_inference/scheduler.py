@@ -26,7 +26,11 @@ each chunk attending to the earlier ones through the cache. An admitted job hold
 blocks from the start and stays in `prefilling` until its last chunk ran; jobs in progress
 go before new admissions. Automatic prefix caching (`KVCacheManager.enable_prefix_caching`):
 a new job takes the keyed blocks that hold the longest cached prefix of its tokens and
-computes only the rest; its full blocks are keyed as its chunks complete.
+computes only the rest; its full blocks are keyed as its chunks complete. A finished or
+preempted sequence's blocks are keyed to the token (`KVCacheManager.cache_computed_blocks`),
+so a job continuing it (the next turn of a trajectory, a recompute) takes its partly filled
+last block as well: admission puts the copy of that block into the step's `copies`, which
+the step runs before any write, and the job computes from the first token past the hit.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rlax_inference.block_pool import BlockTable, KVCacheManager
+from rlax_inference.block_pool import BlockTable, KVCacheManager, PrefixHit
 from rlax_inference.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 
@@ -152,8 +156,10 @@ class Scheduler:
         # Admitted jobs whose prefill takes more steps (chunked prefill), oldest first.
         self.prefilling: list[PrefillJob] = []
         # Prompt tokens found in the prefix cache at admission, and prefill tokens computed.
+        # (Tokens count what a hit spared; blocks count only the full ones taken as they are.)
         self.num_prefix_cache_hit_tokens = 0
         self.num_prefix_cache_hit_blocks = 0
+        self.num_prefix_cache_partial_hit_tokens = 0  # of the hit tokens, those from partial blocks
         self.num_computed_prefill_tokens = 0
         self.num_preemptions = 0
         # Admissions made on the prompt's blocks alone because nothing ran (see the module docstring).
@@ -291,6 +297,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         assert seq.table is not None
+        # Its computed K/V stay cached (unreferenced, evicted only when the pool needs them):
+        # its recompute then takes whatever survived instead of computing it again.
+        self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
         self.kv.free(seq.table)
         seq.table = None
         seq.status = SequenceStatus.WAITING
@@ -328,9 +337,12 @@ class Scheduler:
             if not admit_new and job.seqs[0].num_generated == 0:
                 break
             sibling = live_prompt_blocks(job, self.kv.block_size)
-            hits = kv.cached_prefix(job.tokens)
-            shared = hits if len(hits) > len(sibling) else sibling
-            alloc = kv.blocks_to_allocate(len(job.tokens), shared)
+            hit = kv.prefix_hit(job.tokens)
+            from_cache = hit.num_tokens(kv.block_size) > len(sibling) * kv.block_size
+            if not from_cache:
+                hit = PrefixHit(sibling)
+            num_shared = hit.num_tokens(kv.block_size)
+            alloc = kv.blocks_to_allocate_hit(len(job.tokens), hit)
             next_step = first_decode_blocks(len(job.tokens), len(job.seqs), self.kv.block_size)
             fits = alloc + next_step + reserved + self.watermark_blocks <= kv.num_free
             # Liveness: with nothing running or admitted, the head only needs its prompt's blocks.
@@ -341,7 +353,7 @@ class Scheduler:
                 and not out.prefills
                 and alloc <= kv.num_free
             )
-            remaining = len(job.tokens) - len(shared) * kv.block_size
+            remaining = len(job.tokens) - num_shared
             size = self._chunk_size(remaining, budget)
             if (
                 size < 1
@@ -351,15 +363,21 @@ class Scheduler:
             ):
                 break  # strict FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
-            job.table = kv.allocate(len(job.tokens), shared)
-            job.num_shared_tokens = job.num_computed = len(shared) * kv.block_size
+            allocation = kv.allocate_hit(len(job.tokens), hit)
+            job.table = allocation.table
+            if allocation.copy is not None:
+                out.copies.append(allocation.copy)  # the step copies before it writes
+            job.num_shared_tokens = job.num_computed = num_shared
             job.chunk_start, job.chunk_end = job.num_computed, job.num_computed + size
             self.num_forced_admissions += int(forced)
-            if shared is sibling:
-                self.num_recompute_shared_blocks += len(shared)
+            if from_cache:
+                self.num_prefix_cache_hit_blocks += len(hit.blocks)
+                self.num_prefix_cache_hit_tokens += num_shared
+                self.num_prefix_cache_partial_hit_tokens += hit.partial_tokens
             else:
-                self.num_prefix_cache_hit_blocks += len(hits)
-                self.num_prefix_cache_hit_tokens += len(hits) * kv.block_size
+                self.num_recompute_shared_blocks += len(hit.blocks)
+            if job.request.num_cached_tokens is None:  # its first admission (not a recompute)
+                job.request.num_cached_tokens = num_shared if from_cache else 0
             self.num_computed_prefill_tokens += size
             budget -= size
             num_running += len(job.seqs)
@@ -395,10 +413,11 @@ class Scheduler:
             return
         if seq.table is not None:
             if reason is not FinishReason.ABORT and seq.status is SequenceStatus.RUNNING:
-                # Key the full blocks of what it generated too (every token but the last, whose
-                # K/V were never computed): the next turn of a multi-turn trajectory continues
-                # this very sequence, and its prefill then starts from these blocks.
-                self.kv.cache_full_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
+                # Key the blocks of what it generated too, the partly filled last one included
+                # (every token but the last, whose K/V were never computed): the next turn of a
+                # multi-turn trajectory continues this very sequence, and its prefill then
+                # starts from these blocks and computes only the new tokens.
+                self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
             self.kv.free(seq.table)
             seq.table = None
         if seq in self.running:

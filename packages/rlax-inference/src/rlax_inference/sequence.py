@@ -114,6 +114,8 @@ class Request:
     params: SamplingParams
     arrival: int
     sequences: list[Sequence] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when it was first admitted (None: not yet admitted).
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
