@@ -116,7 +116,7 @@ def test_killed_workers_mid_trajectory_give_the_same_run(
     check_records_complete(chaos)
     check_learns(calm)  # the comparison compares weights that moved
     check_same_run(calm, chaos)
-    for key in ("tool_use_rate", "tool_ok_rate", "turns_mean", "tool_errors_mean"):
+    for key in ("tool_use_rate", "tool_ok_rate", "tool_no_error_rate", "turns_mean", "tool_errors_mean"):
         assert [r[key] for r in chaos["train"]] == [r[key] for r in calm["train"]], key
 
 

@@ -48,7 +48,7 @@ def launch_demo(
 
 
 # Evaluation figures collected per step: pass@k, and the tool use of multi-turn runs.
-EVAL_KEYS = ("pass@", "tool_use_rate", "tool_ok_rate")
+EVAL_KEYS = ("pass@", "tool_use_rate", "tool_ok_rate", "tool_no_error_rate")
 
 
 def run_seed(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[int, dict[str, float]]:

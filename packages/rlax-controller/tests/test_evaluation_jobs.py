@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from rlax_controller.evaluation_jobs import EvaluationJobs
+from rlax_controller.evaluation_jobs import PROBLEM_FIELDS, EvaluationJobs, problems_path
 from rlax_controller.metrics import MetricsWriter, read_metrics
 from rlax_controller.rollout_scheduler import PromptItem
 from rlax_core.config import load_config
+from rlax_data.datasets import Record
 from rlax_protocol.messages import Sample
 
 ITEMS = [PromptItem(f"e{i}", (9, i + 1)) for i in range(3)]
@@ -119,3 +121,49 @@ def test_the_last_steps_evaluation_ends_the_run_once_scored(rig: Any) -> None:
     assert r.finished == 0
     r.score_all(version=6)
     assert r.finished == 1
+
+
+def test_each_evaluation_writes_its_problems_results(rig: Any) -> None:
+    records = [Record(id=f"p{i}", prompt=f"{i}*7=", answer=str(i * 7)) for i in (3, 12)]
+    items = [PromptItem(r.id, (9, i + 1), record=r) for i, r in enumerate(records)]
+    r = rig(items)
+    r.jobs.decode = lambda ids: "".join(chr(ord("0") + t) for t in ids)  # digits as token ids
+    r.jobs.start_if_due(3)
+    # Problem p3 is solved by one sample of two (its tool use judged right); p12 by none.
+    answers = {0: [(2, 1), (2, 2)], 1: [(8, 4), (8, 5)]}
+    judged = {0: (True, False), 1: (False, False)}
+    for index in r.jobs.pending():
+        r.jobs.sent(index, f"eval.{index}")
+        samples = tuple(
+            Sample(
+                token_ids=(1,), logprobs=(), finish_reason="stop", tool_calls=1, end="answer", tool_correct=j
+            )
+            for j in judged[index]
+        )
+        scores = [(1.0, True), (0.0, False)] if index == 0 else [(0.0, False), (0.0, False)]
+        r.jobs.record(index, scores, 3, samples, answers[index])
+    path = problems_path(r.config.output_dir, 3)
+    assert path == r.config.output_dir / "eval_problems" / "step_000003.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["p3", "p12"]
+    first, second = rows
+    assert set(PROBLEM_FIELDS) <= set(first) and {"pass@1", "pass@2"} <= set(first)
+    assert (first["prompt"], first["answer"], first["final_answers"]) == ("3*7=", "21", ["21", "22"])
+    assert (first["correct"], first["pass_rate"], first["pass@1"], first["pass@2"]) == (1, 0.5, 0.5, 1.0)
+    assert (first["rewards"], first["sample_correct"]) == ([1.0, 0.0], [True, False])
+    assert (first["tool_calls"], first["tool_correct"], first["ends"]) == (
+        [1, 1],
+        [True, False],
+        ["answer"] * 2,
+    )
+    assert (second["answer"], second["final_answers"], second["pass_rate"]) == ("84", ["84", "85"], 0.0)
+
+
+def test_problems_without_records_or_a_decoder_still_get_a_row(rig: Any) -> None:
+    r = rig()
+    r.jobs.start_if_due(0)
+    r.score_all(version=0)
+    rows = [json.loads(line) for line in problems_path(r.config.output_dir, 0).read_text().splitlines()]
+    assert [row["id"] for row in rows] == ["e0", "e1", "e2"]
+    assert all(row["prompt"] is None and row["final_answers"] is None for row in rows)
+    assert [row["correct"] for row in rows] == [1, 0, 0]

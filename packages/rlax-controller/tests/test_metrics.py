@@ -18,8 +18,9 @@ from rlax_controller.metrics import (
     read_metrics,
     summary_rows,
     summary_table,
+    trajectory_record,
 )
-from rlax_protocol.messages import WorkerStats
+from rlax_protocol.messages import Sample, WorkerStats
 
 
 def fill(writer: MetricsWriter) -> None:
@@ -157,3 +158,55 @@ def test_summary_shows_the_median_step_and_its_parts() -> None:
     assert rows["train trainer_wait_seconds (median)"][1:3] == ("8.000", "0.110")
     assert rows["train train_seconds (median)"][2] == "0.100"
     assert "train trainer_push_seconds (median)" not in rows  # a part no record carries
+
+
+def trajectory(tool_calls: int, tool_errors: int = 0, tool_correct: bool | None = None) -> Sample:
+    return Sample(
+        token_ids=(3, 4),
+        logprobs=(),
+        finish_reason="stop",
+        turns=1 + tool_calls,
+        tool_calls=tool_calls,
+        tool_errors=tool_errors,
+        end="answer",
+        tool_correct=tool_correct,
+    )
+
+
+def test_tool_ok_rate_counts_correct_use_where_the_environment_judged_it() -> None:
+    samples = [
+        trajectory(1, tool_correct=True),  # the right call, its result used
+        trajectory(1, tool_correct=False),  # a call that ran but asked or copied wrong
+        trajectory(2, tool_errors=1, tool_correct=True),  # a failed call, then a right one
+        trajectory(0, tool_correct=False),  # no call
+    ]
+    record = trajectory_record(samples)
+    assert record["tool_use_rate"] == 3 / 4
+    # "Called, and no call failed" says nothing of the question asked: 2 of 4 here.
+    assert record["tool_no_error_rate"] == 2 / 4
+    assert record["tool_ok_rate"] == 2 / 4
+    # Only judged trajectories count: one whose environment could not tell is left out.
+    assert trajectory_record([*samples, trajectory(1)])["tool_ok_rate"] == 2 / 4
+
+
+def test_without_a_judging_environment_there_is_no_tool_ok_rate() -> None:
+    record = trajectory_record([trajectory(1), trajectory(1, tool_errors=1), trajectory(0)])
+    assert "tool_ok_rate" not in record
+    assert (record["tool_use_rate"], record["tool_no_error_rate"]) == (2 / 3, 1 / 3)
+    single = Sample(token_ids=(3,), logprobs=(), finish_reason="stop")
+    assert trajectory_record([single]) == {}
+
+
+def test_summary_shows_both_tool_figures() -> None:
+    records = [
+        {"kind": "train", "step": s, "tool_use_rate": 0.5, "tool_ok_rate": 0.1 * s, "tool_no_error_rate": 0.4}
+        for s in (1, 2)
+    ] + [
+        {"kind": "eval", "step": s, "pass@1": 0.1, "tool_ok_rate": 0.2 * s, "tool_no_error_rate": 0.5}
+        for s in (0, 2)
+    ]
+    rows = {r[0]: r[1:] for r in summary_rows(records)}
+    assert rows["train tool_ok_rate"] == ("0.100", "0.200", "+0.100")
+    assert rows["train tool_no_error_rate"] == ("0.400", "0.400", "+0.000")
+    assert rows["eval tool_ok_rate (step 0 -> 2)"] == ("0.000", "0.400", "+40.0 pts")
+    assert "eval tool_no_error_rate (step 0 -> 2)" in rows

@@ -84,11 +84,27 @@ def test_a_remote_calculator_trajectory_equals_the_local_one():
         assert remote.reset(RECORD) == ""
         got = [remote.step(t) for t in turns]
         assert got == want
-        assert got[0] == EnvStep("(5535)", done=False, tool_calls=1)
+        assert got[0] == EnvStep("(5535)", done=False, tool_calls=1, tool_correct=False)
         assert got[1].tool_errors == 1 and got[1].error and got[-1].done
-        # A tool environment's steps are independent: nothing was replayed.
-        assert service.svc.envs.stats["env_replayed_turns"] == 0
+        # The verdict needs the first call's result: the service replayed the earlier turns.
+        assert got[-1].tool_correct is True
+        assert service.svc.envs.stats["env_replayed_turns"] == 0 + 1 + 2 + 3
         assert service.svc.envs.stats["env_steps"] == 4
+    finally:
+        envs.close()
+        service.stop()
+
+
+def test_an_environment_without_a_judge_is_not_replayed():
+    service = Service()
+    envs = remotes(service.address)
+    try:
+        remote = envs.make("tools")
+        remote.reset(RECORD)
+        steps = [remote.step(t) for t in ("[123*45]", "5535")]
+        assert [s.tool_correct for s in steps] == [None, None] and steps[-1].done
+        # Its steps are independent: nothing was replayed.
+        assert service.svc.envs.stats["env_replayed_turns"] == 0
     finally:
         envs.close()
         service.stop()
@@ -163,7 +179,9 @@ def test_hostile_requests_are_refused_alone_and_the_service_keeps_serving(statef
         # A huge trajectory is bounded by the message limits, not by the service's memory.
         with pytest.raises(rp.RemoteError):
             call(client, turns=("x" * (40 << 20),))
-        assert call(client) == rp.EnvStepResult(request_id="h", observation="(2)", done=False, tool_calls=1)
+        assert call(client) == rp.EnvStepResult(
+            request_id="h", observation="(2)", done=False, tool_calls=1, tool_correct=False
+        )
     finally:
         client.close()
         service.stop()

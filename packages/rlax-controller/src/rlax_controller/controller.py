@@ -74,7 +74,14 @@ class Controller:
         self.trainer = TrainerEndpoint(
             config, context=context, answer=self._answer, may_hold=lambda: self.restored, tally=self.tally
         )
-        self.evaluations = EvaluationJobs(config, eval_items, self.metrics, run_evaluated=self._finish)
+        self.evaluations = EvaluationJobs(
+            config,
+            eval_items,
+            self.metrics,
+            run_evaluated=self._finish,
+            # The run's task decodes final answers for the per-problem eval file, where it can.
+            decode=getattr(scorer, "decode", None),
+        )
         self.results = RolloutResults(self.scheduler, self.evaluations, scorer, self.tally)
         self.pool = WorkerPool(
             config,

@@ -234,19 +234,34 @@ class ProgressDisplay:
 
 def trajectory_record(samples: Sequence[Any]) -> dict[str, float]:
     """Tool use of multi-turn trajectories (anything with `turns`, `tool_calls`,
-    `tool_errors` and `end`): `tool_use_rate` (share that called a tool), `tool_ok_rate`
-    (called one and none of its calls failed), `turns_mean`, `tool_errors_mean` and
-    `end_<reason>` shares. Empty for single-turn samples."""
+    `tool_errors`, `end` and optionally `tool_correct`). Empty for single-turn samples.
+
+    - `tool_use_rate`: share of trajectories that called a tool.
+    - `tool_no_error_rate`: share that called a tool and none of whose calls failed (a
+      call that ran says nothing of whether it asked the right question; this was
+      `tool_ok_rate` before 2026-12).
+    - `tool_ok_rate`: share that used a tool *correctly*, of the trajectories whose
+      environment judged their tool use (`Sample.tool_correct` not None): for the
+      calculator, a call returned the right answer and the final answer is that result. A
+      trajectory that made no call was judged and did not use a tool correctly, so for the
+      calculator the share is of all trajectories, like `tool_use_rate`, and never above
+      it. Absent where no trajectory was judged (the `tools` and `python` environments
+      cannot tell): read `tool_no_error_rate` there.
+    - `turns_mean`, `tool_errors_mean` and `end_<reason>` shares.
+    """
     ends = [s.end for s in samples]
     if not samples or not any(ends):
         return {}
     n = len(samples)
     record = {
         "tool_use_rate": sum(s.tool_calls > 0 for s in samples) / n,
-        "tool_ok_rate": sum(s.tool_calls > 0 and s.tool_errors == 0 for s in samples) / n,
+        "tool_no_error_rate": sum(s.tool_calls > 0 and s.tool_errors == 0 for s in samples) / n,
         "turns_mean": sum(s.turns for s in samples) / n,
         "tool_errors_mean": sum(s.tool_errors for s in samples) / n,
     }
+    judged = [s.tool_correct for s in samples if getattr(s, "tool_correct", None) is not None]
+    if judged:
+        record["tool_ok_rate"] = sum(bool(v) for v in judged) / len(judged)
     for reason in sorted(set(ends)):
         record[f"end_{reason}"] = ends.count(reason) / n
     return record
@@ -272,7 +287,9 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
         keys = [
             k
             for k in first
-            if k.startswith(("pass@", "reward_mean", "avg@", "tool_use_rate", "tool_ok_rate"))
+            if k.startswith(
+                ("pass@", "reward_mean", "avg@", "tool_use_rate", "tool_ok_rate", "tool_no_error_rate")
+            )
         ]
         for key in keys:
             a, b = first.get(key), last.get(key)
@@ -297,6 +314,7 @@ def summary_rows(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str
             "pass_rate",
             "tool_use_rate",
             "tool_ok_rate",
+            "tool_no_error_rate",
             "turns_mean",
             "staleness_max",
             "logprob_delta_p95",
@@ -389,14 +407,23 @@ def plot_run(
     window = max(1, min(25, len(rewards) // 10))
     if window > 1:
         axes[0].plot(steps, moving_average(rewards, window), lw=2, label=f"moving average ({window} steps)")
-    tool_ok = [float(r.get("tool_ok_rate", math.nan)) for r in train]
-    if any(math.isfinite(v) for v in tool_ok):
-        axes[0].plot(
-            steps, moving_average(tool_ok, window), lw=2, label="tool calls without an error (share)"
-        )
+    # Correct tool use where the environment judges it, else calls that did not fail.
+    for key, label in (
+        ("tool_ok_rate", "tool used correctly (share)"),
+        ("tool_no_error_rate", "tool called without an error (share)"),
+    ):
+        share = [float(r.get(key, math.nan)) for r in train]
+        if any(math.isfinite(v) for v in share):
+            axes[0].plot(steps, moving_average(share, window), lw=2, label=label)
+            break
     axes[0].set_title("training reward")
     eval_keys = sorted(
-        {k for r in evals for k in r if k.startswith(("pass@", "reward_mean", "tool_ok_rate"))}
+        {
+            k
+            for r in evals
+            for k in r
+            if k.startswith(("pass@", "reward_mean", "tool_ok_rate", "tool_no_error_rate"))
+        }
     )
     for key in eval_keys:
         axes[1].plot([r["step"] for r in evals], [r.get(key, math.nan) for r in evals], marker="o", label=key)

@@ -54,6 +54,7 @@ def scored_sample(sample: Sample, verifier_reward: float, correct: bool) -> Scor
         end=sample.end,
         turn_ends=tuple(sample.turn_ends),
         turn_rewards=tuple(turn_rewards),
+        tool_correct=sample.tool_correct,
     )
 
 
@@ -126,7 +127,7 @@ class RolloutResults:
             log.error("scoring evaluation prompt %d failed (%s); it will be generated again", index, error)
             self.evaluations.retry(index)
             return
-        self.evaluations.record(index, scores, result.weight_version, result.samples)
+        self.evaluations.record(index, scores, result.weight_version, result.samples, completions)
 
     def _score(self, item: PromptItem, completions: list[tuple[int, ...]]) -> list[tuple[float, bool]]:
         """The scorer's rewards; a verifier service without a route for the item's task

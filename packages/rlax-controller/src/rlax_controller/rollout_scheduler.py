@@ -76,6 +76,7 @@ class ScoredSample:
     end: str = ""
     turn_ends: tuple[int, ...] = ()
     turn_rewards: tuple[float, ...] = ()
+    tool_correct: bool | None = None  # the environment's verdict (`rlax_protocol.Sample.tool_correct`)
 
 
 class GroupStatus(enum.Enum):

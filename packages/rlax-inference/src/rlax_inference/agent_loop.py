@@ -28,6 +28,10 @@ none ran). `Sample.env_reward` is the last step's reward alone; when that step g
 the run's verifier scores the final answer, and the controller pays its score to the last
 turn. No reward overwrites another's.
 
+Whether a trajectory used its tools correctly is its environment's verdict
+(`EnvStep.tool_correct`, optional): the last step's that is not None goes to
+`Sample.tool_correct` (None when no step judged: the environment cannot tell).
+
 Limits end a trajectory with a reason (`Sample.end`): `answer` (the environment is done),
 `max_turns`, `max_tokens` (`max_total_tokens` after the prompt, or the model's context, an
 observation larger than the tokens left included), `error` (the environment raised, or its
@@ -137,6 +141,7 @@ class _Trajectory:
     turn_ends: list[int] = dataclasses.field(default_factory=list)
     turn_rewards: list[float] = dataclasses.field(default_factory=list)
     env_reward: float | None = None  # the reward of the step answering the latest model turn
+    tool_correct: bool | None = None  # the environment's latest verdict on the tool use
     end: str = ""
     finish_reason: str = "stop"
     ended_with_stop_token: bool = False
@@ -154,6 +159,7 @@ class _StepOutcome:
     tool_calls: int
     tool_errors: int
     error: str
+    tool_correct: bool | None
     room: int
     chars: int = 0
     observation_ids: list[int] | None = None
@@ -361,11 +367,15 @@ class AgentLoop:
         done = bool(step.done)
         reward = None if step.reward is None else float(step.reward)
         kind = str(getattr(step, "error", "") or "")[:_MAX_ERROR_KIND_CHARS]
-        counts = (int(step.tool_calls), int(step.tool_errors), kind)
+        # Optional (an environment written before it existed has none); numpy's bools are bools.
+        judged = getattr(step, "tool_correct", None)
+        if judged is not None and judged not in (True, False):
+            raise ValueError(f"the environment's tool_correct is {judged!r}, not True, False or None")
+        counts = (int(step.tool_calls), int(step.tool_errors), kind, None if judged is None else bool(judged))
         # Checked here, not where the sample is built: a bad value fails this step, not the worker.
         if reward is not None and not math.isfinite(reward):
             raise ValueError(f"the environment's reward is {reward}, not a finite number")
-        if min(counts[:2]) < 0:
+        if min(counts[0], counts[1]) < 0:
             raise ValueError(f"the environment's tool_calls / tool_errors are {counts[:2]}, not >= 0")
         if done or room < 1:
             return _StepOutcome(done, reward, *counts, room)
@@ -393,6 +403,8 @@ class AgentLoop:
         trajectory.tool_errors += max(outcome.tool_errors, int(bool(outcome.error)))
         if outcome.error:
             self._count(outcome.error)
+        if outcome.tool_correct is not None:
+            trajectory.tool_correct = outcome.tool_correct
         if outcome.reward is not None:
             # The step answered the latest model turn, which has tokens (it was not aborted).
             trajectory.turn_rewards[-1] = outcome.reward
@@ -454,6 +466,7 @@ class AgentLoop:
                     env_reward=t.env_reward,
                     turn_ends=tuple(t.turn_ends),
                     turn_rewards=tuple(t.turn_rewards),
+                    tool_correct=t.tool_correct,
                 )
                 for t in agent.trajectories
             ]

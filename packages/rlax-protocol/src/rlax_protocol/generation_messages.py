@@ -139,7 +139,10 @@ class Sample(Message, frozen=True):
     `end`: why the trajectory ended (`answer`: the environment was done; `error`: the
     environment failed); `env_reward`: the reward of the environment's last step (the one
     answering the last model turn), when it gives one (else the run's verifier scores the
-    final answer).
+    final answer). `tool_correct`: whether the trajectory used its tools correctly, as its
+    environment judged (`rlax_data.envs.EnvStep.tool_correct`: for the calculator, a call
+    whose result was the right answer and was then given as the final answer); None where
+    the environment cannot tell (and for a single-turn sample).
 
     Per-turn rewards of a trajectory: `turn_ends[k]` is the index (in `token_ids`) of model
     turn k's last token and `turn_rewards[k]` the reward of the environment step answering
@@ -161,6 +164,7 @@ class Sample(Message, frozen=True):
     env_reward: float | None = None
     turn_ends: tuple[int, ...] = ()
     turn_rewards: tuple[float, ...] = ()
+    tool_correct: bool | None = None
 
     def __post_init__(self) -> None:
         _check_mask("Sample", "model_mask", self.model_mask, len(self.token_ids))

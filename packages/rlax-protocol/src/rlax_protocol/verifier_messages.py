@@ -99,6 +99,7 @@ class EnvStepResult(Message, frozen=True):
     tool_calls: int = 0
     tool_errors: int = 0
     error: str = ""
+    tool_correct: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tool_calls", "tool_errors"):

@@ -5,6 +5,11 @@ Built-in environments (each takes `format` — a `ToolFormat` or a name, "hermes
 default; the number of calls a turn may hold is the format's `max_calls` — plus
 `ToolEnvironment`'s keyword options; the Python ones also `sandbox`):
 "calculator" (`CalculatorTool`), "python" (`PythonTool`) and "tools" (both).
+
+The calculator judges its trajectories' tool use (`EnvStep.tool_correct`, by
+`tool_result_is_answer`: a call returned the record's answer and the final answer is that
+result; `judge=None` turns it off); "python" and "tools" cannot tell (None): a program's
+output or a mix of tools need not be the answer.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rlax_data.envs.environment import TOOL_MESSAGE_SEPARATOR, Environment, EnvStep, ToolEnvironment
+from rlax_data.envs.environment import (
+    TOOL_MESSAGE_SEPARATOR,
+    Environment,
+    EnvStep,
+    ToolEnvironment,
+    ToolUseJudge,
+    final_answer_line,
+    tool_result_is_answer,
+)
 from rlax_data.envs.formats import (
     BracketToolFormat,
     HermesToolFormat,
@@ -64,13 +77,16 @@ __all__ = [
     "ToolFormat",
     "ToolResult",
     "ToolThreads",
+    "ToolUseJudge",
     "environment_names",
+    "final_answer_line",
     "make_environment",
     "make_tool_format",
     "register_environment",
     "run_tool",
     "run_tools",
     "tool_format_for_template",
+    "tool_result_is_answer",
     "tool_format_names",
 ]
 
@@ -135,7 +151,8 @@ def _tool_environment(
 
 
 def _calculator(**options: Any) -> ToolEnvironment:
-    return _tool_environment("calculator", [CalculatorTool()], **options)
+    # The record's answer is what a right call returns: the calculator can judge its tool use.
+    return _tool_environment("calculator", [CalculatorTool()], **{"judge": tool_result_is_answer, **options})
 
 
 def _python(*, sandbox: SandboxConfig | Sandbox | None = None, **options: Any) -> ToolEnvironment:

@@ -6,6 +6,10 @@ observation (the prompt the model sees), then each model turn goes to `step`, wh
 trajectory. Steps of different trajectories may run at once in a thread pool, so an
 environment keeps no state shared with others (tools are stateless, or thread-safe like
 the shared sandbox).
+
+An environment may judge whether a trajectory used its tools correctly
+(`EnvStep.tool_correct`); the calculator does (`tool_result_is_answer`), the generic
+`tools` and `python` environments cannot tell (None).
 """
 
 from __future__ import annotations
@@ -19,7 +23,15 @@ from rlax_data.datasets import Record
 from rlax_data.envs.formats import MalformedCall, ParsedCall, ToolFormat
 from rlax_data.envs.tools import Tool, ToolCall, ToolResult, run_tools
 
-__all__ = ["TOOL_MESSAGE_SEPARATOR", "EnvStep", "Environment", "ToolEnvironment"]
+__all__ = [
+    "TOOL_MESSAGE_SEPARATOR",
+    "EnvStep",
+    "Environment",
+    "ToolEnvironment",
+    "ToolUseJudge",
+    "final_answer_line",
+    "tool_result_is_answer",
+]
 
 TOOL_MESSAGE_SEPARATOR: Final = "\x1e"
 """Separates the messages of one environment turn (the results of a turn's calls, one
@@ -39,6 +51,14 @@ class EnvStep:
     truncated one included; a malformed call is failed but not made). error: the
     `ToolResult.error` kind of this step's first failed call ("" when none failed), so the
     metrics count each kind.
+
+    tool_correct: whether the trajectory's tool use, as of this step, was correct: True
+    only when a call's result was right and that result was used (the calculator: a call
+    returned the record's answer and the final answer is that result), False otherwise (a
+    trajectory that has not answered yet, or made no call, has not used a tool correctly);
+    None when the environment cannot tell. The worker keeps the last step's value that is
+    not None (`rlax_protocol.Sample.tool_correct`), so the step that ends the trajectory
+    gives the verdict, and one cut short keeps the verdict of its last step.
     """
 
     observation: str
@@ -47,6 +67,44 @@ class EnvStep:
     tool_calls: int = 0
     tool_errors: int = 0
     error: str = ""
+    tool_correct: bool | None = None
+
+
+class ToolUseJudge(Protocol):
+    """Whether a trajectory of `ToolEnvironment` used its tools correctly (None: cannot tell).
+
+    record: the trajectory's record; results: the results of every call run so far, in
+    order; final_turn: the model turn without a call that ended the trajectory (its text),
+    None while it has not ended."""
+
+    def __call__(
+        self, record: Record, results: Sequence[ToolResult], final_turn: str | None
+    ) -> bool | None: ...
+
+
+def final_answer_line(turn: str) -> str:
+    """The final answer of a model turn as the exact-match verifiers read it
+    (`ExactMatchConfig(extract="first_line")`): its first non-empty line, stripped."""
+    return next((line.strip() for line in turn.splitlines() if line.strip()), "")
+
+
+def tool_result_is_answer(
+    record: Record, results: Sequence[ToolResult], final_turn: str | None
+) -> bool | None:
+    """The calculator's judge: correct when a call's result is the value the record asks
+    for (the model asked the right question; a call that failed or was cut counts for
+    nothing) and the final answer (`final_answer_line`) is the record's answer (the model
+    used that result). So a right call whose result is copied wrong is not correct, nor is
+    a wrong call whose result is copied; no call is not correct.
+
+    The value is the record's `metadata["value"]` where it has one (tool_arithmetic's chat
+    style, whose answer is a sentence around the number), else its answer. None for a
+    record without an answer."""
+    if record.answer is None:
+        return None
+    value = str(record.metadata.get("value", record.answer)).strip()
+    asked_right = any(r.ok and not r.error and r.text.strip() == value for r in results)
+    return asked_right and final_turn is not None and final_answer_line(final_turn) == record.answer.strip()
 
 
 @runtime_checkable
@@ -78,13 +136,15 @@ class ToolEnvironment:
     max_result_chars: longest tool output shown before it is cut. tool_timeout_s: limit
     per call (None: each tool's own `time_limit_s`). instructions: text put before the
     record's prompt (say, how to call the tools, for a model without a tool-aware chat
-    template).
+    template). judge: says whether a trajectory used its tools correctly
+    (`EnvStep.tool_correct`; None: the environment does not judge, every step says None).
 
-    A step depends on its turn alone (`independent_steps`): an environment run in the
-    verifier service (`rlax_data.envs.remote`) is not replayed up to the turn it answers.
+    Without a judge a step depends on its turn alone (`independent_steps`): an
+    environment run in the verifier service (`rlax_data.envs.remote`) is not replayed up to
+    the turn it answers. A judge reads the results of earlier turns' calls, so with one the
+    service replays the earlier turns (their calls run again; the calculator's cost
+    microseconds).
     """
-
-    independent_steps = True
 
     def __init__(
         self,
@@ -95,6 +155,7 @@ class ToolEnvironment:
         tool_timeout_s: float | None = None,
         instructions: str = "",
         name: str = "tools",
+        judge: ToolUseJudge | None = None,
     ) -> None:
         if not tools:
             raise ValueError("ToolEnvironment: `tools` must hold at least one tool")
@@ -112,11 +173,23 @@ class ToolEnvironment:
         self.max_result_chars = max_result_chars
         self.tool_timeout_s = tool_timeout_s
         self.instructions = instructions
+        self.judge = judge
+        self.independent_steps = judge is None
         self._done = False
+        self._record: Record | None = None
+        self._results: list[ToolResult] = []  # of the calls that ran, for the judge
 
     def reset(self, record: Record) -> str:
         self._done = False
+        self._record = record
+        self._results = []
         return self.instructions + record.prompt_text()
+
+    def _judged(self, final_turn: str | None) -> bool | None:
+        if self.judge is None or self._record is None:
+            return None
+        verdict = self.judge(self._record, tuple(self._results), final_turn)
+        return None if verdict is None else bool(verdict)
 
     def step(self, model_turn: str) -> EnvStep:
         if self._done:
@@ -124,9 +197,10 @@ class ToolEnvironment:
         parsed = self.format.parse(model_turn)
         if not parsed:
             self._done = True
-            return EnvStep("", done=True)
+            return EnvStep("", done=True, tool_correct=self._judged(model_turn))
         limit = self.format.max_calls
         answered, refused = self._answer(parsed[:limit]), parsed[limit:]
+        self._results += answered
         results = list(answered)
         if refused:
             text = (
@@ -142,6 +216,7 @@ class ToolEnvironment:
             # A result cut at max_result_chars counts as failed too; each refused call does.
             tool_errors=sum(bool(r.error) for r in answered) + len(refused),
             error=failed[0] if failed else "",
+            tool_correct=self._judged(None),
         )
 
     def _answer(self, parsed: Sequence[ParsedCall]) -> list[ToolResult]:

@@ -9,7 +9,8 @@ the service makes a fresh environment for it, resets it, replays the earlier tur
 answers the last one. So the service keeps no session: any replica can serve any step, a
 restarted service loses nothing, and the answer equals what the same environment gives
 in the worker. Environments whose steps do not depend on the earlier ones say so with
-`independent_steps = True` (`ToolEnvironment` does) and are not replayed.
+`independent_steps = True` (`ToolEnvironment` without a judge does) and are not replayed;
+the calculator, which judges its tool use from every call's result, is.
 
 What a stranger's request can choose is bounded: only registered environments, or the
 `package.module:factory` paths the service was started with, are made; the options are
@@ -144,6 +145,7 @@ class EnvStepServer:
             tool_calls=int(step.tool_calls),
             tool_errors=int(step.tool_errors),
             error=str(step.error),
+            tool_correct=None if getattr(step, "tool_correct", None) is None else bool(step.tool_correct),
         )
 
 
@@ -230,4 +232,5 @@ class RemoteEnvironment:
             tool_calls=reply.tool_calls,
             tool_errors=reply.tool_errors,
             error=reply.error,
+            tool_correct=reply.tool_correct,
         )
