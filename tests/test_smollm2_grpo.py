@@ -36,10 +36,12 @@ STEPS = 20
 CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "smollm2-cpu.yaml"
 
 
-def launch(out: pathlib.Path, *overrides: str, timeout_s: float = 3600.0) -> list[dict]:
-    """`rlax launch` of the CPU config to completion; the controller's train records."""
+def launch(
+    out: pathlib.Path, *overrides: str, timeout_s: float = 3600.0, config: pathlib.Path = CONFIG
+) -> list[dict]:
+    """`rlax launch` of the CPU config (or `config`) to completion; the controller's train records."""
     cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG),
+        sys.executable, "-m", "rlax_core.cli", "launch", str(config),
         f"run.output_dir={out}", f"run.steps={STEPS}", *overrides,
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}

@@ -86,3 +86,41 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bad}:1:" in err and "field `answer`" in err
     assert main(["prefilter", str(bad), str(tmp_path / "o.jsonl"), "--sampler", "nope"]) == 2
+
+
+def test_generate_takes_task_fields_and_prefilter_hands_a_samplers_renderer_the_records(tmp_path, capsys):
+    data = tmp_path / "chat.jsonl"
+    args = ["generate", "tool_arithmetic", str(data), "-n", "12", "--seed", "1"]
+    assert main([*args, "--task-arg", "style=chat", "--task-arg", "digits_b=3"]) == 0
+    recs = load_jsonl(data).records
+    assert all(r.prompt.startswith("What is ") and len(r.prompt.split(" * ")[1]) == 4 for r in recs)
+    # A sampler with a `render` (an agent loop needs the record, not just its prompt text)
+    # gets each record rendered by it; this one answers right once in two where the value is even.
+    sampler_file = tmp_path / "record_sampler.py"
+    sampler_file.write_text(
+        textwrap.dedent(
+            """
+            import json
+
+            def make():
+                def sample(prompts, n):
+                    records = [json.loads(p) for p in prompts]
+                    even = [int(r["metadata"]["value"]) % 2 == 0 for r in records]
+                    return [[r["answer"] if e and j == 0 else "no" for j in range(n)] for r, e in zip(records, even)]
+
+                sample.render = lambda record: json.dumps(
+                    {"answer": record.answer, "metadata": dict(record.metadata)}
+                )
+                return sample
+            """
+        )
+    )
+    curated = tmp_path / "curated.jsonl"
+    filt = ["--n", "2", "--lower", "0", "--upper", "1"]
+    assert main(["prefilter", str(data), str(curated), "--sampler", f"{sampler_file}:make", *filt]) == 0
+    assert [r.id for r in load_jsonl(curated)] == [r.id for r in recs if int(r.metadata["value"]) % 2 == 0]
+    # A field the task lacks, or a value it rejects, names the option.
+    assert main([*args, "--task-arg", "colour=red"]) == 2
+    assert main([*args, "--task-arg", "style=loud"]) == 2
+    err = capsys.readouterr().err
+    assert "--task-arg" in err and "colour" in err and "field `style`" in err

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rlax_data import Message, Record
+from rlax_data.datasets import CodeTests
 from rlax_data.envs import (
     BracketToolFormat,
     CalculatorTool,
@@ -62,12 +63,15 @@ def test_a_bracket_trajectory_of_the_calculator():
     env = make_environment("calculator", format="bracket")
     assert isinstance(env, Environment) and env.name == "calculator"
     assert env.reset(RECORD) == "4821*397="
-    assert env.step("[4821*397]") == EnvStep("(1913937)", done=False, tool_calls=1)
+    # Until the final answer, the calculator's tool use is not (yet) correct.
+    assert env.step("[4821*397]") == EnvStep("(1913937)", done=False, tool_calls=1, tool_correct=False)
     assert env.step("[4821*/397]") == EnvStep(
-        "(?)", done=False, tool_calls=1, tool_errors=1, error="bad_arguments"
+        "(?)", done=False, tool_calls=1, tool_errors=1, error="bad_arguments", tool_correct=False
     )
-    assert env.step("[4821*397") == EnvStep("(?)", done=False, tool_calls=0, tool_errors=1, error="malformed")
-    assert env.step("1913937") == EnvStep("", done=True)
+    assert env.step("[4821*397") == EnvStep(
+        "(?)", done=False, tool_calls=0, tool_errors=1, error="malformed", tool_correct=False
+    )
+    assert env.step("1913937") == EnvStep("", done=True, tool_correct=True)
     with pytest.raises(RuntimeError, match="step after the trajectory ended"):
         env.step("[1+1]")
     assert env.reset(RECORD) == "4821*397="
@@ -78,22 +82,20 @@ def test_a_hermes_trajectory_shows_errors_to_the_model():
     env = ToolEnvironment([CalculatorTool(), Echo()], HermesToolFormat())
     env.reset(RECORD)
     step = env.step("Let me compute.\n" + hermes("calculator", expression="4821*397"))
-    assert step == EnvStep("<tool_response>\n1913937\n</tool_response>", done=False, tool_calls=1)
+    assert step == EnvStep("1913937", done=False, tool_calls=1)
     step = env.step(hermes("calculator", expression="1/0"))
     assert step == EnvStep(
-        "<tool_response>\nError: calculator: division by zero\n</tool_response>",
+        "Error: calculator: division by zero",
         done=False, tool_calls=1, tool_errors=1, error="bad_arguments",
     )  # fmt: skip
     step = env.step(hermes("search", query="x"))
     assert step == EnvStep(
-        "<tool_response>\nError: there is no tool named 'search'; the tools are: calculator, echo\n</tool_response>",
+        "Error: there is no tool named 'search'; the tools are: calculator, echo",
         done=False, tool_calls=1, tool_errors=1, error="unknown_tool",
     )  # fmt: skip
     step = env.step("<tool_call>{not json}</tool_call>")
     assert step.error == "malformed" and (step.tool_calls, step.tool_errors, step.done) == (0, 1, False)
-    assert step.observation.startswith(
-        "<tool_response>\nError: malformed tool call: the call is not valid JSON"
-    )
+    assert step.observation.startswith("Error: malformed tool call: the call is not valid JSON")
     assert env.step("The answer is 1913937.") == EnvStep("", done=True, reward=None)
 
 
@@ -104,10 +106,7 @@ def test_long_results_are_cut_and_counted_as_tool_errors():
     env.reset(RECORD)
     step = env.step(hermes("echo", text="ab"))
     assert (step.tool_calls, step.tool_errors, step.error) == (1, 1, "too_large")
-    assert (
-        step.observation
-        == "<tool_response>\n" + "ab" * 25 + "\n[truncated: 1950 more characters]\n</tool_response>"
-    )
+    assert step.observation == "ab" * 25 + "\n[truncated: 1950 more characters]"
 
 
 def test_a_hung_tool_times_out_and_the_trajectory_goes_on():
@@ -116,10 +115,7 @@ def test_a_hung_tool_times_out_and_the_trajectory_goes_on():
     step = env.step(hermes("sleepy"))
     assert step.error == "timeout" and step.tool_errors == 1
     assert "did not finish within 0.2 s" in step.observation
-    assert (
-        env.step(hermes("echo", text="still here")).observation
-        == "<tool_response>\nstill here\n</tool_response>"
-    )
+    assert env.step(hermes("echo", text="still here")).observation == "still here"
     # The environment's limit overrides the tool's own.
     env = ToolEnvironment([Sleepy()], HermesToolFormat(), tool_timeout_s=0.1)
     env.reset(RECORD)
@@ -224,13 +220,68 @@ def test_an_environment_by_module_path(tmp_path, monkeypatch):
         make_environment("my_envs:Missing")
 
 
+CALC = Record(id="c0", prompt="123*45=", answer="5535")
+
+
+@pytest.mark.parametrize(
+    ("turns", "verdicts"),
+    [
+        # The right question, its result used: correct.
+        (["[123*45]", "5535"], [False, True]),
+        # The right question, its result copied wrong: not correct.
+        (["[123*45]", "5553"], [False, False]),
+        # A wrong question (123*46 = 5658) whose result is copied: not correct.
+        (["[123*46]", "5658"], [False, False]),
+        # No call: the right answer without the tool is no correct tool use.
+        (["5535"], [False]),
+        # A failed call, then the right one, used (the final answer's first line counts).
+        (["[123*]", "[123*45]", "5535\nmore"], [False, False, True]),
+        # The right call, then a wrong one whose result is copied: not the right result used.
+        (["[123*45]", "[123*46]", "5658"], [False, False, False]),
+    ],
+)
+def test_the_calculator_judges_whether_its_result_was_right_and_used(turns, verdicts):
+    env = make_environment("calculator", format="bracket")
+    env.reset(CALC)
+    assert [env.step(t).tool_correct for t in turns] == verdicts
+    # A judging environment reads earlier calls' results: the service must replay its turns.
+    assert env.independent_steps is False
+
+
+def test_a_sentence_answer_is_judged_against_the_value_it_holds():
+    # tool_arithmetic's chat style: the calculator returns the value, the reply is a sentence.
+    record = Record(
+        id="c2", prompt="What is 123 * 45?", answer="The answer is 5535.", metadata={"value": "5535"}
+    )
+    right, copied_wrong = (make_environment("calculator", format="bracket") for _ in range(2))
+    for env in (right, copied_wrong):
+        env.reset(record)
+        assert env.step("[123*45]").tool_correct is False
+    assert right.step("The answer is 5535.").tool_correct is True
+    assert copied_wrong.step("The answer is 5553.").tool_correct is False
+
+
+def test_environments_that_cannot_judge_say_none():
+    unjudged = make_environment("calculator", format="bracket", judge=None)
+    unjudged.reset(CALC)
+    assert [unjudged.step(t).tool_correct for t in ("[123*45]", "5535")] == [None, None]
+    assert unjudged.independent_steps is True
+    tools = make_environment("tools", format="bracket")
+    tools.reset(CALC)
+    assert [tools.step(t).tool_correct for t in ("[123*45]", "5535")] == [None, None]
+    # A record without an answer cannot be judged.
+    calculator = make_environment("calculator", format="bracket")
+    calculator.reset(Record(id="c1", prompt="123*45=", tests=CodeTests(script="assert True")))
+    assert [calculator.step(t).tool_correct for t in ("[123*45]", "5535")] == [None, None]
+
+
 def test_python_and_tools_environments_run_programs():
     config = SandboxConfig(timeout_s=5.0, cpu_s=2, memory_mb=256, file_size_mb=1, workers=1)
     env = make_environment("tools", sandbox=config, max_result_chars=100)
     assert [t["function"]["name"] for t in env.tools_schema()] == ["calculator", "python"]
     env.reset(RECORD)
     step = env.step(hermes("python", code="print(sum(range(101)))"))
-    assert step == EnvStep("<tool_response>\n5050\n</tool_response>", done=False, tool_calls=1)
+    assert step == EnvStep("5050", done=False, tool_calls=1)
     step = env.step(hermes("python", code="print(open('/etc/passwd').read())"))
     assert step.error == "crash" and "No such file or directory" in step.observation
     python = make_environment("python", sandbox=config, format="bracket")
@@ -253,7 +304,7 @@ def test_environments_of_many_trajectories_step_in_parallel():
         results = list(pool.map(trajectory, range(32)))
     for i, steps in enumerate(results):
         assert steps == [
-            EnvStep(f"({i * (i + 1000)})", done=False, tool_calls=1),
-            EnvStep(f"({i * i + 1})", done=False, tool_calls=1),
-            EnvStep("", done=True),
+            EnvStep(f"({i * (i + 1000)})", done=False, tool_calls=1, tool_correct=False),
+            EnvStep(f"({i * i + 1})", done=False, tool_calls=1, tool_correct=False),
+            EnvStep("", done=True, tool_correct=False),
         ]

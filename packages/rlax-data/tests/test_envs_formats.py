@@ -50,13 +50,9 @@ def test_hermes_writes_and_reads_a_call():
 
 def test_hermes_renders_results():
     fmt = HermesToolFormat()
-    assert (
-        fmt.render_result(ToolResult(text="1913937", ok=True)) == "<tool_response>\n1913937\n</tool_response>"
-    )
+    assert fmt.render_result(ToolResult(text="1913937", ok=True)) == "1913937"
     failed = ToolResult(text="Error: calculator: division by zero", ok=False, error="bad_arguments")
-    assert (
-        fmt.render_result(failed) == "<tool_response>\nError: calculator: division by zero\n</tool_response>"
-    )
+    assert fmt.render_result(failed) == "Error: calculator: division by zero"
 
 
 @pytest.mark.parametrize("turn", ["The answer is 42.", "", "I could use a <tool_response> tag", "tool_call"])

@@ -337,7 +337,7 @@ def test_seventy_hung_calls_do_not_stop_the_calculator_of_a_tool_environment():
             assert (step.error, step.tool_errors) == ("timeout", 1)
         step = env.step(fmt.render_call(ToolCall("calculator", {"expression": "6*7"})))
         assert (step.observation, step.error, step.tool_errors) == (
-            "<tool_response>\n42\n</tool_response>",
+            "42",
             "",
             0,
         )

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rlax_data import Record, Task, ToolArithmeticTask, make_environment, make_task
-from rlax_data.envs import HermesToolFormat
+from rlax_data.envs import HermesToolFormat, ToolCall
 
 SHAPES = {"easy": (3, 2), "medium": (4, 3), "hard": (5, 4)}
 
@@ -87,7 +87,7 @@ def test_demonstrations_hand_written():
     assert task.demonstration(record, use_tool=False, tool_format=None) == [("1913937", True)]
     assert task.demonstration(record, use_tool=True, tool_format=HermesToolFormat()) == [
         ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "4821*397"}}\n</tool_call>', True),
-        ("<tool_response>\n1913937\n</tool_response>", False),
+        ("1913937", False),
         ("1913937", True),
     ]
     bare = Record(id="e", prompt="4821*397=", answer="1913937")
@@ -143,3 +143,60 @@ def test_bad_configs_name_the_field(kwargs, message):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="'legendary' is not one of"):
         make_task("tool_arithmetic", "legendary")
+
+
+def test_the_chat_style_asks_in_words_and_wants_a_sentence():
+    chat = ToolArithmeticTask(style="chat").generate(50, seed=2)
+    bare = ToolArithmeticTask().generate(50, seed=2)
+    for c, b in zip(chat, bare, strict=True):
+        a, x = b.metadata["expression"].split("*")
+        # The same numbers as the bare style for the same (config, seed, index).
+        assert c.prompt == f"What is {a} * {x}?" and c.metadata["expression"] == b.metadata["expression"]
+        assert c.answer == f"The answer is {b.answer}." and c.metadata["value"] == b.answer
+        assert c.id.startswith("tool_arithmetic-chat-") and c.id != b.id
+    record = chat[0]
+    results = (
+        ToolArithmeticTask(style="chat")
+        .verifier()
+        .verify(
+            [(record.answer, record), (record.metadata["value"], record), (record.answer + "\nso", record)]
+        )
+    )
+    assert [r.correct for r in results] == [True, False, True]
+    with pytest.raises(ValueError, match="field `style`"):
+        ToolArithmeticTask(style="verbose")  # type: ignore[arg-type]
+
+
+def test_the_chat_example_is_a_worked_conversation_that_the_environment_replays():
+    fmt = HermesToolFormat()
+    assert ToolArithmeticTask().example_messages(fmt) == []
+    task = ToolArithmeticTask(style="chat")
+    messages = task.example_messages(fmt)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[0]["content"] == "What is 23 * 41?"
+    assert messages[1]["content"] == fmt.render_call(ToolCall("calculator", {"expression": "23*41"}))
+    # The tool's message is the value alone (the chat template frames it), the reply a sentence.
+    assert messages[2]["content"] == "943" and messages[3]["content"] == "The answer is 943."
+    # Replayed through the calculator environment, the example is correct use of the tool.
+    example = Record(
+        id="ex", prompt=messages[0]["content"], answer=messages[3]["content"],
+        metadata={"expression": "23*41", "value": "943"},
+    )  # fmt: skip
+    env = make_environment("calculator", format="hermes")
+    env.reset(example)
+    step = env.step(messages[1]["content"])
+    assert (step.observation, step.tool_calls, step.tool_errors) == ("943", 1, 0)
+    final = env.step(messages[3]["content"])
+    assert final.done and final.tool_correct is True
+    # A demonstration of a chat record feeds the calculator's value back, not the sentence.
+    [record] = task.generate(1, seed=0)
+    assert task.demonstration(record, use_tool=True, tool_format=fmt)[1] == (record.metadata["value"], False)
+
+
+def test_task_overrides_name_their_source():
+    task = make_task("tool_arithmetic", "easy", {"style": "chat", "digits_b": 3})
+    assert (task.style, task.digits_a, task.digits_b) == ("chat", 3, 3)
+    with pytest.raises(ValueError, match=r"--task-arg = \{'colour': 'red'\}: .*colour"):
+        make_task("tool_arithmetic", "easy", {"colour": "red"}, source="--task-arg")
+    with pytest.raises(ValueError, match="field `style`"):
+        make_task("tool_arithmetic", "easy", {"style": "loud"})

@@ -243,11 +243,15 @@ class AgentTurns:
             self._framing[after_end_of_turn] = (opening, closing)
         return self._framing[after_end_of_turn]
 
-    def prompt_ids(self, text: str, tools: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(
+        self, text: str, tools: list[dict[str, Any]], *, examples: Sequence[dict[str, Any]] = ()
+    ) -> list[int]:
         """A chat model's first prompt: the user's `text`, and the `tools` it may call. A
         template that renders `tools=` itself gets them so; one that ignores them (SmolLM2's)
-        gets them in a system message, in the wording of the run's call format."""
-        messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        gets them in a system message, in the wording of the run's call format. `examples`:
+        chat messages shown before the question (a worked example conversation: user,
+        assistant calls, tool results, assistant answer)."""
+        messages: list[dict[str, Any]] = [*examples, {"role": "user", "content": text}]
         plain = self.tokenizer.render_chat(messages)
         if not tools or self.tokenizer.render_chat(messages, tools=tools) != plain:
             return list(self.tokenizer.apply_chat_template(messages, tools=tools))

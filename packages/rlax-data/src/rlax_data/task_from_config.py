@@ -58,15 +58,7 @@ def _make_task(config: RunConfig) -> Any:
     data = config.data
     if data.task not in TASK_NAMES:
         raise ValueError(f"data.task = {data.task!r}: must be one of {sorted(TASK_NAMES)}")
-    # Any: every built-in task is a dataclass, which the `Task` protocol cannot say and
-    # `dataclasses.replace` needs.
-    task: Any = make_task(data.task, data.difficulty)
-    if data.task_args:
-        try:
-            task = dataclasses.replace(task, **data.task_args)
-        except TypeError as error:
-            raise ValueError(f"data.task_args = {data.task_args!r}: {error}") from None
-    return task
+    return make_task(data.task, data.difficulty, data.task_args, source="data.task_args")
 
 
 class _StreamAdapter:
@@ -107,7 +99,9 @@ class RunTask:
             text = env.reset(record)
             if self.chat:
                 schema = env.tools_schema() if hasattr(env, "tools_schema") else []
-                return turns.prompt_ids(text, schema)
+                # A task may show a worked example conversation first, in the run's format.
+                examples = getattr(self.task, "example_messages", None)
+                return turns.prompt_ids(text, schema, examples=examples(turns.format) if examples else ())
             return list(self.tokenizer.encode(text, add_bos=True))
         return self.encode_text(record.prompt_text())
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from rlax_core.cli import component_main, select_platform
 from rlax_core.config import RunConfig, load_config, published_state_dir
@@ -69,38 +72,60 @@ def load_run_params(config: RunConfig, tokenizer: Any, *, weights: str = "") -> 
 
 
 class EngineSampler:
-    """`rlax_data.Sampler` over `rlax_inference.LLMEngine`: prompt texts in, completion texts out."""
+    """`rlax_data.Sampler` over `rlax_inference.LLMEngine`: prompt texts in, completion texts out.
+
+    For a multi-turn run (`agent.environment` set) each sample is a trajectory that the
+    worker's agent loop (`rlax_inference.agent_loop.AgentLoop`) runs in this process, with
+    the run's environment, tool format and limits; its completion text is the last model
+    turn, the final answer the verifier scores. An environment starts from the prompt's
+    record, not its text: `render` then gives the record as JSON, and callers that render
+    prompts (`rlax_data.evaluate`, `prefilter_by_pass_rate`) pass it.
+    """
 
     def __init__(
         self, config: RunConfig, task: Any, model_config: Any, params: Any, *, seed: int = 0
     ) -> None:
         from rlax_inference.engine import EngineConfig, LLMEngine
         from rlax_inference.worker_process import engine_config_fields
+        from rlax_inference.worker_requests import TailText
 
         # The workers' engine, as the run configures it (seeded by `seed` alone: an
         # evaluation's samples do not depend on which worker index it would have been).
         fields = {**engine_config_fields(config), "seed": 0}
-        self.engine = LLMEngine(model_config, params, EngineConfig(**fields))
+        detokenize = TailText(task.tokenizer) if config.agent.enabled else None
+        self.engine = LLMEngine(model_config, params, EngineConfig(**fields), detokenize=detokenize)
         self.config = config
         self.task = task
         self.seed = seed
+        self.trajectories: list[dict[str, Any]] = []
+        """Per multi-turn sample drawn so far: its turns, tool calls, tool errors and end."""
 
-    def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
+    @property
+    def render(self) -> Any:
+        """Record -> the prompt this sampler takes: the record as JSON for a multi-turn run
+        (its environment starts from the record), None (the record's prompt text) otherwise."""
+        if not self.config.agent.enabled:
+            return None
+        return lambda record: msgspec.json.encode(record).decode()
+
+    def _params(self, index: int, n: int) -> Any:
         from rlax_inference.sequence import SamplingParams
 
         data = self.config.data
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=self.config.eval.temperature,
-                top_p=data.top_p,
-                top_k=data.top_k,
-                max_tokens=data.max_new_tokens,
-                seed=self.seed + i,
-                stop_token_ids=self.task.stop_token_ids,
-            )
-            for i in range(len(prompts))
-        ]
+        return SamplingParams(
+            n=n,
+            temperature=self.config.eval.temperature,
+            top_p=data.top_p,
+            top_k=data.top_k,
+            max_tokens=data.max_new_tokens,
+            seed=self.seed + index,
+            stop_token_ids=self.task.stop_token_ids,
+        )
+
+    def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
+        if self.config.agent.enabled:
+            return self._trajectories(prompts, n)
+        params = [self._params(i, n) for i in range(len(prompts))]
         outputs = self.engine.generate([self.task.encode_text(p) for p in prompts], params)
         result = []
         for output in outputs:
@@ -108,6 +133,67 @@ class EngineSampler:
                 raise ValueError(f"generation failed for request {output.request_id}: {output.error}")
             ordered = sorted(output.outputs, key=lambda c: c.sample_index)
             result.append([self.task.decode(c.tokens) for c in ordered])
+        return result
+
+    def _trajectories(self, prompts: Sequence[str], n: int) -> list[list[str]]:
+        """Run `n` trajectories per prompt (a record's JSON, from `render`) to their end, as
+        a worker runs them; the last model turn of each."""
+        import rlax_protocol as rp
+        from rlax_data.agent_turns import last_model_turn
+        from rlax_data.datasets import Record
+        from rlax_inference.agent_loop import AgentLoop
+
+        agent = self.config.agent
+        loop = AgentLoop(
+            lambda: self.engine, self.task.agent_turns(), max_model_len=self.engine.config.max_model_len
+        )
+        try:
+            for key, prompt in enumerate(prompts):
+                try:
+                    record = msgspec.json.decode(prompt, type=Record)
+                except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                    raise ValueError(
+                        f"prompt {key}: a multi-turn sampler takes records as JSON (its `render`), "
+                        f"got {prompt[:60]!r} ({error})"
+                    ) from None
+                params = self._params(key, n)
+                request = rp.GenerateRequest(
+                    request_id=f"eval-{key}",
+                    prompt_token_ids=tuple(self.task.encode_prompt(record)),
+                    sampling=rp.SamplingParams(max_tokens=params.max_tokens, seed=params.seed),
+                    n=n,
+                    agent=rp.AgentSpec(
+                        environment=agent.environment,
+                        record=prompt,
+                        max_turns=agent.max_turns,
+                        max_total_tokens=agent.max_total_tokens or self.config.model.max_seq_len,
+                        tool_timeout_s=agent.tool_timeout_s,
+                    ),
+                )
+                loop.start(key, request, params)
+            done: dict[int, list[Any]] = {}
+            while len(done) < len(prompts):
+                finished = []
+                if self.engine.has_unfinished:
+                    for output in self.engine.step():
+                        finished += loop.on_output(output)
+                elif loop.waiting_on_environment:
+                    time.sleep(0.001)  # every trajectory waits on a tool: nothing to step
+                finished += loop.poll()
+                for key, _, samples, _ in finished:
+                    done[key] = samples  # in sample order
+        finally:
+            loop.close()
+        result = []
+        for key in range(len(prompts)):
+            texts = []
+            for sample in done[key]:
+                self.trajectories.append(
+                    {"turns": sample.turns, "tool_calls": sample.tool_calls,
+                     "tool_errors": sample.tool_errors, "end": sample.end}
+                )  # fmt: skip
+                texts.append(self.task.decode(last_model_turn(sample.token_ids, sample.model_mask)))
+            result.append(texts)
         return result
 
 
@@ -139,7 +225,13 @@ def run(config: RunConfig, *, weights: str = "", out: str = "") -> int:
         pathlib.Path(out) if out else config.output_dir / "eval" / described.split(" (")[0].replace(" ", "_")
     )
     report = evaluate(
-        records, sampler, task.verifier, n=config.eval.n_samples, ks=config.eval.pass_k, out_dir=out_dir
+        records,
+        sampler,
+        task.verifier,
+        n=config.eval.n_samples,
+        ks=config.eval.pass_k,
+        render=sampler.render,
+        out_dir=out_dir,
     )
     console = Console()
     console.print(f"evaluated the {described} on {len(records)} prompts")

@@ -87,12 +87,12 @@ def load_sampler(spec: str, kwargs: dict[str, str]) -> Sampler:
     return sampler  # type: ignore[no-any-return]
 
 
-def _pairs(items: Sequence[str]) -> dict[str, str]:
+def _pairs(items: Sequence[str], option: str = "--sampler-arg") -> dict[str, str]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*", key):
-            raise ValueError(f"--sampler-arg {item!r}: expected KEY=VALUE")
+            raise ValueError(f"{option} {item!r}: expected KEY=VALUE")
         out[key] = value
     return out
 
@@ -111,7 +111,10 @@ def _verifier(path: str | None) -> Verifier:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rlax_data.tasks import make_task
 
-    recs = make_task(args.task, args.difficulty).generate(args.n, seed=args.seed)
+    # Values read as YAML scalars, as `data.task_args` in a run config: 3 is a number.
+    fields = {k: yaml.safe_load(v) for k, v in _pairs(args.task_arg or [], "--task-arg").items()}
+    task = make_task(args.task, args.difficulty, fields, source="--task-arg")
+    recs = task.generate(args.n, seed=args.seed)
     write_jsonl(recs, args.out)
     Console(stderr=True).print(f"wrote {len(recs)} {args.task}/{args.difficulty} records to {args.out}")
     return 0
@@ -147,6 +150,8 @@ def _cmd_prefilter(args: argparse.Namespace) -> int:
         sampler,
         _verifier(args.verifier_config),
         cfg,
+        # A sampler may say how it takes a record (a multi-turn one takes the record itself).
+        render=getattr(sampler, "render", None),
         out_path=args.out,
         report_path=_report_path(args),
     )
@@ -178,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--difficulty", default="easy")
     g.add_argument("-n", type=int, default=1000)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--task-arg", action="append", default=[], help="KEY=VALUE: a task field, as `data.task_args`"
+    )
     g.set_defaults(fn=_cmd_generate)
 
     def io(name: str, help_: str) -> argparse.ArgumentParser:

@@ -19,9 +19,13 @@ class HermesToolFormat:
     Text before the first `<tool_call>` (the model's reasoning) is allowed; between and
     after the calls only whitespace. A turn may hold several calls; each is read on its own,
     so a garbled one is a `MalformedCall` in its place and the others still run. Stray text
-    between or after calls is a `MalformedCall` where it stands. The result is shown as
-    `<tool_response>\\n{text}\\n</tool_response>`; wrapping it in the chat template's tool
-    role is the worker's job.
+    between or after calls is a `MalformedCall` where it stands. A result is its text alone:
+    the chat template frames a tool message (Qwen's adds the `<tool_response>` tags itself,
+    SmolLM2's opens a `tool` turn), which is the worker's job (`rlax_data.agent_turns`). Tags
+    written here as well would be doubled in Qwen's prompts, and in SmolLM2's they taught
+    the model to write a `<tool_response>` of its own instead of a call: 1 of 64 replies
+    called the calculator after a worked example whose result was tagged, 19 of 64 after
+    the same example untagged.
 
     max_calls: calls per turn. With 1 a turn stops at `</tool_call>` (the cheapest turn
     for a model that writes one call and waits); with more, `call_stop` is empty and the
@@ -88,7 +92,7 @@ class HermesToolFormat:
         return self.render_calls([call])
 
     def render_result(self, result: ToolResult) -> str:
-        return f"<tool_response>\n{result.text}\n</tool_response>"
+        return result.text
 
     def tools_prompt(self, tools: Sequence[Mapping[str, Any]]) -> str:
         return (
@@ -96,7 +100,7 @@ class HermesToolFormat:
             f"you may call are listed in <tools></tools>:\n<tools>\n{json.dumps(list(tools))}\n</tools>\n"
             "For a call, reply with a JSON object naming the function and its arguments within "
             '<tool_call></tool_call> tags: <tool_call>{"name": <function-name>, "arguments": '
-            "<args-json-object>}</tool_call>. Its result comes back in <tool_response></tool_response> tags."
+            "<args-json-object>}</tool_call>. Its result comes back in the tool's message."
             + (
                 f" You may make up to {self.max_calls} calls in one reply, each in its own tags; "
                 "their results come back in the same order."
