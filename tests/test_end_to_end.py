@@ -331,6 +331,8 @@ def test_progress_summary_and_plot(runs: dict[str, Any]) -> None:
     assert list((runs["root"] / "calm" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+# Three CLI processes (75 s): `nox -s slow`; the default suite keeps the calm and chaos runs' tests.
+@pytest.mark.slow
 def test_eval_and_convert_a_finished_run(runs: dict[str, Any]) -> None:
     """`rlax eval` (the worker's package) evaluates the run's newest published version;
     `rlax convert to-hf` (the trainer's package) exports the newest checkpoint; evaluated
@@ -371,6 +373,8 @@ def test_k1_no_trained_rollout_older_than_one_version(runs: dict[str, Any]) -> N
             assert record["staleness_max"] <= 1
 
 
+# A third launch (45 s): `nox -s slow`.
+@pytest.mark.slow
 def test_k0_trains_only_on_rollouts_of_the_current_weights(runs: dict[str, Any]) -> None:
     """k = 0 is synchronous, on-policy GRPO: every rollout comes from the weights the update
     starts from, so the trainer and the engine disagree only by float32 rounding."""
@@ -384,6 +388,8 @@ def test_k0_trains_only_on_rollouts_of_the_current_weights(runs: dict[str, Any])
     assert consumed(run) == consumed(runs["calm"])  # prompt order does not depend on k
 
 
+# A third launch (45 s): `nox -s slow`.
+@pytest.mark.slow
 def test_j4_k8_workers_reload_at_most_every_4_versions(runs: dict[str, Any]) -> None:
     """The freshest-weights mode: each worker follows the newest version (the j rule)."""
     run = launch(

@@ -40,8 +40,15 @@ def test_invalid_config_is_rejected_before_any_process_starts(tmp_path: pathlib.
     [
         # Each passes the run config's own checks; the component named rejects it.
         ("trainer.micro_batch=5", ["the trainer", "micro_batch=5 must divide the 32 rollouts"]),
-        ("trainer.minibatches=3", ["the trainer", "minibatches=3 must divide global_batch=32"]),
-        ("trainer.objective={no_such_term: 1}", ["the trainer", "no_such_term"]),
+        # Two more trainer refusals, ~18 s each (a trainer process checks them): `nox -s slow`.
+        pytest.param(
+            "trainer.minibatches=3",
+            ["the trainer", "minibatches=3 must divide global_batch=32"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "trainer.objective={no_such_term: 1}", ["the trainer", "no_such_term"], marks=pytest.mark.slow
+        ),
         ("workers.attention=fast", ["workers.*", "EngineConfig.attention", "'fast'"]),
         ("data.task=no_such_task", ["the task (data.*)", "no_such_task"]),
         # Arithmetic prompts take up to 7 tokens: the engine would refuse them all.

@@ -135,3 +135,47 @@ def test_close_abandons_everything():
         threads.submit(lambda: 1)
     release.set()
     wait_until(lambda: threads.abandoned == 0)
+
+
+def test_threads_are_reused_not_started_per_call():
+    """A thread per call cost the agent loop most of its time (issue 32): calls that return
+    leave their threads waiting for the next ones."""
+    threads = DeadlineThreads(3)
+    try:
+        idents = {threads.run(threading.get_ident, timeout_s=10) for _ in range(200)}
+        assert len(idents) == 1  # one call at a time: the same thread every time
+        gate = threading.Event()
+        futures = [threads.submit(lambda: gate.wait(10) and threading.get_ident()) for _ in range(30)]
+        gate.set()
+        assert len({f.result(timeout=10) for f in futures}) <= 3
+        wait_until(lambda: threads.idle_threads == 3)
+    finally:
+        threads.close()
+    wait_until(lambda: threads.idle_threads == 0)
+
+
+def test_idle_threads_end_after_their_timeout():
+    threads = DeadlineThreads(2, idle_timeout_s=0.05)
+    before = threading.active_count()
+    futures = [threads.submit(lambda: time.sleep(0.01)) for _ in range(2)]
+    for future in futures:
+        future.result(timeout=10)
+    wait_until(lambda: threading.active_count() == before and threads.idle_threads == 0)
+    assert threads.run(lambda: "new thread", timeout_s=10) == "new thread"
+
+
+def test_a_hung_call_takes_its_thread_out_of_the_pool():
+    """The thread of an abandoned call never serves another call, even once its work ends."""
+    release = threading.Event()
+    threads = DeadlineThreads(1)
+    try:
+        # Thread objects, not idents: the system reuses the ident of a thread that ended.
+        hung: list[threading.Thread] = []
+        with pytest.raises(TimeoutError):
+            threads.run(lambda: hung.append(threading.current_thread()) or release.wait(60), timeout_s=0.05)
+        release.set()
+        wait_until(lambda: threads.abandoned == 0)
+        served = {threads.run(threading.current_thread, timeout_s=10) for _ in range(20)}
+        assert hung and hung[0] not in served and len(served) == 1
+    finally:
+        threads.close()

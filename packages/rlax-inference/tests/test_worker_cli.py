@@ -35,6 +35,8 @@ def write_config(tmp_path: pathlib.Path, ps: str, port: int) -> pathlib.Path:
     return path
 
 
+# A worker process end to end (40 s; the end-to-end runs start workers the same way): `nox -s slow`.
+@pytest.mark.slow
 def test_rlax_worker_process(tmp_path: pathlib.Path, free_tcp_port: int):
     with running_server(tmp_path / "ps") as ps:
         path = write_config(tmp_path, ps, free_tcp_port)

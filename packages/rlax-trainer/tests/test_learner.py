@@ -50,6 +50,8 @@ def test_micro_batching_and_aligned_remat_give_the_same_update(model_config, mod
     assert np.abs(flat(whole.host_params()) - flat({"policy": model_params})).max() > 1e-4
 
 
+# Compiles several update programs (30-40 s): `nox -s slow`.
+@pytest.mark.slow
 def test_precompiled_lengths_serve_the_steps_that_meet_them(model_config, model_params, make_batch):
     """A length compiled ahead (in the background) is not compiled again by the step that
     meets it, and gives the update a step compiling it inline gives."""
@@ -74,6 +76,8 @@ def test_precompiled_lengths_serve_the_steps_that_meet_them(model_config, model_
     ahead.stop_precompile()
 
 
+# Compiles several update programs (30-40 s): `nox -s slow`.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_step_never_waits_on_a_background_compile_it_blocks(model_config, model_params, make_batch):
     """The background thread compiles only while no step holds `busy()`: a step that meets

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from test_learning import CONFIG, PROMPTS, G, generate_and_score
 
 import rlax_model
@@ -60,6 +61,8 @@ def test_only_the_adapters_train_and_the_base_stays_frozen():
         np.testing.assert_array_equal(got, np.asarray(want))
 
 
+# A learning run (20 s; test_learning keeps the full-weight one in the default suite): `nox -s slow`.
+@pytest.mark.slow
 def test_grpo_with_adapters_learns_digit_patterns():
     # A base with features to adapt (init scale 0.2): on the full-parameter test's near-zero
     # init (0.02) rank-4 adapters on the frozen random embedding and output projection stayed at

@@ -3,9 +3,9 @@
 User code runs in-process in a few places (a multi-turn environment's `step`, a tool), and
 Python cannot kill a thread. A fixed pool (`ThreadPoolExecutor`) loses one of its threads
 to every call that hangs, for good: after as many hung calls as it has threads, nothing
-runs any more. `DeadlineThreads` runs each call in a fresh daemon thread instead, and when
-the caller gives up on a call (`abandon`), the call's running slot goes to the next one at
-once; the hung thread is left behind, counted, and
+runs any more. `DeadlineThreads` keeps its threads only while they serve: when the caller
+gives up on a call (`abandon`), the call's running slot goes to the next one at once (in a
+new thread when no idle one is left); the hung thread is left behind, counted, and
 
 - interrupted: `WorkAbandoned` is raised in it (CPython's `PyThreadState_SetAsyncExc`).
   That ends work that runs Python code (a busy loop, which would otherwise compete with
@@ -14,6 +14,12 @@ once; the hung thread is left behind, counted, and
 - bounded: at most `max_abandoned` abandoned threads may be alive. Past that the process
   cannot take more hung work without growing without limit, so new calls fail at once with
   `Overloaded` (a counted error, not a wait) until abandoned threads end.
+
+A thread whose call returned waits for the next call (up to `idle_timeout_s`) instead of
+ending: starting a thread costs far more than a short call (an environment step that
+formats a calculator's result), and a multi-turn run makes one call per trajectory and turn
+(issue 32 measured the agent loop at 0.31x single-turn's token rate with a thread per call,
+most of it spent starting threads). An abandoned call's thread ends when its work does.
 
 Daemon threads never hold up the interpreter's exit.
 """
@@ -65,15 +71,22 @@ class _Call:
 
 
 class DeadlineThreads:
-    """Runs calls in fresh daemon threads, at most `max_running` at once (later ones wait in
-    order), and lets a caller `abandon` a call it no longer waits for.
+    """Runs calls in daemon threads, at most `max_running` at once (later ones wait in order),
+    and lets a caller `abandon` a call it no longer waits for.
 
     max_abandoned: how many abandoned threads may still be alive before new calls are
     refused with `Overloaded`. interrupt: raise `WorkAbandoned` in an abandoned call.
+    idle_timeout_s: how long a thread whose call returned waits for another before it ends.
     """
 
     def __init__(
-        self, max_running: int, *, max_abandoned: int = 256, name: str = "rlax-work", interrupt: bool = True
+        self,
+        max_running: int,
+        *,
+        max_abandoned: int = 256,
+        name: str = "rlax-work",
+        interrupt: bool = True,
+        idle_timeout_s: float = 30.0,
     ) -> None:
         if max_running < 1:
             raise ValueError(f"DeadlineThreads: max_running must be >= 1, got {max_running}")
@@ -89,6 +102,12 @@ class DeadlineThreads:
         self._running = 0
         self._abandoned: set[_Call] = set()
         self._closed = False
+        self.idle_timeout_s = idle_timeout_s
+        # Idle threads wait on `_wake` for the calls handed to them in `_handoff`; `_idle`
+        # counts the threads waiting, claimed or not (a thread claims a call by popping it).
+        self._wake = threading.Condition(self._lock)
+        self._handoff: collections.deque[_Call] = collections.deque()
+        self._idle = 0
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -100,6 +119,12 @@ class DeadlineThreads:
     def queued(self) -> int:
         with self._lock:
             return len(self._queue)
+
+    @property
+    def idle_threads(self) -> int:
+        """Threads waiting for a call."""
+        with self._lock:
+            return self._idle - len(self._handoff)
 
     @property
     def abandoned(self) -> int:
@@ -163,6 +188,7 @@ class DeadlineThreads:
         """Drop waiting calls and abandon running ones (their threads are daemons)."""
         with self._lock:
             self._closed = True  # admits nothing more
+            self._wake.notify_all()  # idle threads end
             futures = list(self._calls)
         for future in futures:
             self.abandon(future)
@@ -170,6 +196,23 @@ class DeadlineThreads:
     # -- inside ----------------------------------------------------------------------------
     def _admit(self) -> None:
         # Called with self._lock held.
+        while (call := self._next_call()) is not None:
+            if self._idle > len(self._handoff):  # an idle thread takes it
+                self._handoff.append(call)
+                self._wake.notify()
+                continue
+            call.thread = threading.Thread(target=self._serve, args=(call,), name=self.name, daemon=True)
+            try:
+                call.thread.start()
+            except RuntimeError as error:  # "can't start new thread": the host's limit
+                self._running -= 1
+                self._calls.pop(call.future, None)
+                call.finished = True
+                call.future.set_exception(NoThread(f"{self.name}: {error}"))
+
+    def _next_call(self) -> _Call | None:
+        """The next waiting call that may run now, counted as running (None: none may).
+        Called with self._lock held; refuses calls with `Overloaded` past `max_abandoned`."""
         while self._queue and self._running < self.max_running and not self._closed:
             call = self._queue.popleft()
             if len(self._abandoned) >= self.max_abandoned:
@@ -182,18 +225,37 @@ class DeadlineThreads:
                     )
                 )
                 continue
-            call.thread = threading.Thread(target=self._main, args=(call,), name=self.name, daemon=True)
             call.started = time.monotonic()
             self._running += 1
-            try:
-                call.thread.start()
-            except RuntimeError as error:  # "can't start new thread": the host's limit
-                self._running -= 1
-                self._calls.pop(call.future, None)
-                call.finished = True
-                call.future.set_exception(NoThread(f"{self.name}: {error}"))
+            return call
+        return None
 
-    def _main(self, call: _Call) -> None:
+    def _serve(self, first: _Call) -> None:
+        """A thread's life: run calls (the next waiting one itself, or one handed to it while
+        idle) until one is abandoned, the pool closes, or none comes for `idle_timeout_s`."""
+        call: _Call | None = first
+        while call is not None:
+            if not self._main(call):
+                return  # abandoned: an interrupt may have been aimed at this thread; it ends
+            with self._lock:
+                call = self._next_call()
+                deadline = time.monotonic() + self.idle_timeout_s
+                while call is None and not self._closed and self._idle < self.max_running:
+                    self._idle += 1
+                    while not self._handoff and not self._closed and time.monotonic() < deadline:
+                        self._wake.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    self._idle -= 1
+                    if not self._handoff:
+                        return  # closed, or idle too long
+                    call = self._handoff.popleft()
+                    if call.abandoned:  # given up before this thread took it: it never runs
+                        self._abandoned.discard(call)
+                        call.finished, call = True, None
+                if call is not None:
+                    call.thread = threading.current_thread()
+
+    def _main(self, call: _Call) -> bool:
+        """Run one call and deliver its outcome; False when it was abandoned."""
         ok, value = False, None
         try:
             try:
@@ -216,14 +278,14 @@ class DeadlineThreads:
                 self._abandoned.discard(call)
             else:
                 self._calls.pop(call.future, None)
-                self._running -= 1
-                self._admit()
+                self._running -= 1  # this thread takes the next waiting call itself (`_serve`)
         if deliver:
             if ok:
                 call.future.set_result(value)
             else:
                 assert isinstance(value, Exception)
                 call.future.set_exception(value)
+        return deliver
 
 
 def _raise_in(thread_id: int, exception: type[BaseException] | None) -> None:
