@@ -165,6 +165,9 @@ class TrainerEndpoint:
             self._reply(
                 identity, request_id, NoBatchYet(reason="the controller is stopping", retry_after_s=0.5)
             )
-            linger = 200  # ms: long enough to hand that one reply to the kernel, no longer
+            # ms: the most closing may wait to hand that one reply to the kernel (it waits only
+            # until it is sent). 200 ms lost it once under a loaded 2-core machine, and the
+            # trainer waited out its whole timeout.
+            linger = 2000
         self.socket.close(linger=linger)
         self.auth.close()
