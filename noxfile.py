@@ -88,8 +88,21 @@ FAST_COMPILE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 def run_pytest(
     session: nox.Session, *args: str, allow_empty: bool = False, fast_compile: bool = False
 ) -> None:
-    """Run pytest; a run that collects nothing is reported, never silently green."""
-    env = {**CPU_ENV, **FAST_COMPILE_ENV} if fast_compile else CPU_ENV
+    """Run pytest; a run that collects nothing is reported, never silently green.
+
+    fast_compile: compile without LLVM's optimizations (`FAST_COMPILE_ENV`), into one JAX
+    compilation cache shared by every test process and every process a test launches (the
+    suite's tiny models compile the same programs in many files), emptied first so that each
+    run compiles what it needs, as CI's fresh clone does.
+    """
+    env = dict(CPU_ENV)
+    if fast_compile:
+        cache = pathlib.Path(session.create_tmp()) / "jax_cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        env |= FAST_COMPILE_ENV | {
+            "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
     code = session.run("pytest", *args, env=env, success_codes=[0, 5])
     if code == 5:
         if allow_empty:
