@@ -1,13 +1,18 @@
 """Parameter-server push/pull throughput beside raw ZeroMQ PUSH/PULL of the same bytes.
 
-SmolLM2-135M-shaped weights (hidden 576, intermediate 1536, 9 query / 3 key-value heads
-of 64, 30 layers, vocab 49152, tied embeddings): ~538 MB in float32, ~269 MB in
-bfloat16. The server and the raw sender each run in their own process with the same
-number of ZeroMQ I/O threads; pullers run either as threads of this process or as
-separate processes (as real workers are), and so do the raw receivers; everything goes
-over tcp loopback; receivers keep every frame until the transfer ends, as a pull does. A pull includes its lease, pipelined chunk fetches, joining
-multi-frame tensors and verifying every tensor's xxh3_64; the raw reference only
-moves the frames. Medians of several rounds; ratio = ours / raw.
+Two weight trees: SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 query / 3
+key-value heads of 64, 30 layers, vocab 49152, tied embeddings: ~538 MB in float32, ~269 MB
+in bfloat16) and the tiny test model's (hidden 64, 2 layers, vocab 128: ~0.4 MB, where a
+transfer's fixed costs show). The server and the raw sender each run in their own process
+with the same number of ZeroMQ I/O threads; 1, 4 and 8 pullers run either as threads of
+this process or as separate processes (as real workers are), and so do the raw receivers;
+everything goes over tcp loopback; receivers keep every frame until the transfer ends, as a
+pull does. A pull includes its lease, pipelined chunk fetches, joining multi-frame tensors
+and verifying every tensor's xxh3_64; the raw reference only moves the frames. Medians of
+several rounds; ratio = ours / raw.
+
+RLAX_BENCH_JSON=FILE adds `push_over_raw_min` and `pull_over_raw_min` (the lowest ratio over
+models, dtypes and puller counts run so far into FILE, issue 33) and each row's ratio.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ import zmq
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server_process
 from rlax_protocol import DEFAULT_CHUNK_BYTES, encode_tree
+from rlax_protocol.atomic_files import atomic_write_bytes
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 576, 1536, 30, 49152, 192
+# (hidden, intermediate, layers, vocab, key-value width) of each tree.
+SHAPES = {"smollm2": (576, 1536, 30, 49152, 192), "tiny": (64, 128, 2, 128, 32)}
 IO_THREADS = 2
 ROUNDS = 5
-PULLERS = (1, 2, 4)
+PULLERS = (1, 4, 8)
 
 
-def smollm2_tree(dtype: np.dtype) -> dict:
+def weights_tree(model: str, dtype: np.dtype) -> dict:
+    hidden, intermediate, num_layers, vocab, kv = SHAPES[model]
     rng = np.random.default_rng(0)
 
     def w(*shape: int) -> np.ndarray:
@@ -44,18 +52,22 @@ def smollm2_tree(dtype: np.dtype) -> dict:
 
     layers = {
         str(i): {
-            "attn": {"q": w(HIDDEN, HIDDEN), "k": w(KV, HIDDEN), "v": w(KV, HIDDEN), "o": w(HIDDEN, HIDDEN)},
+            "attn": {"q": w(hidden, hidden), "k": w(kv, hidden), "v": w(kv, hidden), "o": w(hidden, hidden)},
             "mlp": {
-                "gate": w(INTERMEDIATE, HIDDEN),
-                "up": w(INTERMEDIATE, HIDDEN),
-                "down": w(HIDDEN, INTERMEDIATE),
+                "gate": w(intermediate, hidden),
+                "up": w(intermediate, hidden),
+                "down": w(hidden, intermediate),
             },
-            "input_norm": w(HIDDEN),
-            "post_attn_norm": w(HIDDEN),
+            "input_norm": w(hidden),
+            "post_attn_norm": w(hidden),
         }
-        for i in range(LAYERS)
+        for i in range(num_layers)
     }
-    return {"embed": w(VOCAB, HIDDEN), "layers": layers, "final_norm": w(HIDDEN)}
+    return {"embed": w(vocab, hidden), "layers": layers, "final_norm": w(hidden)}
+
+
+def smollm2_tree(dtype: np.dtype) -> dict:
+    return weights_tree("smollm2", dtype)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -192,9 +204,10 @@ class PullerProcesses:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_push_pull_vs_raw_zmq(benchmark, tmp_path, model: str, dtype: str) -> None:
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    tree = smollm2_tree(np_dtype)
+    tree = weights_tree(model, np_dtype)
     encoded = encode_tree(tree, chunk_bytes=DEFAULT_CHUNK_BYTES)
     nbytes = sum(f.nbytes for f in encoded.frames)
     raw = RawPeer(encoded.frames, streams=2 * max(PULLERS))
@@ -269,8 +282,9 @@ def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
     finally:
         raw.close()
 
+    name = "SmolLM2-135M" if model == "smollm2" else "tiny test model"
     print(
-        f"\nSmolLM2-135M-shaped weights, {dtype}: {len(encoded.manifest.tensors)} tensors, {nbytes / 1e6:.0f} MB, tcp loopback"
+        f"\n{name}-shaped weights, {dtype}: {len(encoded.manifest.tensors)} tensors, {nbytes / 1e6:.1f} MB, tcp loopback"
     )
     print(f"{'operation':<28} {'rlax-paramserver':>17} {'raw ZeroMQ':>12} {'ratio':>7}")
     for name, ours_bps, raw_bps in rows:
@@ -280,6 +294,19 @@ def test_smollm2_push_pull_vs_raw_zmq(benchmark, tmp_path, dtype: str) -> None:
     benchmark.extra_info.update(
         {name: {"ours_GBps": o / 1e9, "raw_GBps": r / 1e9, "ratio": o / r} for name, o, r in rows}
     )
+    if path := os.environ.get("RLAX_BENCH_JSON"):
+        ratios = {
+            f"{model}_{dtype}_{row.replace(', ', '_').replace(' ', '_').replace('=', '_')}": o / r
+            for row, o, r in rows
+        }
+        pushes = [o / r for row, o, r in rows if row.startswith("push")]
+        # verify=False is a diagnostic, not a pull a worker makes.
+        pulls = [o / r for row, o, r in rows if row.startswith("pull") and "verify" not in row]
+        _merge_json(
+            pathlib.Path(path),
+            ratios,
+            lowest={"push_over_raw_min": min(pushes), "pull_over_raw_min": min(pulls)},
+        )
 
 
 def test_smollm2_push_to_a_state_dir_by_file_vs_over_the_socket(benchmark, tmp_path) -> None:
@@ -330,11 +357,13 @@ def _leaves(tree: dict) -> list[np.ndarray]:
     return out
 
 
-def _merge_json(path: pathlib.Path, figures: dict) -> None:
-    """Add `figures` to the JSON object at `path` (written to a temporary name, then renamed)."""
+def _merge_json(path: pathlib.Path, figures: dict, lowest: dict | None = None) -> None:
+    """Add `figures` to the JSON object at `path`, and each of `lowest` as the lower of it and
+    the value already there (written to a temporary name, then renamed)."""
     import json
 
     current = json.loads(path.read_text()) if path.exists() else {}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**current, **figures}, indent=2))
-    os.replace(tmp, path)
+    merged = {**current, **figures}
+    for key, value in (lowest or {}).items():
+        merged[key] = min(value, current.get(key, value))
+    atomic_write_bytes(path, json.dumps(merged, indent=2).encode())
