@@ -36,7 +36,7 @@ class VerifierProcess:
         *,
         sandbox: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
-        startup_timeout_s: float = 60.0,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         args = [os.path.join(os.path.dirname(sys.executable), "rlax-verifier"), "--bind", "tcp://127.0.0.1:*"]
         if sandbox is not None:
@@ -52,6 +52,8 @@ class VerifierProcess:
             text=True,
             env=env,
         )
+        # Generous: the service prints its address as soon as it serves, and beside a second
+        # full test suite on 2 cores it once took more than 60 s to get there (its imports).
         self.address = self._read_address(startup_timeout_s)
 
     def _read_address(self, timeout_s: float) -> str:
