@@ -2,7 +2,7 @@
 
 Two weight trees: SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 query / 3
 key-value heads of 64, 30 layers, vocab 49152, tied embeddings: ~538 MB in float32, ~269 MB
-in bfloat16) and the tiny test model's (hidden 64, 2 layers, vocab 128: ~0.4 MB, where a
+in bfloat16) and the tiny test model's (hidden 64, 2 layers, vocab 128: ~0.3 MB, where a
 transfer's fixed costs show). The server and the raw sender each run in their own process
 with the same number of ZeroMQ I/O threads; 1, 4 and 8 pullers run either as threads of
 this process or as separate processes (as real workers are), and so do the raw receivers;
@@ -64,10 +64,6 @@ def weights_tree(model: str, dtype: np.dtype) -> dict:
         for i in range(num_layers)
     }
     return {"embed": w(vocab, hidden), "layers": layers, "final_norm": w(hidden)}
-
-
-def smollm2_tree(dtype: np.dtype) -> dict:
-    return weights_tree("smollm2", dtype)
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -287,12 +283,12 @@ def test_push_pull_vs_raw_zmq(benchmark, tmp_path, model: str, dtype: str) -> No
         f"\n{name}-shaped weights, {dtype}: {len(encoded.manifest.tensors)} tensors, {nbytes / 1e6:.1f} MB, tcp loopback"
     )
     print(f"{'operation':<28} {'rlax-paramserver':>17} {'raw ZeroMQ':>12} {'ratio':>7}")
-    for name, ours_bps, raw_bps in rows:
+    for label, ours_bps, raw_bps in rows:
         print(
-            f"{name:<28} {ours_bps / 1e9:>13.2f} GB/s {raw_bps / 1e9:>8.2f} GB/s {ours_bps / raw_bps:>7.2f}"
+            f"{label:<28} {ours_bps / 1e9:>13.2f} GB/s {raw_bps / 1e9:>8.2f} GB/s {ours_bps / raw_bps:>7.2f}"
         )
     benchmark.extra_info.update(
-        {name: {"ours_GBps": o / 1e9, "raw_GBps": r / 1e9, "ratio": o / r} for name, o, r in rows}
+        {label: {"ours_GBps": o / 1e9, "raw_GBps": r / 1e9, "ratio": o / r} for label, o, r in rows}
     )
     if path := os.environ.get("RLAX_BENCH_JSON"):
         ratios = {
@@ -314,7 +310,7 @@ def test_smollm2_push_to_a_state_dir_by_file_vs_over_the_socket(benchmark, tmp_p
     (written by the pusher, hashed and renamed by the server) against the same push sent
     as frames (received, written to the state file by the server). Both end persisted and
     served from the file. Rounds alternate; medians; ratio = by file / over the socket."""
-    tree = smollm2_tree(np.dtype(np.float32))
+    tree = weights_tree("smollm2", np.dtype(np.float32))
     nbytes = sum(int(a.nbytes) for a in _leaves(tree))
     server_args = ["--io-threads", str(IO_THREADS), "--workers", "4"]
     with running_server_process(tmp_path, keep=2, args=server_args) as server:
