@@ -136,9 +136,12 @@ def test_no_process_of_a_job_outlives_run():
         assert results[0].passed and results[1].passed, [(r.status, r.reason, r.cases) for r in results]
         left = _job_processes(marker)
         outlived.append(len(left))
-        if left:
-            # Let them go before the next run, so that each run is counted alone.
-            time.sleep(0.5)
+        # Wait for any survivors to go before the next run, so that each run is counted alone
+        # (the deadline bounds the wait only; survivors already failed this run's count).
+        deadline = time.monotonic() + 30
+        while left and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = _job_processes(marker)
     assert outlived == [0] * 10, (outlived, _job_processes(marker))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -57,6 +56,15 @@ def _not_answered_yet(client: rp.RpcClient, rid: int) -> bool:
     return False
 
 
+def _taken_in(client: rp.RpcClient) -> None:
+    """Return once the service has taken in every request `client` sent before: a request
+    for an unknown verifier is refused at admission, in the order the socket delivered it,
+    so its refusal comes after what went before it was admitted (an event, not a sleep)."""
+    probe = rp.VerifyRequest(request_id="probe", verifier="no_such_verifier", completion="x")
+    _, reply = client.recv_reply({client.send_request(probe)}, timeout_s=60, operation="the probe's refusal")
+    assert isinstance(reply.message, rp.ErrorReply) and reply.message.code == "not_found", reply.message
+
+
 def _warm_up(client: rp.RpcClient) -> None:
     """One quick program first: the sandbox checks itself on its first use."""
     quick = Record(id="quick", prompt="p", task="code", tests=CodeTests(script="pass"))
@@ -74,7 +82,7 @@ def test_sleeping_programs_do_not_delay_another_clients_exact_match(verifier):
         b.connect()
         header = rp.VerifyBatch(request_id="a", items=2, timeout_s=MAX_S)  # the server's maximum
         rid = a.send_request(header, [encode_batch([_sleeper(0), _sleeper(1)])])
-        time.sleep(0.5)  # A's programs are running
+        _taken_in(a)  # A's programs are admitted
         answer_b = _exact_match(b)
         # The order of events, not a time bound: B's answer came while A's programs still
         # ran (they run MAX_S; a server that served in arrival order answers A first).
@@ -101,7 +109,7 @@ def test_a_long_math_batch_does_not_delay_another_clients_exact_match(verifier):
         a.connect()
         b.connect()
         rid = a.send_request(rp.VerifyBatch(request_id="a", items=n), [encode_batch(items)])
-        time.sleep(0.5)  # A's batch is being scored
+        _taken_in(a)  # A's batch is admitted
         answer_b = _exact_match(b)
         a_still_running = _not_answered_yet(a, rid)  # as above: B came first
         _, reply_a = a.recv_reply({rid}, timeout_s=120, operation="A's batch")

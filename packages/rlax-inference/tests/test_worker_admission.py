@@ -125,7 +125,10 @@ def test_a_hostile_client_does_not_hold_up_another_and_gets_its_errors(paramserv
             hostile.send(greedy_request("many", prompt, n=10**9))
             hostile.send(greedy_request("long", prompt, max_tokens=10**9))
             hostile.send(request_with("stops", max_tokens=4, stop_strings=("x" * 10_000,)))
-            time.sleep(0.3)  # the hostile requests are in: the worker holds "next"
+            # The refusals made at admission, in the order the socket delivered the requests:
+            # once the last is here, the worker has taken in "next" and holds it.
+            for refused in ("far", "many", "long", "stops"):
+                hostile.wait(refused)
             good.send(greedy_request("ok", prompt))
             ok = good.wait("ok")
             assert isinstance(ok, rp.GenerateResult) and ok.weight_version == 1

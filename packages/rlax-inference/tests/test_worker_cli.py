@@ -6,7 +6,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -77,7 +76,19 @@ def test_rlax_worker_process(tmp_path: pathlib.Path, free_tcp_port: int):
                         weight_version=6,
                     )
                 )
-                time.sleep(0.3)  # the hostile request is in
+                # A request refused at admission (n above max_num_seqs), sent after the held
+                # one: its refusal, in the order the socket delivered them, says the worker
+                # has taken the held request in (an event, not a sleep).
+                too_many = hostile.send_request(
+                    rp.GenerateRequest(
+                        request_id="n",
+                        prompt_token_ids=(1,),
+                        n=10**9,
+                        sampling=rp.SamplingParams(max_tokens=1),
+                    )
+                )
+                _, refused = hostile.recv_reply({too_many}, timeout_s=120, operation="the refusal of n")
+                assert isinstance(refused.message, rp.ErrorReply) and refused.message.code == "too_large"
                 rid = good.send_request(request)
                 _, answer = good.recv_reply({rid}, timeout_s=120, operation="GenerateResult")
                 assert isinstance(answer.message, rp.GenerateResult) and answer.message.weight_version == 4
