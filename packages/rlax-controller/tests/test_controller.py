@@ -215,9 +215,17 @@ def test_a_task_the_verifier_service_cannot_score_stops_the_run_with_a_config_er
         config.controller.address, encode=encode_control, decode=decode_control, timeout_s=30.0
     )
     try:
-        assert isinstance(client.call(BatchRequest(trainer_step=0, metrics={})), NoBatchYet)
+        reply = client.call(BatchRequest(trainer_step=0, metrics={}))
+    except ProtocolTimeoutError:
+        # Say why: once (beside a second full suite and a third test run) no answer came,
+        # and the controller's own error was never seen because the test stopped here.
+        ct.thread.join(timeout=60)
+        raise AssertionError(
+            f"the controller did not answer; its thread alive={ct.thread.is_alive()}, error={ct.error!r}"
+        ) from None
     finally:
         client.close()
+    assert isinstance(reply, NoBatchYet), reply
     with pytest.raises(ConfigError, match="verifier service cannot score.*tool_arithmetic"):
         ct.join()
 

@@ -101,6 +101,9 @@ class ParamClient:
     `verify`, its tensors must hash to it; otherwise the frames are fetched as usual.
     A push likewise writes the version into a staging file the server names (the
     server verifies it on commit); where that file cannot be opened it sends frames.
+    Otherwise, once a server has given its limits (a first push), a version that fits one
+    message (`message_bytes`) goes in one exchange with its commit (`PushBegin.whole`): a
+    small model's push costs one round trip, not three.
     resolve: the server's address now (the run's address book), asked before each
     (re)connect and once a second while a reply is awaited, so a parameter server that
     moved to another node is found there (`RpcClient`).
@@ -150,6 +153,12 @@ class ParamClient:
             resolve=resolve,
         )
         self._lock = threading.RLock()
+        # (address, max_frame_bytes, max_message_bytes) of the server, from its last
+        # `PushReady`: a push sends a whole version in one message only within them.
+        self._push_limits: tuple[str, int, int] | None = None
+        # Whether this client's pushes go through the server's staging files (`local`, and
+        # the server named one that could be written): they then never use `whole`.
+        self._pushes_by_file = False
 
     @property
     def address(self) -> str:
@@ -203,12 +212,20 @@ class ParamClient:
             begin = PushBegin(
                 version=version, manifest=encoded.manifest, metadata=dict(metadata or {}), local=self.local
             )
+            if self._fits_one_message(encoded.frames):
+                committed = self._push_whole(begin, encoded.frames)
+                if committed is not None:
+                    return committed
             ready = self._call(begin, expect=PushReady).message
             assert isinstance(ready, PushReady)
+            if ready.max_frame_bytes > 0:
+                self._push_limits = (self.address, ready.max_frame_bytes, ready.max_message_bytes)
+            self._pushes_by_file = bool(ready.staging_file)
             if ready.staging_file:
                 committed = self._push_by_file(ready, encoded.manifest, encoded.frames, version)
                 if committed is not None:
                     return committed
+                self._pushes_by_file = False
                 begin = msgspec.structs.replace(begin, local=False)
                 ready = self._call(begin, expect=PushReady).message
                 assert isinstance(ready, PushReady)
@@ -232,6 +249,36 @@ class ParamClient:
                 self._abort_quietly(ready.push_id)
                 raise
 
+    def _fits_one_message(self, frames: Sequence[memoryview]) -> bool:
+        """Whether `frames` fit one message within this client's `message_bytes` and the
+        limits the server at the current address gave (unknown before a first push there)."""
+        if self._pushes_by_file or self._push_limits is None or self._push_limits[0] != self.address:
+            return False
+        _, max_frame_bytes, max_message_bytes = self._push_limits
+        total = sum(f.nbytes for f in frames)
+        return total <= min(self.message_bytes, max_message_bytes) and all(
+            f.nbytes <= max_frame_bytes for f in frames
+        )
+
+    def _push_whole(self, begin: PushBegin, frames: Sequence[memoryview]) -> Committed | None:
+        """A version that fits one message, pushed and committed in one exchange
+        (`PushBegin.whole`); None when the server has no room for it in one message."""
+        try:
+            return self._await_commit(
+                msgspec.structs.replace(begin, whole=True, local=False), frames, begin.version
+            )
+        except RemoteError as err:
+            if err.code != "too_large":
+                raise
+            self._push_limits = None  # the server's limits changed: the next PushReady says
+            log.info("pushing version %d in parts: %s", begin.version, err.remote_message)
+            return None
+        except ProtocolTimeoutError:
+            # A server restarted with a smaller frame limit drops such a message unanswered:
+            # the next push goes in parts and learns the limits again.
+            self._push_limits = None
+            raise
+
     def _push_by_file(
         self, ready: PushReady, manifest: TensorManifest, frames: Sequence[memoryview], version: int
     ) -> Committed | None:
@@ -251,9 +298,13 @@ class ParamClient:
         return self._commit(ready.push_id, version)
 
     def _commit(self, push_id: int, version: int) -> Committed:
+        return self._await_commit(PushCommit(push_id), (), version)
+
+    def _await_commit(self, message: Message, frames: Sequence[Part], version: int) -> Committed:
+        """Send the message that commits `version` and wait for `Committed`."""
         try:
             reply = self._call(
-                PushCommit(push_id), expect=Committed, timeout_s=self.commit_timeout_s, retry=False
+                message, frames, expect=Committed, timeout_s=self.commit_timeout_s, retry=False
             )
         except ProtocolTimeoutError:
             # The commit may have happened with its reply lost: the server knows.

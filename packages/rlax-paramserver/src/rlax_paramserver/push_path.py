@@ -35,10 +35,26 @@ class PushPath:
         """`owner` is the client, not the connection: a pusher that reconnects and starts
         over abandons its older pushes instead of piling them up to `busy`."""
         push_id = self.store.begin_push(message.version, message.manifest, message.metadata, owner)
-        ready = PushReady(push_id=push_id, max_message_bytes=self.config.max_message_bytes)
+        ready = PushReady(
+            push_id=push_id,
+            max_message_bytes=self.config.max_message_bytes,
+            max_frame_bytes=self.config.max_frame_bytes,
+        )
         if message.local and self.config.state_dir is not None:
             return self._staged(ready, message)
         return ready
+
+    def whole(
+        self, request: Request, message: PushBegin, owner: bytes
+    ) -> tuple[Committed, list[Wakeup]] | None:
+        """A version pushed in one message (`PushBegin.whole`): begun, stored, verified and
+        committed as its three-message form would be; nothing of it stays pending on error."""
+        push_id = self.store.begin_push(message.version, message.manifest, message.metadata, owner)
+        try:
+            self.chunks(PushChunks(push_id, 0, len(request.frames)), request.frames)
+            return self.commit(request, PushCommit(push_id))
+        finally:
+            self.store.abort_push(push_id)  # a no-op once the commit took it
 
     def chunks(self, message: PushChunks, frames: list[zmq.Frame]) -> Ack:
         if message.count != len(frames):

@@ -45,12 +45,14 @@ import zmq
 
 from rlax_paramserver.broker import POLL_MS, WORKER_READY, WORKER_REPLY, forward_until_stopped, send_wakeups
 from rlax_paramserver.config import ServerConfig
+from rlax_paramserver.long_polls import Wakeup
 from rlax_paramserver.persist import load_states, spill_states, unspill_states
 from rlax_paramserver.persister import Persister
 from rlax_paramserver.pull_path import PullPath
 from rlax_paramserver.push_path import PushPath
 from rlax_paramserver.store import StoredVersion, StoreError, VersionStore, Waiter
 from rlax_protocol import (
+    Committed,
     ErrorReply,
     FetchChunks,
     LatestQuery,
@@ -326,6 +328,18 @@ class ParamServer:
             log.exception("internal error answering %s", type(message).__name__)
             return ErrorReply(code="internal", message=f"{type(err).__name__}: {err}"), []
 
+    @staticmethod
+    def _committed(
+        socket: zmq.Socket[Any], committed: tuple[Committed, list[Wakeup]] | None
+    ) -> tuple[Message, list[Any]] | None:
+        """A commit's reply, its long-polls woken; None when the persister answers it once
+        the version is on disk."""
+        if committed is None:
+            return None
+        reply, wakeups = committed
+        send_wakeups(socket, wakeups)
+        return reply, []
+
     def _dispatch(
         self, socket: zmq.Socket[Any], request: Request, message: Message
     ) -> tuple[Message, list[Any]] | None:
@@ -335,17 +349,19 @@ class ParamServer:
             return self.pulls.fetch(message)
         if isinstance(message, PullEnd):
             return self.pulls.end(message), []
+        if isinstance(message, PushBegin) and message.whole:
+            committed = self.pushes.whole(request, message, self.peers.client_key(request.identity))
+            return self._committed(socket, committed)
+        if isinstance(message, PushBegin | PushCommit | PullBegin | PullEnd) and request.frames:
+            raise StoreError(
+                "malformed", f"{type(message).__name__} takes no frames, got {len(request.frames)}"
+            )
         if isinstance(message, PushBegin):
             return self.pushes.begin(message, self.peers.client_key(request.identity)), []
         if isinstance(message, PushChunks):
             return self.pushes.chunks(message, request.frames), []
         if isinstance(message, PushCommit):
-            committed = self.pushes.commit(request, message)
-            if committed is None:
-                return None  # the persister answers once the version is on disk
-            reply, wakeups = committed
-            send_wakeups(socket, wakeups)
-            return reply, []
+            return self._committed(socket, self.pushes.commit(request, message))
         if isinstance(message, PushAbort):
             return self.pushes.abort(message), []
         if isinstance(message, LatestQuery):

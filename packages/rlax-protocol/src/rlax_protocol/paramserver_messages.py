@@ -15,22 +15,32 @@ class PushBegin(Message, frozen=True):
     (``stale_version`` when `version` is not newer than the latest). With `local` the
     pusher can write the server's files (the same host): a server that persists its
     versions then names a staging file in `PushReady` to write the tensors into instead
-    of sending frames."""
+    of sending frames.
+
+    With `whole` every frame of the manifest follows this message, in order: the server
+    commits the version at once and answers `Committed` (or an error), one exchange in all
+    instead of `PushReady`, `PushChunks` and `PushCommit`. For a version that fits one
+    message (the server's `max_message_bytes`; beyond it the answer is ``too_large`` and
+    the pusher starts over without `whole`)."""
 
     version: int
     manifest: TensorManifest
     metadata: Metadata = {}
     local: bool = False
+    whole: bool = False
 
 
 class PushReady(Message, frozen=True):
     """With `staging_file`, write tensor i of the manifest at byte `data_offset` plus its
     64-byte-aligned offset into that file (created by the server, header written), then
     `PushCommit`; no `PushChunks`. A pusher that cannot open the file (another host)
-    sends `PushAbort` and pushes again without `local`."""
+    sends `PushAbort` and pushes again without `local`. `max_message_bytes` and
+    `max_frame_bytes` are the server's limits, which a pusher needs before it sends a whole
+    version in `PushBegin` (a frame above `max_frame_bytes` drops the connection)."""
 
     push_id: int
     max_message_bytes: int
+    max_frame_bytes: int = 0
     staging_file: str = ""
     data_offset: int = 0
 
