@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+# --import-mode=importlib does not put test folders on sys.path; our helpers live here.
+_HERE = str(pathlib.Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def stamped_tree(version: int, *, layers: int = 3, hidden: int = 32) -> dict[str, Any]:

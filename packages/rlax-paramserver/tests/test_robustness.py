@@ -7,48 +7,15 @@ import random
 import msgspec
 import numpy as np
 import pytest
-import zmq
+from paramserver_raw_peer import RawPeer
 
 import rlax_protocol as rp
 from rlax_paramserver import ParamClient
 from rlax_paramserver.testing import running_server
 from rlax_protocol.fuzzing import deep_nesting
-from rlax_protocol.transport import pack_request_id, unpack_request_id
+from rlax_protocol.transport import pack_request_id
 
 SMALL = {"w": np.arange(64, dtype=np.float32), "b": np.arange(3, dtype=np.int32)}
-
-
-class RawPeer:
-    """A bare DEALER socket that can send anything at all."""
-
-    def __init__(self, address: str, *, hello: bool = True) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.linger = 0
-        self.socket.connect(address)
-        self.next_id = 1
-        if hello:
-            assert isinstance(
-                self.request([rp.encode(rp.Hello(protocol_version=rp.PROTOCOL_VERSION))]), rp.Welcome
-            )
-
-    def send(self, parts: list[bytes]) -> None:
-        self.socket.send_multipart(parts)
-
-    def reply(self, timeout_ms: int = 5000) -> tuple[int, rp.Message, list[bytes]]:
-        assert self.socket.poll(timeout_ms), "the server did not answer"
-        parts = self.socket.recv_multipart()
-        return unpack_request_id(parts[0]), rp.decode(parts[1]), parts[2:]
-
-    def request(self, parts: list[bytes], frames: list[bytes] = ()) -> rp.Message:
-        request_id = self.next_id
-        self.next_id += 1
-        self.send([pack_request_id(request_id), *parts, *frames])
-        got_id, message, _ = self.reply()
-        assert got_id == request_id
-        return message
-
-    def close(self) -> None:
-        self.socket.close(0)
 
 
 def manifest_of(tree: dict, *, bad_checksum: bool = False) -> tuple[rp.TensorManifest, list[bytes]]:

@@ -9,13 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
+from paramserver_raw_peer import RawPeer
 
 import rlax_protocol as rp
 from rlax_paramserver import ParamClient, StaleVersionError
 from rlax_paramserver.testing import running_server
 from rlax_protocol import encode_tree
-from rlax_protocol.transport import pack_request_id, unpack_request_id
 
 
 def tree(version: int) -> dict[str, Any]:
@@ -86,29 +85,6 @@ def test_a_client_whose_server_lowered_its_limit_falls_back_to_parts() -> None:
         assert client.stat().pending_pushes == 0
 
 
-class Peer:
-    """A bare DEALER that sends any message with any frames."""
-
-    def __init__(self, address: str) -> None:
-
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.linger = 0
-        self.socket.connect(address)
-        self.next_id = 0
-        assert isinstance(self.ask(rp.Hello(protocol_version=rp.PROTOCOL_VERSION)), rp.Welcome)
-
-    def ask(self, message: rp.Message, frames: list[bytes] = ()) -> rp.Message:  # type: ignore[assignment]
-        self.next_id += 1
-        self.socket.send_multipart([pack_request_id(self.next_id), rp.encode(message), *frames])
-        assert self.socket.poll(10_000), "no answer"
-        parts = self.socket.recv_multipart()
-        assert unpack_request_id(parts[0]) == self.next_id
-        return rp.decode(parts[1])
-
-    def close(self) -> None:
-        self.socket.close(0)
-
-
 def _whole(version: int) -> tuple[rp.PushBegin, list[bytes]]:
     encoded = encode_tree(tree(version), chunk_bytes=4096)
     return rp.PushBegin(version=version, manifest=encoded.manifest, whole=True), [
@@ -130,7 +106,7 @@ def test_a_spoiled_whole_push_is_refused_and_leaves_nothing_pending(
 ) -> None:
     with running_server() as address, ParamClient(address, timeout_s=10) as client:
         client.push(tree(1), 1)
-        peer = Peer(address)
+        peer = RawPeer(address)
         try:
             begin, frames = _whole(2)
             if spoil == "flip a byte":
@@ -141,10 +117,12 @@ def test_a_spoiled_whole_push_is_refused_and_leaves_nothing_pending(
                 frames = [*frames, b"\0" * 8]
             else:
                 begin = rp.PushBegin(version=2, manifest=begin.manifest)
-            reply = peer.ask(begin, frames)
+            reply = peer.request([rp.encode(begin)], frames)
             assert isinstance(reply, rp.ErrorReply) and reply.code == code, reply
             assert words in reply.message, reply.message
-            again = peer.ask(_whole(2)[0], _whole(2)[1])  # the server serves on; version 2 is free
+            again = peer.request(
+                [rp.encode(_whole(2)[0])], _whole(2)[1]
+            )  # the server serves on; version 2 is free
             assert isinstance(again, rp.Committed) and again.version == 2, again
         finally:
             peer.close()
@@ -154,9 +132,10 @@ def test_a_spoiled_whole_push_is_refused_and_leaves_nothing_pending(
 
 def test_a_whole_push_beyond_the_servers_message_limit_is_too_large() -> None:
     with running_server(max_message_bytes=4096) as address:
-        peer = Peer(address)
+        peer = RawPeer(address)
         try:
-            reply = peer.ask(*_whole(1))
+            begin, frames = _whole(1)
+            reply = peer.request([rp.encode(begin)], frames)
             assert isinstance(reply, rp.ErrorReply) and reply.code == "too_large", reply
             assert "max_message_bytes=4096" in reply.message
         finally:

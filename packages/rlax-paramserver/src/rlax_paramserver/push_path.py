@@ -53,8 +53,9 @@ class PushPath:
         try:
             self.chunks(PushChunks(push_id, 0, len(request.frames)), request.frames)
             return self.commit(request, PushCommit(push_id))
-        finally:
-            self.store.abort_push(push_id)  # a no-op once the commit took it
+        except BaseException:
+            self.store.abort_push(push_id)  # a no-op where the commit had taken it already
+            raise
 
     def chunks(self, message: PushChunks, frames: list[zmq.Frame]) -> Ack:
         if message.count != len(frames):
