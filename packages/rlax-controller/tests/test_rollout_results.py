@@ -11,6 +11,7 @@ import pytest
 
 from rlax_controller.evaluation_jobs import EvaluationJobs
 from rlax_controller.metrics import MetricsWriter, read_metrics
+from rlax_controller.partial_rollouts import SegmentPlan
 from rlax_controller.rollout_results import RolloutResults
 from rlax_controller.rollout_scheduler import (
     Group,
@@ -46,14 +47,19 @@ def result(tag: str, first_tokens: Sequence[int], version: int = 0, **sample: An
 
 
 class Rig:
-    def __init__(self, tmp_path: pathlib.Path, toy: Any, versions: str) -> None:
+    def __init__(self, tmp_path: pathlib.Path, toy: Any, versions: str, segments: SegmentPlan) -> None:
         config = load_config(
             None, [f"run.output_dir={tmp_path / 'run'}", "eval.n_samples=2", "eval.pass_k=[1]", "run.steps=4"]
         )
         self.scheduler = RolloutScheduler(
             toy.Source(),
             RolloutSchedulerConfig(
-                group_size=2, prompts_per_step=2, k=1, versions=versions, lookahead_steps=None
+                group_size=2,
+                prompts_per_step=2,
+                k=1,
+                versions=versions,
+                lookahead_steps=None,
+                segments=segments,
             ),
         )
         self.tally = RunTally(self.scheduler.counters)
@@ -67,12 +73,15 @@ class Rig:
         return [group for _, group in self.scheduler.assign([worker])]
 
 
+WHOLE_GROUPS = SegmentPlan()  # partial rollouts off
+
+
 @pytest.fixture
 def rig(tmp_path: pathlib.Path, toy: Any) -> Iterator[Any]:
     made: list[Rig] = []
 
-    def make(versions: str = "freshest") -> Rig:
-        made.append(Rig(tmp_path, toy, versions))
+    def make(versions: str = "freshest", segments: SegmentPlan = WHOLE_GROUPS) -> Rig:
+        made.append(Rig(tmp_path, toy, versions, segments))
         return made[-1]
 
     yield make
@@ -184,3 +193,33 @@ def test_a_dispatched_group_no_worker_holds_a_request_for_goes_back(rig: Any) ->
     held, orphan = r.dispatched()[:2]
     r.results.release_orphans({held.request_id})
     assert held.status is GroupStatus.DISPATCHED and orphan.status is GroupStatus.PENDING
+
+
+def test_partial_rollouts_are_scored_once_every_sample_has_finished(rig: Any) -> None:
+    """Segments of 2 tokens: after the first, sample 0 has stopped and sample 1 goes on; the
+    scorer sees nothing until sample 1 stops in the second, then both whole samples."""
+    r = rig("pinned", SegmentPlan(tokens=2, max_new_tokens=6, max_seq_len=64))
+    group = r.dispatched()[0]
+    first = GenerateResult(
+        request_id=group.request_id or "",
+        samples=(
+            Sample(token_ids=(4,), logprobs=(-0.1,), finish_reason="stop"),
+            Sample(token_ids=(3, 5), logprobs=(-0.2, -0.3), finish_reason="length"),
+        ),
+        weight_version=0,
+    )
+    r.scorer.error = AssertionError("scored before the group finished")
+    r.results.take_result("worker0", first)
+    assert group.status is GroupStatus.PENDING and group.segment == 1
+    assert r.tally.counters["segments_resumed"] == 1 and r.tally.counters["samples_resumed"] == 1
+    r.scorer.error = None
+    assert r.dispatched() and group.status is GroupStatus.DISPATCHED
+    tail = Sample(token_ids=(7,), logprobs=(-0.4,), finish_reason="stop")
+    r.results.take_result(
+        "worker0", GenerateResult(request_id=group.request_id or "", samples=(tail,), weight_version=0)
+    )
+    assert group.status is GroupStatus.DONE and group.version == 0
+    assert [s.token_ids for s in group.samples] == [(4,), (3, 5, 7)]
+    assert [s.logprobs for s in group.samples] == [(-0.1,), (-0.2, -0.3, -0.4)]
+    assert [s.token_versions for s in group.samples] == [(0,), (0, 0, 0)]
+    assert [s.reward for s in group.samples] == [1.0, 0.0]  # the scorer: an even first token

@@ -111,3 +111,31 @@ def test_a_reader_finds_a_live_runs_versions_in_memory_and_a_stopped_runs_in_its
     monkeypatch.setattr(config_module, "MEMORY_MIN_FREE_BYTES", 0)
     monkeypatch.setattr(config_module, "MEMORY_ROOT", tmp_path / "no-such-folder")  # macOS: no /dev/shm
     assert config_module.paramserver_dirs(config) == (rest, None)
+
+
+PARTIAL = ["workers.on_new_version=interrupt", "controller.lag=2", "trainer.k=2", "data.max_new_tokens=12"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("controller.lag=1", ["controller.lag", "must be >= 2"]),
+        ("controller.versions=freshest", ["controller.versions", "must be pinned"]),
+        ("agent.environment=calculator", ["agent.enabled", "single-turn"]),
+        ("workers.segment_tokens=12", ["workers.segment_tokens", "no sample would be interrupted"]),
+        ("workers.segment_tokens=-1", ["workers.segment_tokens", ">= 0"]),
+    ],
+)
+def test_partial_rollouts_refuse_what_they_cannot_schedule(override: str, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*PARTIAL, override])
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_partial_rollout_segments_default_to_the_lag_s_share_of_the_new_tokens() -> None:
+    assert load_config(None, PARTIAL).partial_segment_tokens == 6
+    widest = load_config(None, [*PARTIAL, "controller.lag=-1", "trainer.k=4", "paramserver.keep=8"])
+    assert widest.pinned_lag == 4 and widest.partial_segment_tokens == 3
+    assert load_config(None, [*PARTIAL, "workers.segment_tokens=5"]).partial_segment_tokens == 5
+    assert load_config(None, []).workers.on_new_version == "finish"

@@ -84,3 +84,15 @@ def test_turn_rewards_must_agree_with_the_samples_other_fields() -> None:
     # carry any last-turn reward (the controller adds the verifier's score there).
     plain = {k: v for k, v in TRAJECTORY.items() if k != "model_mask"}
     assert rp.Sample(**plain, turn_ends=(2, 3), turn_rewards=(0.5, 0.0)).turn_ends == (2, 3)
+
+
+def test_a_partial_rollout_s_token_versions_round_trip_and_are_checked() -> None:
+    """`Rollout.token_versions` (partial rollouts): one per completion token, the oldest the
+    rollout's `policy_version`."""
+    rollout = rp.Rollout(**ROLLOUT, reward=1.0, token_versions=(3, 3, 3, 4, 4, 4))
+    batch = TrainBatch(step=5, group_size=1, rollouts=(rollout,), rollout_ids=("a",))
+    assert decode_control(encode_control(batch)) == batch
+    with pytest.raises(ValueError, match="token_versions.*one per completion token"):
+        rp.Rollout(**ROLLOUT, reward=1.0, token_versions=(3, 4))
+    with pytest.raises(ValueError, match="token_versions.*oldest must be policy_version"):
+        rp.Rollout(**ROLLOUT, reward=1.0, token_versions=(4,) * 6)

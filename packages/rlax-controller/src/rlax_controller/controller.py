@@ -26,6 +26,7 @@ import zmq
 
 from rlax_controller.evaluation_jobs import EvaluationJobs
 from rlax_controller.metrics import MetricsWriter, plot_run, read_metrics, summary_rows
+from rlax_controller.partial_rollouts import SegmentPlan
 from rlax_controller.rollout_dispatch import RolloutDispatch
 from rlax_controller.rollout_results import RolloutResults, RolloutScorer
 from rlax_controller.rollout_scheduler import (
@@ -238,4 +239,9 @@ def _scheduler_config(config: RunConfig) -> RolloutSchedulerConfig:
         versions=config.controller.versions,
         lag=config.pinned_lag,
         j=config.workers.j,
+        segments=SegmentPlan(
+            tokens=config.partial_segment_tokens if config.workers.on_new_version == "interrupt" else 0,
+            max_new_tokens=config.data.max_new_tokens,
+            max_seq_len=config.model.max_seq_len,
+        ),
     )

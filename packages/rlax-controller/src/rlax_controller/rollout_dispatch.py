@@ -8,8 +8,9 @@ import uuid
 import msgspec
 
 from rlax_controller.evaluation_jobs import EvaluationJobs
+from rlax_controller.partial_rollouts import segment_request
 from rlax_controller.rollout_results import EVAL_TAG_PREFIX
-from rlax_controller.rollout_scheduler import PromptItem, RolloutScheduler, stable_seed
+from rlax_controller.rollout_scheduler import Group, PromptItem, RolloutScheduler, stable_seed
 from rlax_controller.worker_pool import WorkerPool, WorkerState
 from rlax_core.config import RunConfig
 from rlax_protocol.messages import AgentSpec, GenerateRequest, SamplingParams
@@ -47,16 +48,27 @@ class RolloutDispatch:
             if name in unreachable:
                 continue  # released with its worker: see below
             worker = self.pool.workers[name]
-            sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
             assert group.request_id is not None
-            request = self._request(
-                group.request_id, group.item, self.config.data.group_size, sampling, group.pinned
-            )
+            request = self._group_request(group)
             if not self.pool.send(worker, request):
                 # Declared dead, the worker loses every group dispatched to it: this one, those
                 # it held, and the rest of this same assignment (not sent, already released).
                 unreachable.add(name)
                 self.pool.declare_dead(worker, "it is not connected", reopen=False)
+
+    def _group_request(self, group: Group) -> GenerateRequest:
+        """A group's request: all its samples, or with partial rollouts its next segment
+        (`partial_rollouts`): the first `segments.tokens` tokens of every sample, then the
+        next ones of those not finished yet."""
+        assert group.request_id is not None
+        sampling = self._sampling(temperature=self.config.data.temperature, seed=group.seed)
+        request = self._request(
+            group.request_id, group.item, self.config.data.group_size, sampling, group.pinned
+        )
+        plan = self.scheduler.config.segments
+        if not plan.enabled:
+            return request
+        return segment_request(request, group.partial, group.unfinished(plan), plan)
 
     def _dispatch_evaluation(self, ready: list[WorkerState]) -> None:
         job = self.evaluations.job

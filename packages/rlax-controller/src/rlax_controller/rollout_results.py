@@ -30,7 +30,9 @@ class RolloutScorer(Protocol):
     def score(self, item: PromptItem, completions: Sequence[tuple[int, ...]]) -> list[tuple[float, bool]]: ...
 
 
-def scored_sample(sample: Sample, verifier_reward: float, correct: bool) -> ScoredSample:
+def scored_sample(
+    sample: Sample, verifier_reward: float, correct: bool, token_versions: tuple[int, ...] = ()
+) -> ScoredSample:
     """A worker's sample with its reward. The environment's reward of the last step
     (`Sample.env_reward`) when it gave one, else the verifier's score of the final answer,
     is the last turn's reward; a trajectory's `reward` is the sum of its turns' rewards
@@ -55,6 +57,7 @@ def scored_sample(sample: Sample, verifier_reward: float, correct: bool) -> Scor
         turn_ends=tuple(sample.turn_ends),
         turn_rewards=tuple(turn_rewards),
         tool_correct=sample.tool_correct,
+        token_versions=token_versions,
     )
 
 
@@ -74,13 +77,11 @@ class RolloutResults:
         self.tally = tally
 
     def take_result(self, worker: str, result: GenerateResult) -> None:
-        # A trajectory's final answer is its last model turn; its generated tokens, the model's.
-        completions = [last_model_turn(s.token_ids, s.model_mask) for s in result.samples]
         self.tally.add_generated(
             sum(sum(s.model_mask) if s.model_mask else len(s.token_ids) for s in result.samples)
         )
         if result.request_id.startswith(EVAL_TAG_PREFIX):
-            self._take_eval_result(result, completions)
+            self._take_eval_result(result, self._completions(result.samples))
             return
         group = self.scheduler.group_for_request(result.request_id)
         if group is None:
@@ -97,6 +98,19 @@ class RolloutResults:
             self.tally.count("wrong_version_results")
             self.scheduler.release(group)
             return
+        samples = list(result.samples)
+        versions: list[tuple[int, ...]] = [()] * len(samples)
+        if self.scheduler.config.segments.enabled:
+            try:
+                joined = self.scheduler.add_segment(result.request_id, result.weight_version, result.samples)
+            except ValueError as error:  # a worker that answered with the wrong number of samples
+                log.error("%s: %s; the group goes back to the queue", worker, error)
+                return
+            if joined is None:
+                return  # its unfinished samples wait for the next segment's version
+            samples = [p.as_sample() for p in joined]
+            versions = [p.versions for p in joined]
+        completions = self._completions(samples)
         try:
             with self.tally.timed("controller_score_seconds"):
                 scores = self._score(group.item, completions)
@@ -106,14 +120,24 @@ class RolloutResults:
             self.tally.count("scoring_failures")
             self.scheduler.release(group)
             return
-        samples = [
-            scored_sample(s, float(r), bool(c)) for s, (r, c) in zip(result.samples, scores, strict=True)
+        scored = [
+            scored_sample(s, float(r), bool(c), v)
+            for s, (r, c), v in zip(samples, scores, versions, strict=True)
         ]
         try:
-            self.scheduler.complete(result.request_id, result.weight_version, samples)
+            self.scheduler.complete(
+                result.request_id,
+                group.segment_versions[0] if group.segment_versions else result.weight_version,
+                scored,
+            )
         except ValueError as error:  # a worker that answered with the wrong number of samples
             log.error("%s: %s; the group goes back to the queue", worker, error)
             self.scheduler.release(group)
+
+    @staticmethod
+    def _completions(samples: Sequence[Sample]) -> list[tuple[int, ...]]:
+        """A trajectory's final answer is its last model turn."""
+        return [last_model_turn(s.token_ids, s.model_mask) for s in samples]
 
     def _take_eval_result(self, result: GenerateResult, completions: list[tuple[int, ...]]) -> None:
         index = self.evaluations.prompt_of(result.request_id)

@@ -31,7 +31,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlax_controller.partial_rollouts import PartialSample, SegmentPlan, join_segment
 from rlax_data.task_from_config import PromptItem
+from rlax_protocol.messages import Sample
 
 __all__ = [
     "Batch",
@@ -77,6 +79,8 @@ class ScoredSample:
     turn_ends: tuple[int, ...] = ()
     turn_rewards: tuple[float, ...] = ()
     tool_correct: bool | None = None  # the environment's verdict (`rlax_protocol.Sample.tool_correct`)
+    # Partial rollouts: the version that drew each token (empty: all the group's version).
+    token_versions: tuple[int, ...] = ()
 
 
 class GroupStatus(enum.Enum):
@@ -101,6 +105,17 @@ class Group:
     version: int | None = None
     pinned: int | None = None  # the version its request asks for (pinned versions)
     samples: tuple[ScoredSample, ...] = ()
+    # Partial rollouts (`partial_rollouts`): the step its segments' versions are planned for,
+    # the next segment, the samples so far, and each generated segment's version.
+    pinned_step: int | None = None
+    segment: int = 0
+    partial: tuple[PartialSample, ...] = ()
+    segment_versions: tuple[int, ...] = ()
+
+    def unfinished(self, plan: SegmentPlan) -> list[int]:
+        """Indices of the samples the next segment continues."""
+        prompt_len = len(self.item.prompt_token_ids)
+        return [i for i, p in enumerate(self.partial) if p.unfinished(plan, prompt_len)]
 
     @property
     def all_rewards_equal(self) -> bool:
@@ -127,9 +142,18 @@ class RolloutSchedulerConfig:
     versions: str = "pinned"  # or "freshest": see the module docstring
     lag: int = 0  # pinned: groups of step s use version j * floor(max(0, s - lag) / j)
     j: int = 1
+    segments: SegmentPlan = SegmentPlan()  # partial rollouts; off by default
 
     def pinned_version(self, step: int) -> int:
         return self.j * (max(0, step - self.lag) // self.j)
+
+    def segment_version(self, step: int, segment: int) -> int:
+        """The version of segment `segment` of a group consumed by `step` (`partial_rollouts`);
+        segment 0, and every segment without partial rollouts, is `pinned_version(step)`."""
+        first = self.pinned_version(step)
+        if not self.segments.enabled:
+            return first
+        return max(first, min(first + segment, step - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +208,8 @@ class RolloutScheduler:
             "rollouts_generated": 0,
             "rollouts_trained": 0,
             "tokens_generated": 0,
+            "segments_resumed": 0,
+            "samples_resumed": 0,
         }
         self._by_request: dict[str, int] = {}
         self._request_counter = 0
@@ -285,9 +311,15 @@ class RolloutScheduler:
             if group.status is not GroupStatus.PENDING:
                 continue
             if self.pinned:
-                version = self.config.pinned_version(latest[group.index])
+                if group.segment and group.pinned_step != latest[group.index]:
+                    # An earlier group was filtered: this one lands sooner, on other versions.
+                    self.release(group)
+                if not group.segment:
+                    group.pinned_step = latest[group.index]
+                assert group.pinned_step is not None
+                version = self.config.segment_version(group.pinned_step, group.segment)
                 if version > self.step:
-                    break  # not trained yet; later groups need newer versions still
+                    continue  # not trained yet
                 group.pinned = version
             room = [w for w in workers if load[w] < self.config.max_inflight_per_worker]
             if not room:
@@ -324,16 +356,55 @@ class RolloutScheduler:
         group.version = None
         group.pinned = None
         group.samples = ()
+        group.pinned_step = None
+        group.segment = 0
+        group.partial = ()
+        group.segment_versions = ()
 
     def group_for_request(self, request_id: str) -> Group | None:
         index = self._by_request.get(request_id)
         return None if index is None else self.groups.get(index)
 
-    def complete(self, request_id: str, version: int, samples: Sequence[ScoredSample]) -> Group | None:
-        """Record the scored samples of a request; a late or unknown result is ignored (None)."""
+    def add_segment(
+        self, request_id: str, version: int, samples: Sequence[Sample]
+    ) -> list[PartialSample] | None:
+        """Partial rollouts: join a segment's samples to its group. Returns the group's whole
+        samples once none is left unfinished (then `complete` it with their scores); else None,
+        and the group waits for its next segment's version (a late or unknown result, or a
+        wrong count, is ignored, the latter sending the group back)."""
+        group = self._dispatched(request_id)
+        if group is None:
+            return None
+        plan = self.config.segments
+        continued = group.unfinished(plan)
+        expected = len(continued) if group.partial else self.config.group_size
+        if len(samples) != expected:
+            self.release(group)
+            raise ValueError(f"request {request_id}: {len(samples)} samples, expected {expected}")
+        group.partial = tuple(join_segment(group.partial, continued, samples, version))
+        group.segment_versions += (version,)
+        if not group.unfinished(plan):
+            return list(group.partial)
+        self._by_request.pop(request_id, None)
+        group.status = GroupStatus.PENDING
+        group.worker = group.request_id = group.pinned = None
+        group.segment += 1
+        self.counters["segments_resumed"] += 1
+        self.counters["samples_resumed"] += len(group.unfinished(plan))
+        return None
+
+    def _dispatched(self, request_id: str) -> Group | None:
         group = self.group_for_request(request_id)
         if group is None or group.status is not GroupStatus.DISPATCHED or group.request_id != request_id:
             self.counters["results_ignored"] += 1
+            return None
+        return group
+
+    def complete(self, request_id: str, version: int, samples: Sequence[ScoredSample]) -> Group | None:
+        """Record the scored samples of a request; a late or unknown result is ignored (None).
+        With partial rollouts `version` is the first segment's (the oldest)."""
+        group = self._dispatched(request_id)
+        if group is None:
             return None
         if len(samples) != self.config.group_size:
             raise ValueError(
@@ -342,6 +413,7 @@ class RolloutScheduler:
         self._by_request.pop(request_id, None)
         group.status = GroupStatus.DONE
         group.version = version
+        group.segment_versions = group.segment_versions or (version,)
         group.samples = tuple(samples)
         self.counters["groups_completed"] += 1
         self.counters["rollouts_generated"] += len(samples)
@@ -359,13 +431,16 @@ class RolloutScheduler:
             if group.status is not GroupStatus.DONE:
                 raise BatchNotReady(f"group {group.index} is {group.status.value}")
             assert group.version is not None
-            if self.pinned and group.version != self.config.pinned_version(self.step):
+            planned = tuple(
+                self.config.segment_version(self.step, i) for i in range(len(group.segment_versions))
+            )
+            if self.pinned and group.segment_versions != planned:
                 # Dispatched for a later step (an earlier group was filtered since): the
-                # version of this step's groups is another one; generate it again with that.
+                # versions of this step's groups are others; generate it again with those.
                 self.counters["groups_repinned"] = self.counters.get("groups_repinned", 0) + 1
                 why = (
-                    f"group {group.index} was generated with version {group.version}; step "
-                    f"{self.step} uses {self.config.pinned_version(self.step)}"
+                    f"group {group.index} was generated with versions {list(group.segment_versions)}; "
+                    f"step {self.step} uses {list(planned)}"
                 )
                 self.release(group)
                 raise BatchNotReady(why)

@@ -46,9 +46,18 @@ def batch_record(batch: Batch) -> dict[str, Any]:
         **trajectory_record(samples),
         "rollout_ids": batch.rollout_ids,
         "rollout_versions": [g.version for g in batch.groups],
+        # Partial rollouts: samples whose later tokens came from newer weights, and those tokens' share.
+        "mixed_version_rollouts": sum(len(set(s.token_versions)) > 1 for s in samples),
+        "newer_version_token_fraction": _newer_version_tokens(batch)
+        / max(1, sum(len(s.token_ids) for s in samples)),
         "consumed_prompt_ids": list(batch.consumed_prompt_ids),
         "consumed_indices": list(batch.consumed_indices),
     }
+
+
+def _newer_version_tokens(batch: Batch) -> int:
+    """Tokens drawn by newer weights than their group's first segment (partial rollouts)."""
+    return sum(v != g.version for g in batch.groups for s in g.samples for v in s.token_versions)
 
 
 class StepBoundaries:
@@ -160,6 +169,7 @@ class StepBoundaries:
                         completion_mask=sample.model_mask,
                         turn_ends=sample.turn_ends,
                         turn_rewards=sample.turn_rewards,
+                        token_versions=sample.token_versions,
                     )
                 )
         return TrainBatch(

@@ -78,7 +78,13 @@ class RequestLimits:
         checks: list[tuple[str, float, float, str]] = [
             ("request_id length", len(request.request_id), self.max_request_id_chars, "max_request_id_chars"),
             ("n", request.n, max_num_seqs, "max_num_seqs"),
-            ("prompt length", len(request.prompt_token_ids), max_model_len - 1, "max_model_len - 1"),
+            # A resumed partial rollout's prompt is the request's plus that sample's tokens so far.
+            (
+                "prompt length" + (" with the longest resumed sample" if request.resume else ""),
+                len(request.prompt_token_ids) + max((len(r.token_ids) for r in request.resume), default=0),
+                max_model_len - 1,
+                "max_model_len - 1",
+            ),
             ("sampling.max_tokens", s.max_tokens, max_model_len, "max_model_len"),
             ("sampling.top_logprobs", s.top_logprobs, self.max_top_logprobs, "max_top_logprobs"),
             (

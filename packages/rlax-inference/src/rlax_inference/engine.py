@@ -360,7 +360,8 @@ class LLMEngine:
 def _sampling_row(seq: Seq) -> tuple[float, float, int, int, int, int]:
     p = seq.request.params
     assert p.seed is not None  # `add_request` draws one when the request has none
-    return (float(p.temperature), float(p.top_p), p.top_k, p.seed, seq.sample_index, seq.num_generated)
+    index, step = seq.sample_index + p.sample_offset, seq.num_generated + p.step_offset
+    return (float(p.temperature), float(p.top_p), p.top_k, p.seed, index, step)
 
 
 def prefill_chunk(job: PrefillJob, block_size: int) -> PrefillChunk:

@@ -20,6 +20,10 @@ class SamplingParams:
     draw one (distinct per request, reproducible from `EngineConfig.seed` and the order of
     `add_request` calls).
     `logprobs` asks for that many top logprobs per generated token (0 = none).
+    `sample_offset` / `step_offset` shift (i, t) in that key: a request that continues
+    sample 5 of an earlier request after its first 40 tokens (a partial rollout resumed,
+    `rlax_protocol.ResumedSample`) sets 5 and 40 and draws the keys the uninterrupted
+    sample would have drawn.
     """
 
     n: int = 1
@@ -32,6 +36,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    sample_offset: int = 0
+    step_offset: int = 0
 
     def __post_init__(self) -> None:
         """The rules that hold whatever the model; the engine checks the rest (vocabulary, lengths)."""
@@ -68,6 +74,9 @@ class SamplingParams:
             "a tuple of non-empty strings",
         )
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        for name in ("sample_offset", "step_offset"):
+            value = getattr(self, name)
+            _require(_is_int(value) and 0 <= value < 2**31, name, value, "an int in [0, 2**31)")
 
     @property
     def greedy(self) -> bool:

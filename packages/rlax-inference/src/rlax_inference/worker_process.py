@@ -66,7 +66,7 @@ from rlax_core.config import EXIT_CONFIG_ERROR, ConfigError, RunConfig, rejected
 from rlax_data.task_from_config import build_task
 from rlax_inference.admission import AdmissionQueue
 from rlax_inference.agent_loop import AgentLoop, TurnCodec
-from rlax_inference.engine import EngineConfig, LLMEngine
+from rlax_inference.engine import EngineConfig, LLMEngine, RequestOutput
 from rlax_inference.engine_config import ENGINE_OPTIONS
 from rlax_inference.lora_weights import LoraBase
 from rlax_inference.warm_up import WarmUp
@@ -149,6 +149,7 @@ class Worker(RequestServing, WeightFollowing):
         # Decoded, not in the engine yet: no weights yet, a reload first, or no room.
         self._queue = AdmissionQueue()
         self._admitted: dict[int, rp.GenerateRequest] = {}
+        self._resumed: dict[int, list[RequestOutput | None]] = {}
         self._next_check = 0.0
         self._backoff_s = config.reload_retry_s
         self._backoff_until = 0.0

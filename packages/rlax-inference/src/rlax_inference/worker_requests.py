@@ -9,6 +9,7 @@ calls both.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -59,6 +60,9 @@ class RequestServing:
     # Decoded, not in the engine yet: no weights yet, a reload first, or no room.
     _queue: AdmissionQueue
     _admitted: dict[int, rp.GenerateRequest]
+    # Requests that resume partial rollouts: one engine request per sample ("key/position"),
+    # their outputs gathered here until the last one finishes.
+    _resumed: dict[int, list[RequestOutput | None]]
     num_refused: dict[str, int]
     num_aborted: int
     # WorkerStats totals.
@@ -103,8 +107,11 @@ class RequestServing:
         self._queue.remove({cancel.key})
         if self.agent is not None:
             self.agent.cancel(cancel.key)
-        if self._admitted.pop(cancel.key, None) is not None and self.engine is not None:
-            self.engine.abort(str(cancel.key))
+        request = self._admitted.pop(cancel.key, None)
+        if request is not None and self.engine is not None:
+            for engine_id in _engine_ids(cancel.key, request):
+                self.engine.abort(engine_id)
+            self._resumed.pop(cancel.key, None)
             self.num_aborted += 1
 
     def _admit(self, loadable: Callable[[int], bool]) -> None:
@@ -135,17 +142,42 @@ class RequestServing:
                     self.agent.start(job.key, request, params)
                     room -= request.n
                     continue
-                engine.add_request(str(job.key), request.prompt_token_ids, params)
+                if request.resume:
+                    self._add_resumed(engine, job.key, request, params)
+                else:
+                    engine.add_request(str(job.key), request.prompt_token_ids, params)
             except Exception as error:  # a request the engine refuses fails alone, before it is scheduled
                 if not isinstance(error, ValueError | TypeError | OverflowError):
                     log.exception("request %r refused", request.request_id)
-                message = str(error).replace(f"request '{job.key}'", f"request {request.request_id!r}")
+                message = str(error).replace(f"request '{job.key}/", f"request '{request.request_id}/")
+                message = message.replace(f"request '{job.key}'", f"request {request.request_id!r}")
                 if request.request_id not in message:
                     message = f"{request.request_id}: {message}"
                 io.post(job.key, rp.ErrorReply(code="malformed", message=message))
                 continue
             room -= request.n
             self._admitted[job.key] = request
+
+    def _add_resumed(
+        self, engine: LLMEngine, key: int, request: rp.GenerateRequest, params: SamplingParams
+    ) -> None:
+        """A request continuing partial rollouts: each sample is an engine request of its own
+        (its prompt is the request's plus its tokens so far) that draws the uninterrupted
+        sample's keys from its place on (`SamplingParams.sample_offset`/`step_offset`); the
+        shared prompt's blocks come from the prefix cache. All or none are added."""
+        added: list[str] = []
+        try:
+            for engine_id, resumed in zip(_engine_ids(key, request), request.resume, strict=True):
+                one = dataclasses.replace(
+                    params, n=1, sample_offset=resumed.sample_index, step_offset=len(resumed.token_ids)
+                )
+                engine.add_request(engine_id, request.prompt_token_ids + resumed.token_ids, one)
+                added.append(engine_id)
+        except Exception:
+            for engine_id in added:
+                engine.abort(engine_id)
+            raise
+        self._resumed[key] = [None] * len(request.resume)
 
     def _step(self, round_start: float) -> None:
         engine = self.engine
@@ -168,6 +200,8 @@ class RequestServing:
         for output in outputs:
             if self.agent is not None and self.agent.owns(output.request_id):
                 self._post_agent_results(self.agent.on_output(output))
+            elif "/" in output.request_id:
+                self._finish_resumed(output)
             else:
                 self._finish(output)
 
@@ -193,17 +227,45 @@ class RequestServing:
             message = f"{request.request_id}: {output.error}"
             self.io.post(key, rp.ErrorReply(code="internal", message=message))
             return
+        completions = sorted(output.outputs, key=lambda c: c.sample_index)
+        self._post_samples(key, request, completions, output.weight_version)
+
+    def _finish_resumed(self, output: RequestOutput) -> None:
+        """One resumed sample finished; the request is answered once all of its have."""
+        key_text, position = output.request_id.split("/")
+        key = int(key_text)
+        parts = self._resumed.get(key)
+        if parts is None:
+            return  # cancelled
+        parts[int(position)] = output
+        if any(part is None for part in parts):
+            return
+        del self._resumed[key]
+        request = self._admitted.pop(key)
+        outputs = [part for part in parts if part is not None]
+        failed = next((part.error for part in outputs if part.error), None)
+        if failed is not None:
+            assert self.io is not None
+            self.io.post(key, rp.ErrorReply(code="internal", message=f"{request.request_id}: {failed}"))
+            return
+        # The worker swaps weights only once the engine is empty: one version for all of them.
+        completions = [part.outputs[0] for part in outputs]
+        self._post_samples(key, request, completions, outputs[0].weight_version)
+
+    def _post_samples(
+        self, key: int, request: rp.GenerateRequest, completions: Sequence[Any], version: int | None
+    ) -> None:
+        assert self.io is not None
         with_logprobs = request.sampling.logprobs
         samples = tuple(
             rp.Sample(
                 token_ids=tuple(int(t) for t in c.tokens),
                 logprobs=tuple(float(x) for x in c.logprobs) if with_logprobs else (),
-                finish_reason=c.finish_reason.wire,  # type: ignore[arg-type]
+                finish_reason=c.finish_reason.wire,
                 top_logprobs=tuple({int(i): float(lp) for i, lp in t} for t in c.top_logprobs),
             )
-            for c in sorted(output.outputs, key=lambda c: c.sample_index)
+            for c in completions
         )
-        version = output.weight_version
         self.generated_tokens += sum(len(s.token_ids) for s in samples)
         result = rp.GenerateResult(
             request_id=request.request_id,
@@ -223,6 +285,13 @@ class RequestServing:
             reloads=self.reloads,
             shared_weight_bytes=self.shared_weight_bytes,
         )
+
+
+def _engine_ids(key: int, request: rp.GenerateRequest) -> list[str]:
+    """The engine's ids of a request: its key, or one "key/position" per resumed sample."""
+    if not request.resume:
+        return [str(key)]
+    return [f"{key}/{position}" for position in range(len(request.resume))]
 
 
 def engine_sequences(engine: LLMEngine) -> int:

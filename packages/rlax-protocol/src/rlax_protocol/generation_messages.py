@@ -100,11 +100,32 @@ class AgentSpec(Message, frozen=True):
             reject_field("AgentSpec", "tool_timeout_s", self.tool_timeout_s, "must be a finite number > 0")
 
 
+class ResumedSample(Message, frozen=True):
+    """A partial rollout to continue: sample `sample_index` of the group, whose first
+    generated tokens are `token_ids` (generated earlier, maybe with older weights). Its
+    next token is drawn with the key the uninterrupted sample would have used there."""
+
+    sample_index: int
+    token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.sample_index < 0:
+            reject_field("ResumedSample", "sample_index", self.sample_index, "must be >= 0")
+        if not self.token_ids:
+            reject_field("ResumedSample", "token_ids", self.token_ids, "must not be empty")
+
+
 class GenerateRequest(Message, frozen=True):
     """Generate `n` samples continuing `prompt_token_ids`. `weight_version`: generate with
     exactly this version of the weights (the controller's pinned versions); None: with
     whichever the worker holds. `agent`: make every sample a multi-turn trajectory, all of
-    its turns generated with one version (`Sample.model_mask` tells its turns apart)."""
+    its turns generated with one version (`Sample.model_mask` tells its turns apart).
+
+    `resume` (partial rollouts, `workers.on_new_version: interrupt`): continue these
+    samples instead of starting new ones; `n` is their number, the answer's samples come
+    in their order and hold only the new tokens, and `sampling.max_tokens` counts new
+    tokens. Each continues `prompt_token_ids + token_ids` from its own place in the
+    request's random stream, so a seed is required; single-turn samples only."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -112,14 +133,32 @@ class GenerateRequest(Message, frozen=True):
     n: int = 1
     weight_version: int | None = None
     agent: AgentSpec | None = None
+    resume: tuple[ResumedSample, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n <= 0:
             reject_field("GenerateRequest", "n", self.n, "must be > 0")
+        if self.resume:
+            self._check_resume()
         if self.weight_version is not None and self.weight_version < 0:
             reject_field("GenerateRequest", "weight_version", self.weight_version, "must be >= 0")
         if not self.prompt_token_ids:
             reject_field("GenerateRequest", "prompt_token_ids", self.prompt_token_ids, "must not be empty")
+
+    def _check_resume(self) -> None:
+        if self.n != len(self.resume):
+            reject_field(
+                "GenerateRequest", "n", self.n, f"must be the number of resumed samples ({len(self.resume)})"
+            )
+        if self.agent is not None:
+            reject_field("GenerateRequest", "resume", "<samples>", "cannot continue multi-turn trajectories")
+        if self.sampling.seed is None:
+            reject_field(
+                "GenerateRequest", "resume", "<samples>", "needs sampling.seed (the stream it continues)"
+            )
+        indices = [r.sample_index for r in self.resume]
+        if len(set(indices)) != len(indices):
+            reject_field("GenerateRequest", "resume", "<samples>", "continues a sample_index twice")
 
 
 TrajectoryEnd = Literal["", "answer", "max_turns", "max_tokens", "abort", "error"]
@@ -240,7 +279,10 @@ class Rollout(Message, frozen=True):
     `completion_mask`: `Sample.model_mask` (1: trained, 0: an environment token; empty: all 1).
     `turn_ends` / `turn_rewards`: a trajectory's per-turn rewards (as in `Sample`, indices
     into `completion_token_ids`, the verifier's score included); `reward` is then their sum.
-    Empty: one reward for the whole completion, paid at its last model token."""
+    Empty: one reward for the whole completion, paid at its last model token.
+    `token_versions`: a partial rollout's weight version per completion token (its
+    segments' versions, the first being `policy_version`, the oldest); empty: every token
+    is `policy_version`'s. `worker_logprobs` are each token's own version's."""
 
     prompt_id: str
     group_index: int
@@ -253,8 +295,16 @@ class Rollout(Message, frozen=True):
     completion_mask: tuple[int, ...] = ()
     turn_ends: tuple[int, ...] = ()
     turn_rewards: tuple[float, ...] = ()
+    token_versions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.token_versions:
+            if len(self.token_versions) != len(self.completion_token_ids):
+                reject_field("Rollout", "token_versions", f"<{len(self.token_versions)} values>",
+                             f"needs none or one per completion token ({len(self.completion_token_ids)})")  # fmt: skip
+            if min(self.token_versions) != self.policy_version:
+                reject_field("Rollout", "token_versions", min(self.token_versions),
+                             f"the oldest must be policy_version ({self.policy_version})")  # fmt: skip
         _check_mask("Rollout", "completion_mask", self.completion_mask, len(self.completion_token_ids))
         _check_turn_rewards(
             "Rollout",

@@ -68,6 +68,11 @@ def validate_group(group: Sequence[Rollout], group_size: int, current_version: i
             raise ValueError(
                 f"{where}: policy_version={r.policy_version} is newer than the trainer's {current_version}"
             )
+        newest = max(r.token_versions, default=r.policy_version)
+        if current_version is not None and newest > current_version:
+            raise ValueError(
+                f"{where}: a token of version {newest} is newer than the trainer's {current_version}"
+            )
     if sorted(r.group_index for r in group) != list(range(group_size)):
         raise ValueError(
             f"group of prompt {first.prompt_id!r}: group_index values {[r.group_index for r in group]} are not 0..{group_size - 1}"

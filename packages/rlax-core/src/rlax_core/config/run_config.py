@@ -91,6 +91,30 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
                 f"that many versions old",
             )
 
+        if self.workers.on_new_version == "interrupt":
+            self._check_partial_rollouts()
+
+    def _check_partial_rollouts(self) -> None:
+        why = "workers.on_new_version: interrupt (partial rollouts) needs"
+        check(self.controller.versions == "pinned", "controller.versions", self.controller.versions,
+              f"must be pinned: {why} the controller's version schedule")  # fmt: skip
+        check(self.pinned_lag >= 2, "controller.lag", self.controller.lag,
+              f"must be >= 2 (resolved: {self.pinned_lag}): {why} a newer version than the first "
+              "segment's that is older than the step's own; below 2 every segment has one version")  # fmt: skip
+        check(self.workers.j == 1, "workers.j", self.workers.j, f"must be 1: {why} every version")
+        check(not self.agent.enabled, "agent.enabled", self.agent.enabled,
+              f"must be false: {why} single-turn samples (a trajectory is not resumed)")  # fmt: skip
+        check(self.partial_segment_tokens < self.data.max_new_tokens, "workers.segment_tokens",
+              self.workers.segment_tokens,
+              f"must be < data.max_new_tokens={self.data.max_new_tokens}: no sample would be interrupted")  # fmt: skip
+
+    @property
+    def partial_segment_tokens(self) -> int:
+        """Tokens per segment of a partial rollout: `workers.segment_tokens`, or max_new_tokens
+        split across the lag's versions."""
+        lag = max(1, self.pinned_lag)
+        return self.workers.segment_tokens or -(-self.data.max_new_tokens // lag)
+
     @property
     def pinned_lag(self) -> int:
         """`controller.lag`, with -1 resolved to the most that trainer.k (k - j + 1) and

@@ -35,7 +35,14 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     the base it holds: "unmerged" (the low-rank path in every forward; a switch costs the
     adapters' pull alone) or "merged" (W + scale * A @ B, one merge per switch, a second
     copy of the adapted weights). On SmolLM2 on the CPU both decode at the same rate and
-    an unmerged switch takes 0.02x a full reload, a merged one 0.37x (docs/lora.md)."""
+    an unmerged switch takes 0.02x a full reload, a merged one 0.37x (docs/lora.md).
+    `on_new_version` (pinned versions, `controller.lag` >= 2): "finish" generates each
+    group whole with its one version; "interrupt" makes partial rollouts
+    (`rlax_controller.partial_rollouts`): samples are generated in segments of
+    `segment_tokens` tokens (0: data.max_new_tokens / lag, rounded up), each with the newer
+    version the controller's schedule names, so a long sample crosses weight updates and
+    a worker switching versions waits for one segment, not for its longest sample.
+    Single-turn samples with workers.j 1 only."""
 
     count: int = 2
     j: int = 1
@@ -50,6 +57,8 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     attention: str = "auto"
     num_decode_steps: int = 1
     lora_apply: Literal["merged", "unmerged"] = "unmerged"
+    on_new_version: Literal["finish", "interrupt"] = "finish"
+    segment_tokens: int = 0
 
     def __post_init__(self) -> None:
         check(self.count >= 1, "count", self.count, "must be >= 1")
@@ -62,6 +71,12 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
             f"must be >= max_num_seqs={self.max_num_seqs} (one decode token per sequence)",
+        )
+        check(
+            self.segment_tokens >= 0,
+            "segment_tokens",
+            self.segment_tokens,
+            "must be >= 0 (0: max_new_tokens / lag)",
         )
         check(self.num_decode_steps >= 1, "num_decode_steps", self.num_decode_steps, "must be >= 1")
         check(
