@@ -13,6 +13,7 @@ from rlax_protocol import MalformedMessageError, decode, decode_as, encode
 SAMPLING = rp.SamplingParams(
     max_tokens=16, temperature=0.7, top_p=0.9, top_k=50, stop_token_ids=(2,), seed=3, top_logprobs=2
 )
+RESUMED_0 = rp.ResumedSample(sample_index=0, token_ids=(5,))
 HEADER = rp.TensorHeader(
     name="layers/0/attn/q", dtype="bfloat16", shape=(4, 8), nbytes=64, checksum=2**64 - 1
 )
@@ -61,6 +62,18 @@ EXAMPLES: list[rp.Message] = [
     rp.GenerateRequest(request_id="r1", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, n=4),
     rp.GenerateRequest(request_id="r2", prompt_token_ids=(1,), sampling=SAMPLING, weight_version=7),
     rp.Sample(token_ids=(1,), logprobs=(-0.5,), finish_reason="stop"),
+    rp.ResumedSample(sample_index=3, token_ids=(4, 5)),
+    rp.GenerateRequest(
+        request_id="r4",
+        prompt_token_ids=(1, 2),
+        sampling=SAMPLING,
+        n=2,
+        weight_version=2,
+        resume=(
+            rp.ResumedSample(sample_index=0, token_ids=(7,)),
+            rp.ResumedSample(sample_index=3, token_ids=(8, 9)),
+        ),
+    ),
     rp.AgentSpec(environment="calculator", record='{"id": "r1"}', max_turns=3, max_total_tokens=64),
     rp.GenerateRequest(
         request_id="r3",
@@ -210,6 +223,39 @@ def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: i
                 request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, weight_version=-1
             ),
             "weight_version",
+        ),
+        (lambda: rp.ResumedSample(sample_index=-1, token_ids=(1,)), "sample_index"),
+        (lambda: rp.ResumedSample(sample_index=0, token_ids=()), "token_ids"),
+        (
+            lambda: rp.GenerateRequest(
+                request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, n=2, resume=(RESUMED_0,)
+            ),
+            "n",
+        ),
+        (
+            lambda: rp.GenerateRequest(
+                request_id="r",
+                prompt_token_ids=(1,),
+                sampling=rp.SamplingParams(max_tokens=4),
+                resume=(RESUMED_0,),
+            ),
+            "resume",
+        ),
+        (
+            lambda: rp.GenerateRequest(
+                request_id="r", prompt_token_ids=(1,), sampling=SAMPLING, n=2, resume=(RESUMED_0, RESUMED_0)
+            ),
+            "resume",
+        ),
+        (
+            lambda: rp.GenerateRequest(
+                request_id="r",
+                prompt_token_ids=(1,),
+                sampling=SAMPLING,
+                resume=(RESUMED_0,),
+                agent=rp.AgentSpec(environment="calculator"),
+            ),
+            "resume",
         ),
         (lambda: rp.TensorHeader(name="a//b", dtype="float32", shape=(), nbytes=4, checksum=0), "name"),
         (lambda: rp.TensorHeader(name="a", dtype="complex64", shape=(), nbytes=8, checksum=0), "dtype"),
