@@ -33,6 +33,18 @@ def test_a_file_builds_on_its_bases_in_order_and_its_own_keys_win(tmp_path: path
     assert sources["trainer.k"] == sources["trainer.optimizer.lr"] == str(run)
 
 
+def test_a_file_sets_its_task_args_whole_over_its_bases(tmp_path: pathlib.Path) -> None:
+    """The long-tail config sorts digits on the arithmetic demo's base: the demo's
+    `digits: 1` must not reach the sorting task (it has no such field)."""
+    _write(tmp_path / "base.yaml", "data: {task: arithmetic, task_args: {digits: 1}, group_size: 4}\n")
+    run = _write(tmp_path / "run.yaml", "base: base.yaml\ndata: {task: sorting, task_args: {length: 3}}\n")
+    config, sources = load_config_with_sources(run, [])
+    assert config.data.task_args == {"length": 3} and config.data.group_size == 4
+    assert sources["data.task_args.length"] == str(run) and "data.task_args.digits" not in sources
+    shipped = load_config(CONFIGS / "long-tail-demo.yaml", [])
+    assert shipped.data.task_args == {"length": 2, "max_length": 24, "tail": 1.2}
+
+
 @pytest.mark.parametrize(
     ("files", "message"),
     [

@@ -59,6 +59,24 @@ def test_sorting_values():
         assert r.answer == "".join(sorted(digits, reverse=True))
 
 
+def test_long_tailed_sorting_lengths_and_unchanged_fixed_records():
+    """`max_length`: record lengths from a Pareto tail (median 3, a tenth 11 or more, a few
+    at the cap), each answer as long as its digits; the fixed-length records are those of
+    the task before the tail existed (the first three of seed 0, written down then)."""
+    records = SortingTask(length=2, max_length=24, tail=1.2).generate(2000, seed=0)
+    lengths = sorted(len(r.answer) for r in records)
+    assert lengths[0] == 2 and lengths[1000] == 3 and lengths[1800] >= 11 and lengths[-1] == 24
+    for r in records[:50]:
+        assert r.answer == "".join(sorted(r.prompt[2:-1])) and r.metadata["difficulty"]["length"] == len(
+            r.answer
+        )
+    assert [r.prompt for r in SortingTask().generate(3, seed=0)] == ["s:6375=", "s:1355=", "s:5453="]
+    with pytest.raises(ValueError, match="field `max_length`"):
+        SortingTask(length=4, max_length=3)
+    with pytest.raises(ValueError, match="field `tail`"):
+        SortingTask(max_length=8, tail=0.0)
+
+
 def test_bad_task_config_names_field():
     with pytest.raises(ValueError, match="field `digits`"):
         ArithmeticTask(digits=0)

@@ -2,7 +2,9 @@
 every value came from.
 
 A file may name the files it builds on with `base:` (a path, or a list of paths, relative
-to the file); their sections are merged key by key, in order, and the file's own keys win.
+to the file); their sections are merged key by key, in order, and the file's own keys win,
+except `data.task_args`, which a file sets whole: the arguments of one task mean nothing to
+another (a sorting config on the arithmetic demo must not inherit its `digits`).
 Overrides (`trainer.optimizer.lr=1e-6`) apply last. `load_config_with_sources` also says,
 for every value a file or an override set, which one set it (`rlax config show` prints it).
 """
@@ -42,6 +44,7 @@ RENAMED_FIELDS = {
     "workers.decode_steps": "workers.num_decode_steps",
 }
 _MAX_BASE_DEPTH = 16
+_SET_WHOLE = ("data.task_args",)  # mappings a file replaces instead of merging into
 
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -148,10 +151,10 @@ def leaf_paths(raw: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if prefix else []
 
 
-def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+def _merge(into: dict[str, Any], update: dict[str, Any], prefix: str = "") -> None:
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and prefix + key not in _SET_WHOLE:
+            _merge(into[key], value, f"{prefix}{key}.")
         else:
             into[key] = _deep_copy(value)
 
@@ -182,6 +185,10 @@ def read_config_file(
         _merge(raw, base_raw)
         sources.update(base_sources)
     _merge(raw, own)
+    for whole in _SET_WHOLE:  # what the bases set under a mapping this file sets whole is gone
+        section, name = whole.split(".")
+        if name in own.get(section, {}):
+            sources = {k: v for k, v in sources.items() if not k.startswith(whole + ".")}
     label = os.path.normpath(path)
     sources.update({leaf: label for leaf in leaf_paths(own)})
     return raw, sources

@@ -1,0 +1,95 @@
+"""Partial rollouts against finishing every sample on its old weights, side by side on the
+long-tail setting (`configs/long-tail-demo.yaml`: digit sorting with Pareto-tailed lengths,
+lag 2, k 2, TIS), the same seeds for both, in one session on one machine.
+
+Each setting is one `rlax launch` per seed (all components as local processes), `finish`
+(`workers.on_new_version: finish`, whole groups) and `interrupt` (partial rollouts, segments
+of max_new_tokens / lag tokens). Reported per setting as mean and range over the seeds:
+- throughput: trained steps per hour between the third and the last training record
+  (start-up and the first compilation left out), and generated tokens per second over the
+  same records;
+- the end point: eval pass@1 at the last step (eval runs at the end only);
+- for `interrupt`, the share of a batch's tokens that newer weights drew.
+
+`RLAX_BENCH_SEEDS` (default 0,1,2) and `RLAX_BENCH_STEPS` (default 40) shorten or widen it.
+`RLAX_BENCH_JSON=FILE` writes one JSON object: `partial_over_finish_throughput` (mean steps
+per hour, interrupt over finish), `partial_over_finish_tokens_per_s`, the end points'
+means and ranges, and every seed's figures.
+
+    RLAX_BENCH_JSON=out.json nox -s bench -- packages/rlax-controller/benchmarks/bench_partial_rollouts.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from rlax_controller.metrics import latest_per_step, read_metrics
+from rlax_protocol.atomic_files import atomic_write_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+CONFIG = ROOT / "configs" / "long-tail-demo.yaml"
+MODES = {"finish": "workers.on_new_version=finish", "interrupt": "workers.on_new_version=interrupt"}
+
+
+def run_once(out: pathlib.Path, cache: pathlib.Path, steps: int, seed: int, mode: str) -> dict[str, float]:
+    cmd = [
+        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG),
+        f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={steps}",
+        f"run.seed={seed}", f"eval.every={steps}", MODES[mode],
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=3600)
+    train = latest_per_step(read_metrics(out / "metrics.jsonl", kind="train"))
+    first, last = train[2], train[-1]
+    seconds = last["time"] - first["time"]
+    tokens = sum(sum(r["response_tokens"]) for r in train[3:])
+    final = [r for r in read_metrics(out / "metrics.jsonl", kind="eval") if r["step"] == steps]
+    return {
+        "steps_per_hour": 3600.0 * (last["step"] - first["step"]) / seconds,
+        "tokens_per_s": tokens / seconds,
+        "eval_pass_at_1": float(final[-1]["pass@1"]),
+        "newer_version_token_fraction": statistics.fmean(
+            r.get("newer_version_token_fraction", 0.0) for r in train[3:]
+        ),
+    }
+
+
+def summary(per_seed: list[dict[str, float]], key: str) -> dict[str, float]:
+    values = [r[key] for r in per_seed]
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_path: pathlib.Path) -> None:
+    seeds = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
+    steps = int(os.environ.get("RLAX_BENCH_STEPS", "40"))
+    cache = tmp_path / "jax_cache"
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+
+    def every_run() -> None:
+        for seed in seeds:  # the two modes alternate, so a drift of the machine hits both
+            for mode in MODES:
+                results[mode].append(run_once(tmp_path / f"{mode}-{seed}", cache, steps, seed, mode))
+
+    benchmark.pedantic(every_run, rounds=1, iterations=1)
+    figures: dict[str, Any] = {"seeds": seeds, "steps": steps, "per_seed": results}
+    print(f"\nlong-tail setting, {steps} steps, seeds {seeds} (mean, range)")
+    for key in ("steps_per_hour", "tokens_per_s", "eval_pass_at_1", "newer_version_token_fraction"):
+        for mode in MODES:
+            s = summary(results[mode], key)
+            figures[f"{mode}_{key}"] = s
+            print(f"{mode:>10} {key:>30} {s['mean']:10.3f}  [{s['min']:.3f}, {s['max']:.3f}]")
+    for key, name in (("steps_per_hour", "throughput"), ("tokens_per_s", "tokens_per_s")):
+        ratio = figures[f"interrupt_{key}"]["mean"] / figures[f"finish_{key}"]["mean"]
+        figures[f"partial_over_finish_{name}"] = ratio
+        print(f"partial over finish, {key}: {ratio:.2f}x")
+    benchmark.extra_info.update({k: v for k, v in figures.items() if k != "per_seed"})
+    target = os.environ.get("RLAX_BENCH_JSON")
+    if target:
+        atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())
+    assert all(r["steps_per_hour"] > 0 for runs in results.values() for r in runs)
