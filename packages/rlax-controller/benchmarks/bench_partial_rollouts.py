@@ -11,7 +11,10 @@ of max_new_tokens / lag tokens). Reported per setting as mean and range over the
 - the end point: eval pass@1 at the last step (eval runs at the end only);
 - for `interrupt`, the share of a batch's tokens that newer weights drew.
 
-`RLAX_BENCH_SEEDS` (default 0,1,2) and `RLAX_BENCH_STEPS` (default 40) shorten or widen it.
+`RLAX_BENCH_SEEDS` (default 0,1,2) and `RLAX_BENCH_STEPS` (default 40) shorten or widen it;
+`RLAX_BENCH_OVERRIDES` (space-separated key=value) change both modes' config, e.g.
+"controller.lag=3 trainer.k=3 workers.segment_newest_lag=2" (the last segment beside a
+training step instead of on the critical path).
 `RLAX_BENCH_JSON=FILE` writes one JSON object: `partial_over_finish_throughput` (mean steps
 per hour, interrupt over finish), `partial_over_finish_tokens_per_s`, the end points'
 means and ranges, and every seed's figures.
@@ -29,11 +32,17 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from rlax_controller.metrics import latest_per_step, read_metrics
 from rlax_protocol.atomic_files import atomic_write_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "long-tail-demo.yaml"
+SEEDS = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
+STEPS = int(os.environ.get("RLAX_BENCH_STEPS", "40"))
+OVERRIDES = os.environ.get("RLAX_BENCH_OVERRIDES", "").split()
+RUN_TIMEOUT_S = 3600
 MODES = {"finish": "workers.on_new_version=finish", "interrupt": "workers.on_new_version=interrupt"}
 
 
@@ -41,10 +50,10 @@ def run_once(out: pathlib.Path, cache: pathlib.Path, steps: int, seed: int, mode
     cmd = [
         sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG),
         f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={steps}",
-        f"run.seed={seed}", f"eval.every={steps}", MODES[mode],
+        f"run.seed={seed}", f"eval.every={steps}", *OVERRIDES, MODES[mode],
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=3600)
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
     train = latest_per_step(read_metrics(out / "metrics.jsonl", kind="train"))
     first, last = train[2], train[-1]
     seconds = last["time"] - first["time"]
@@ -65,9 +74,10 @@ def summary(per_seed: list[dict[str, float]], key: str) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
+# Every launch has its own limit; the whole benchmark may take all of theirs.
+@pytest.mark.timeout(RUN_TIMEOUT_S * len(MODES) * len(SEEDS))
 def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_path: pathlib.Path) -> None:
-    seeds = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
-    steps = int(os.environ.get("RLAX_BENCH_STEPS", "40"))
+    seeds, steps = SEEDS, STEPS
     cache = tmp_path / "jax_cache"
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
 
@@ -77,8 +87,8 @@ def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_p
                 results[mode].append(run_once(tmp_path / f"{mode}-{seed}", cache, steps, seed, mode))
 
     benchmark.pedantic(every_run, rounds=1, iterations=1)
-    figures: dict[str, Any] = {"seeds": seeds, "steps": steps, "per_seed": results}
-    print(f"\nlong-tail setting, {steps} steps, seeds {seeds} (mean, range)")
+    figures: dict[str, Any] = {"seeds": seeds, "steps": steps, "overrides": OVERRIDES, "per_seed": results}
+    print(f"\nlong-tail setting {OVERRIDES}, {steps} steps, seeds {seeds} (mean, range)")
     for key in ("steps_per_hour", "tokens_per_s", "eval_pass_at_1", "newer_version_token_fraction"):
         for mode in MODES:
             s = summary(results[mode], key)

@@ -6,6 +6,7 @@ workers there are; a late segment and a lost worker leave nothing behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -44,7 +45,8 @@ def config(**fields: Any) -> RolloutSchedulerConfig:
 
 def test_segment_versions_follow_the_schedule_written_out_by_hand() -> None:
     """lag 2: step s's first segment on s - 2, the rest on s - 1; lag 3: s - 3, s - 2, then
-    s - 1; never below version 0, never version s itself; off: one version."""
+    s - 1; never below version 0, never version s itself; off: one version. Newest lag 2:
+    never s - 1 either, so the last segment overlaps step s - 1's training."""
     lag2, lag3 = config(lag=2), config(lag=3, k=3)
     assert [[lag2.segment_version(s, i) for i in range(4)] for s in range(5)] == [
         [0, 0, 0, 0],
@@ -55,6 +57,12 @@ def test_segment_versions_follow_the_schedule_written_out_by_hand() -> None:
     ]
     assert [lag3.segment_version(6, i) for i in range(5)] == [3, 4, 5, 5, 5]
     assert [config(segments=SegmentPlan()).segment_version(6, i) for i in range(3)] == [4, 4, 4]
+    overlapped = config(lag=3, k=3, segments=dataclasses.replace(PLAN, newest_lag=2))
+    assert [[overlapped.segment_version(s, i) for i in range(3)] for s in (2, 3, 6)] == [
+        [0, 0, 0],
+        [0, 1, 1],
+        [3, 4, 4],
+    ]
 
 
 def length_of(seed: int, index: int) -> int:

@@ -119,11 +119,13 @@ PARTIAL = ["workers.on_new_version=interrupt", "controller.lag=2", "trainer.k=2"
 @pytest.mark.parametrize(
     ("override", "needles"),
     [
-        ("controller.lag=1", ["controller.lag", "must be >= 2"]),
+        ("controller.lag=1", ["controller.lag", "must be >= workers.segment_newest_lag + 1 = 2"]),
         ("controller.versions=freshest", ["controller.versions", "must be pinned"]),
         ("agent.environment=calculator", ["agent.enabled", "single-turn"]),
         ("workers.segment_tokens=12", ["workers.segment_tokens", "no sample would be interrupted"]),
         ("workers.segment_tokens=-1", ["workers.segment_tokens", ">= 0"]),
+        ("workers.segment_newest_lag=2", ["controller.lag", "must be >= workers.segment_newest_lag + 1 = 3"]),
+        ("workers.segment_newest_lag=0", ["workers.segment_newest_lag", ">= 1"]),
     ],
 )
 def test_partial_rollouts_refuse_what_they_cannot_schedule(override: str, needles: list[str]) -> None:
@@ -138,4 +140,13 @@ def test_partial_rollout_segments_default_to_the_lag_s_share_of_the_new_tokens()
     widest = load_config(None, [*PARTIAL, "controller.lag=-1", "trainer.k=4", "paramserver.keep=8"])
     assert widest.pinned_lag == 4 and widest.partial_segment_tokens == 3
     assert load_config(None, [*PARTIAL, "workers.segment_tokens=5"]).partial_segment_tokens == 5
+    # lag 4 with the newest segment at s - 2: versions s - 4 .. s - 2, three shares
+    overlapped = [
+        *PARTIAL,
+        "controller.lag=4",
+        "trainer.k=4",
+        "paramserver.keep=8",
+        "workers.segment_newest_lag=2",
+    ]
+    assert load_config(None, overlapped).partial_segment_tokens == 4
     assert load_config(None, []).workers.on_new_version == "finish"

@@ -243,5 +243,6 @@ def _scheduler_config(config: RunConfig) -> RolloutSchedulerConfig:
             tokens=config.partial_segment_tokens if config.workers.on_new_version == "interrupt" else 0,
             max_new_tokens=config.data.max_new_tokens,
             max_seq_len=config.model.max_seq_len,
+            newest_lag=config.workers.segment_newest_lag,
         ),
     )

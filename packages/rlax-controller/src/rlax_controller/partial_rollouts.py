@@ -5,11 +5,13 @@ names, so a long sample crosses weight updates instead of holding its worker on 
 Where a sample is interrupted and which version continues it are decided by the schedule,
 never by timing: segment i of a group consumed by step s is generated with version
 
-    segment_version(s, i) = max(v, min(v + i, s - 1)),   v = pinned_version(s) = s - lag
+    segment_version(s, i) = max(v, min(v + i, s - n)),   v = pinned_version(s) = s - lag
 
-so with lag L a sample's first segment uses s - L, the next s - L + 1, ..., and the rest
-s - 1 (never version s, which only exists once step s - 1 is trained: the batch of step s
-would wait for it). A worker still holds one version at a time and drains its engine before
+(n = `newest_lag`, `workers.segment_newest_lag`) so with lag L a sample's first segment uses
+s - L, the next s - L + 1, ..., and the rest s - n: never version s, which only exists once
+step s - 1 is trained (the batch of step s would wait for it). With n = 1 the last segment
+can start only when step s - 1 is trained, while the trainer waits for it; n = 2 leaves it
+step s - 1's training to run beside. A worker still holds one version at a time and drains its engine before
 loading the next, but a drain now waits for at most one segment, not for the longest
 sample: the tail of step s runs on version s - 1 beside the first segments of step s + 1.
 The samples that are not finished after a segment are sent again as `ResumedSample`s; a
@@ -34,11 +36,13 @@ __all__ = ["PartialSample", "SegmentPlan", "join_segment", "segment_request"]
 class SegmentPlan:
     """`tokens`: a segment's length (0: partial rollouts off, a group is one request);
     `max_new_tokens` / `max_seq_len`: where a sample ends anyway (`data.max_new_tokens`,
-    `model.max_seq_len`), so a segment that stopped there is not resumed."""
+    `model.max_seq_len`), so a segment that stopped there is not resumed. `newest_lag`: the
+    newest version a segment of step s may use is s - newest_lag."""
 
     tokens: int = 0
     max_new_tokens: int = 0
     max_seq_len: int = 0
+    newest_lag: int = 1
 
     @property
     def enabled(self) -> bool:

@@ -153,7 +153,7 @@ class RolloutSchedulerConfig:
         first = self.pinned_version(step)
         if not self.segments.enabled:
             return first
-        return max(first, min(first + segment, step - 1))
+        return max(first, min(first + segment, step - self.segments.newest_lag))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,9 +98,11 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
         why = "workers.on_new_version: interrupt (partial rollouts) needs"
         check(self.controller.versions == "pinned", "controller.versions", self.controller.versions,
               f"must be pinned: {why} the controller's version schedule")  # fmt: skip
-        check(self.pinned_lag >= 2, "controller.lag", self.controller.lag,
-              f"must be >= 2 (resolved: {self.pinned_lag}): {why} a newer version than the first "
-              "segment's that is older than the step's own; below 2 every segment has one version")  # fmt: skip
+        newest = self.workers.segment_newest_lag
+        check(self.pinned_lag >= newest + 1, "controller.lag", self.controller.lag,
+              f"must be >= workers.segment_newest_lag + 1 = {newest + 1} (resolved: {self.pinned_lag}): "
+              f"{why} a newer version than the first segment's, at most s - {newest} for step s; "
+              "below that every segment has one version")  # fmt: skip
         check(self.workers.j == 1, "workers.j", self.workers.j, f"must be 1: {why} every version")
         check(not self.agent.enabled, "agent.enabled", self.agent.enabled,
               f"must be false: {why} single-turn samples (a trajectory is not resumed)")  # fmt: skip
@@ -111,9 +113,9 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     @property
     def partial_segment_tokens(self) -> int:
         """Tokens per segment of a partial rollout: `workers.segment_tokens`, or max_new_tokens
-        split across the lag's versions."""
-        lag = max(1, self.pinned_lag)
-        return self.workers.segment_tokens or -(-self.data.max_new_tokens // lag)
+        split across the versions a group spans (s - lag to s - segment_newest_lag)."""
+        versions = max(1, self.pinned_lag - self.workers.segment_newest_lag + 1)
+        return self.workers.segment_tokens or -(-self.data.max_new_tokens // versions)
 
     @property
     def pinned_lag(self) -> int:

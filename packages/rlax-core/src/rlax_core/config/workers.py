@@ -39,10 +39,14 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     `on_new_version` (pinned versions, `controller.lag` >= 2): "finish" generates each
     group whole with its one version; "interrupt" makes partial rollouts
     (`rlax_controller.partial_rollouts`): samples are generated in segments of
-    `segment_tokens` tokens (0: data.max_new_tokens / lag, rounded up), each with the newer
-    version the controller's schedule names, so a long sample crosses weight updates and
-    a worker switching versions waits for one segment, not for its longest sample.
-    Single-turn samples with workers.j 1 only."""
+    `segment_tokens` tokens (0: data.max_new_tokens split evenly across the versions a
+    group spans, rounded up), each with the newer version the controller's schedule names,
+    so a long sample crosses weight updates and a worker switching versions waits for one
+    segment, not for its longest sample. `segment_newest_lag`: the newest version a
+    segment of step s may use is s - segment_newest_lag (< controller.lag); 1, the version
+    trained just before s, puts the last segment on the critical path (it can only start
+    when step s could), 2 lets it overlap step s - 1's training. Single-turn samples with
+    workers.j 1 only."""
 
     count: int = 2
     j: int = 1
@@ -59,6 +63,7 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     lora_apply: Literal["merged", "unmerged"] = "unmerged"
     on_new_version: Literal["finish", "interrupt"] = "finish"
     segment_tokens: int = 0
+    segment_newest_lag: int = 1
 
     def __post_init__(self) -> None:
         check(self.count >= 1, "count", self.count, "must be >= 1")
@@ -76,8 +81,9 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
             self.segment_tokens >= 0,
             "segment_tokens",
             self.segment_tokens,
-            "must be >= 0 (0: max_new_tokens / lag)",
+            "must be >= 0 (0: max_new_tokens / the versions a group spans)",
         )
+        check(self.segment_newest_lag >= 1, "segment_newest_lag", self.segment_newest_lag, "must be >= 1")
         check(self.num_decode_steps >= 1, "num_decode_steps", self.num_decode_steps, "must be >= 1")
         check(
             self.max_inflight_requests >= 2 * self.max_inflight_groups,
