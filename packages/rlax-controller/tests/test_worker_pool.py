@@ -173,9 +173,18 @@ def test_an_unreadable_reply_drops_the_link_and_declares_the_worker_dead(rig: An
     assert "protocol error" in r.events("dead")[0]["why"]
 
 
+def answer_one(r: Rig, tag: str) -> None:
+    """The worker's first result: its first compilation is behind it."""
+    r.send(tag)
+    request, generate = r.worker.take_generate(r.pump)
+    r.worker.answer(request, result_for(generate, version=0))
+    wait_until(lambda: r.state.answered, r.pump)
+
+
 def test_an_unanswered_request_times_out_and_quarantines_the_worker(rig: Any) -> None:
     r = rig(**{"controller.request_timeout_s": 2.0})
     r.alive()
+    answer_one(r, "g0")
     r.send("g1")
     r.worker.take_generate(r.pump)
     later = time.monotonic() + 3.0  # past the request timeout, within the heartbeat timeout
@@ -184,6 +193,66 @@ def test_an_unanswered_request_times_out_and_quarantines_the_worker(rig: Any) ->
     assert r.owner.released == ["g1"] and r.tally.counters["requests_timed_out"] == 1
     assert r.state.alive and r.state.timeouts == 1
     assert r.pool.ready(later) == [] and r.state.quarantine_until == pytest.approx(later + 2.0)
+
+
+def test_a_worker_gets_the_first_result_timeout_until_it_answers(rig: Any) -> None:
+    """Before its first result a worker is compiling the run's shapes: its requests wait
+    `first_result_timeout_s`; once it answered, `request_timeout_s`. A new life starts over."""
+    r = rig(**{"controller.request_timeout_s": 2.0, "controller.first_result_timeout_s": 10.0})
+    r.alive()
+    r.send("g1")
+    request, generate = r.worker.take_generate(r.pump)
+    sent = time.monotonic()
+    r.pool.heartbeat(sent + 5.0)  # past request_timeout_s, within first_result_timeout_s
+    assert not r.owner.released and r.pool.inflight() == 1 and r.state.timeouts == 0
+    r.worker.answer(request, result_for(generate, version=0))
+    wait_until(lambda: r.state.answered, r.pump)
+    r.send("g2")
+    r.worker.take_generate(r.pump)
+    r.pool.heartbeat(time.monotonic() + 3.0)
+    assert r.owner.released == ["g2"] and r.state.timeouts == 1
+    r.worker.server_id = "life2"  # restarted: compiles again
+    r.state.last_ping = 0.0  # the heartbeats above ran ahead of the clock: ping now
+    wait_until(lambda: not r.state.answered and r.state.link.server_id == "life2", r.pump)
+    r.pool.heartbeat(r.state.quarantine_until)  # the quarantine ran out, nothing else changed
+    r.send("g3")
+    r.worker.take_generate(r.pump)
+    r.pool.heartbeat(time.monotonic() + 5.0)
+    assert r.owner.released == ["g2"]
+
+
+def test_requests_that_time_out_together_are_one_strike_and_a_late_answer_lifts_it(rig: Any) -> None:
+    r = rig(**{"controller.request_timeout_s": 2.0})
+    r.alive()
+    answer_one(r, "g0")
+    r.send("g1")
+    r.send("g2")
+    first, generate1 = r.worker.take_generate(r.pump)
+    r.worker.take_generate(r.pump)
+    later = time.monotonic() + 3.0
+    r.pool.heartbeat(later)
+    assert sorted(r.owner.released) == ["g1", "g2"] and r.tally.counters["requests_timed_out"] == 2
+    assert r.state.timeouts == 1 and r.state.quarantine_until == pytest.approx(later + 2.0)
+    assert r.pool.ready(later) == []
+    # It was slow, not hung: its late answer is not used, but work may go to it again.
+    r.worker.answer(first, result_for(generate1, version=0))
+    wait_until(lambda: r.tally.counters.get("results_ignored") == 1, r.pump)
+    assert [w.name for w in r.pool.ready(later)] == ["worker0"] and r.state.timeouts == 0
+    assert [res.request_id for _, res in r.owner.results] == ["g0"]
+
+
+def test_an_answer_to_a_request_it_was_never_sent_lifts_no_quarantine(rig: Any) -> None:
+    r = rig(**{"controller.request_timeout_s": 2.0})
+    r.alive()
+    answer_one(r, "g0")
+    r.send("g1")
+    request, generate = r.worker.take_generate(r.pump)
+    later = time.monotonic() + 3.0
+    r.pool.heartbeat(later)
+    assert r.state.timeouts == 1
+    r.worker.answer(request, result_for(generate, request_id="stranger"))
+    wait_until(lambda: r.tally.counters.get("results_ignored") == 1, r.pump)
+    assert r.pool.ready(later) == [] and r.state.timeouts == 1
 
 
 def test_a_silent_worker_is_declared_dead_with_its_requests(rig: Any) -> None:

@@ -30,6 +30,9 @@ from rlax_protocol.request_links import PeerLink
 __all__ = ["WorkOwner", "WorkerPool", "WorkerState", "check_result"]
 
 log = logging.getLogger("rlax.controller")
+# The tags a worker may still answer after they timed out on it, kept to recognise a late
+# answer (a slow worker, not a hung one); a bound, as a worker may time out without end.
+MAX_TIMED_OUT_TAGS = 4096
 
 
 class WorkOwner(Protocol):
@@ -57,6 +60,8 @@ class WorkerState:
     sent_at: dict[int, float] = dataclasses.field(default_factory=dict)
     timeouts: int = 0
     quarantine_until: float = 0.0
+    answered: bool = False  # any result in this life: its first compilation is behind it
+    timed_out: set[str] = dataclasses.field(default_factory=set)  # tags it may still answer late
     version: int | None = None
     reloads: int = 0
     stats: WorkerStats | None = None  # the totals its latest result carried
@@ -182,27 +187,41 @@ class WorkerPool:
                 request_id = worker.link.hello()
                 if request_id is not None:
                     worker.pings.add(request_id)
-            for request_id, sent in list(worker.sent_at.items()):
-                if now - sent > cfg.request_timeout_s:
-                    tag = worker.requests.pop(request_id, None)
-                    del worker.sent_at[request_id]
-                    if tag is not None:
-                        log.warning(
-                            "%s: request %s timed out after %.1fs; reassigning", worker.name, tag, now - sent
-                        )
-                        self.tally.count("requests_timed_out")
-                        self.owner.release(tag)
-                        # A worker that answers pings but not requests is hung: keep work away from it.
-                        worker.timeouts += 1
-                        worker.quarantine_until = now + min(
-                            60.0, cfg.request_timeout_s * 2 ** (worker.timeouts - 1)
-                        )
+            self._time_out_requests(worker, now)
             silent = now - worker.last_seen
             if worker.alive and silent > cfg.heartbeat_timeout_s:
                 self.declare_dead(
                     worker,
                     f"silent for {silent:.1f}s (controller.heartbeat_timeout_s={cfg.heartbeat_timeout_s})",
                 )
+
+    def _time_out_requests(self, worker: WorkerState, now: float) -> None:
+        """Sends `worker`'s overdue requests elsewhere; a worker that answers pings but not
+        requests is hung, so work is kept away from it, longer at each further strike. All
+        the requests that ran out together are one strike (one hang, not one per request)."""
+        cfg = self.config.controller
+        limit = (
+            cfg.request_timeout_s
+            if worker.answered
+            else max(cfg.request_timeout_s, cfg.first_result_timeout_s)
+        )
+        struck = False
+        for request_id, sent in list(worker.sent_at.items()):
+            if now - sent <= limit:
+                continue
+            tag = worker.requests.pop(request_id, None)
+            del worker.sent_at[request_id]
+            if tag is None:
+                continue
+            log.warning("%s: request %s timed out after %.1fs; reassigning", worker.name, tag, now - sent)
+            self.tally.count("requests_timed_out")
+            self.owner.release(tag)
+            if len(worker.timed_out) < MAX_TIMED_OUT_TAGS:
+                worker.timed_out.add(tag)
+            struck = True
+        if struck:
+            worker.timeouts += 1
+            worker.quarantine_until = now + min(60.0, cfg.request_timeout_s * 2 ** (worker.timeouts - 1))
 
     def _follow_moves(self, now: float) -> None:
         """A worker restarted on another node listens at a new address (the launcher's address
@@ -264,8 +283,16 @@ class WorkerPool:
                 self.tally.count("results_ignored")
                 if tag is not None:
                     self.owner.release(tag)
+                if message.request_id in worker.timed_out:
+                    # It answers what timed out: slow (a compilation), not hung. Its quarantine ends.
+                    worker.timed_out.clear()
+                    worker.answered = True
+                    worker.timeouts = 0
+                    worker.quarantine_until = 0.0
                 return
             check_result(message)
+            worker.answered = True
+            worker.timed_out.clear()
             worker.timeouts = 0
             self._note_version(worker, message)
             self.owner.take_result(worker.name, message)
@@ -286,6 +313,9 @@ class WorkerPool:
             self.declare_dead(
                 worker, f"restarted (server id {worker.link.server_id} -> {welcome.server_id})", reopen=False
             )
+        if welcome.server_id != worker.link.server_id:
+            worker.answered = False  # a new life compiles again
+            worker.timed_out.clear()
         worker.link.server_id = welcome.server_id
         if not worker.alive:
             self._write_event(worker, "alive")

@@ -19,12 +19,19 @@ class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_onl
     weights it holds (reloading when `workers.j` behind), fresher but timing-dependent.
     `lag`: how many versions behind its step a group is generated under `pinned` (0:
     synchronous; -1: the most that trainer.k and paramserver.keep allow,
-    min(k - j + 1, keep - j))."""
+    min(k - j + 1, keep - j)).
+
+    `request_timeout_s`: a request unanswered that long is sent elsewhere and its worker
+    (alive: it answers pings) kept out of work for a while. `first_result_timeout_s` takes
+    its place until a worker's first result of each life: that result waits for the
+    worker's first compilation of the run's shapes (~45-60 s for the demo on 2 busy cores,
+    minutes for a real model), which is not a hang."""
 
     address: str = AUTO
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 20.0
     request_timeout_s: float = 30.0
+    first_result_timeout_s: float = 300.0
     snapshot_keep: int = 4
     lookahead_steps: int = 1
     versions: Literal["pinned", "freshest"] = "pinned"
@@ -40,6 +47,12 @@ class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_onl
             f"must exceed heartbeat_interval_s={self.heartbeat_interval_s}",
         )
         check(self.request_timeout_s > 0, "request_timeout_s", self.request_timeout_s, "must be > 0")
+        check(
+            self.first_result_timeout_s > 0,
+            "first_result_timeout_s",
+            self.first_result_timeout_s,
+            "must be > 0",
+        )
         check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
         check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
         check(self.lag >= -1, "lag", self.lag, "must be >= 0, or -1 for the most trainer.k allows")
