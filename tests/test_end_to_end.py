@@ -324,14 +324,18 @@ def test_lag2_60_steps_two_workers_delays_and_kills_of_every_role(tmp_path: path
 @pytest.mark.slow
 def test_partial_rollouts_killed_everywhere_are_the_undisturbed_run(tmp_path: pathlib.Path) -> None:
     """Issue 33: partial rollouts (`workers.on_new_version: interrupt`, lag 2, segments of 3
-    of 6 tokens) undisturbed and with random delays plus SIGKILLs of every role: the same
-    rollouts, per-token versions, rewards, trainer figures and final weights, and samples
-    did cross a weight update (their later tokens came from newer weights)."""
+    of 6 tokens) with the per-token TIS correction reading mixed-version log-probs,
+    undisturbed and with random delays plus SIGKILLs of every role: the same rollouts,
+    per-token versions, rewards, trainer figures and final weights, and samples did cross a
+    weight update (their later tokens came from newer weights). The correction reads the
+    workers' log-probs, so the run is exact only with `trainer.batch_invariant`
+    (design.md, "Reproducibility")."""
     steps = 12
     common = [
         f"run.steps={steps}", "workers.j=1", "trainer.k=2", "controller.lag=2",
         "workers.on_new_version=interrupt", "data.max_new_tokens=6", "model.max_seq_len=24",
         "trainer.sft_steps=20",  # answers that stop: rewards vary, so later updates move the weights
+        "trainer.objective.importance.correction={kind: tis, upper: 2.0}", "trainer.batch_invariant=true",
     ]  # fmt: skip
     calm = launch(tmp_path / "calm", tmp_path / "jax_cache", *common)
     kills = [

@@ -62,6 +62,7 @@ from rlax_protocol.errors import ProtocolTimeoutError
 from rlax_protocol.lora_versions import tree_sha256
 from rlax_protocol.request_links import ControlClient
 from rlax_trainer.buffer import collate
+from rlax_trainer.config import LearnerConfig
 from rlax_trainer.gang import Gang, gang_mesh, join_gang, mesh_axes
 from rlax_trainer.journal import BatchJournal, JournalDamagedError
 from rlax_trainer.learner import Learner
@@ -130,6 +131,27 @@ def learner_config(config: RunConfig, *, mode: str) -> Any:
         raise ValueError(f"trainer config ({mode}): {error}") from None
 
 
+def reproducibility_caveat(rl_config: LearnerConfig) -> str:
+    """Why this objective makes a run's trajectory depend on timing ('' when it does not).
+
+    An off-policy correction weighs each token by the workers' log-probs. Without
+    `batch_invariant` the engine's log-probs move in their last bits with the rows that
+    share its batch, and which rows do depends on when requests arrive (lag > 0,
+    evaluations, kills): measured on the demo at lag 2 with TIS, two runs of one seed
+    differed in the loss from step 1 and in the sampled tokens from step 22; with
+    `trainer.batch_invariant: true` they were identical."""
+    assert rl_config.objective is not None
+    kind = rl_config.objective.importance.correction.kind
+    if kind == "none" or rl_config.batch_invariant:
+        return ""
+    return (
+        f"trainer.objective.importance.correction.kind={kind!r} reads the workers' log-probs, which "
+        "without trainer.batch_invariant move in their last bits with the requests that share an "
+        "engine batch: a run, killed or not, may not repeat its trajectory exactly. Set "
+        "trainer.batch_invariant: true for bitwise-repeatable runs (slower decoding)."
+    )
+
+
 class TrainerLoop:
     """State and steps of the trainer process (constructed once per process life)."""
 
@@ -148,6 +170,9 @@ class TrainerLoop:
         model_config, init = initial_params(config, self.task.tokenizer)
         self.model_config = dtype_policy(model_config)  # the workers apply the same policy
         self.rl_config = learner_config(config, mode="rl")
+        caveat = reproducibility_caveat(self.rl_config)
+        if caveat:
+            log.warning("%s", caveat)
         self.checkpoints = CheckpointManager(
             self.output / "checkpoints" / "rl", max_to_keep=config.trainer.checkpoint_keep, asynchronous=True
         )
