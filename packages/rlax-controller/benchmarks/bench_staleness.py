@@ -92,6 +92,7 @@ def test_steps_per_hour_by_lag(benchmark: Any, tmp_path: pathlib.Path) -> None:
 
 
 TIS = "trainer.objective.importance.correction={kind: tis, upper: 2.0}"
+NO_CORRECTION = "trainer.objective.importance.correction={kind: none}"  # whatever the config sets
 
 
 def lagged(lag: int, *extra: str) -> list[str]:
@@ -99,13 +100,13 @@ def lagged(lag: int, *extra: str) -> list[str]:
 
 
 TIME_SETTINGS = {
-    "sync": lagged(0),
-    "lag 1": lagged(1),
+    "sync": lagged(0, NO_CORRECTION),
+    "lag 1": lagged(1, NO_CORRECTION),
     "lag 1 tis": lagged(1, TIS),
-    "lag 2": lagged(2),
+    "lag 2": lagged(2, NO_CORRECTION),
     "lag 2 tis": lagged(2, TIS),
     "lag 2 tis partial": lagged(2, TIS, "workers.on_new_version=interrupt"),
-    "lag 4": lagged(4),
+    "lag 4": lagged(4, NO_CORRECTION),
     "lag 4 tis": lagged(4, TIS),
     "lag 4 tis partial": lagged(4, TIS, "workers.on_new_version=interrupt"),
 }
