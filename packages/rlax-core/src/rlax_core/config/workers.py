@@ -36,7 +36,7 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     adapters' pull alone) or "merged" (W + scale * A @ B, one merge per switch, a second
     copy of the adapted weights). On SmolLM2 on the CPU both decode at the same rate and
     an unmerged switch takes 0.02x a full reload, a merged one 0.37x (docs/lora.md).
-    `on_new_version` (pinned versions, `controller.lag` >= 2): "finish" generates each
+    `on_new_version` (pinned versions, `controller.lag` > `segment_newest_lag`): "finish" generates each
     group whole with its one version; "interrupt" makes partial rollouts
     (`rlax_controller.partial_rollouts`): samples are generated in segments of
     `segment_tokens` tokens (0: data.max_new_tokens split evenly across the versions a
