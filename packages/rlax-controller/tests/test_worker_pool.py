@@ -221,6 +221,26 @@ def test_a_worker_gets_the_first_result_timeout_until_it_answers(rig: Any) -> No
     assert r.owner.released == ["g2"]
 
 
+def test_the_first_answer_restarts_the_clock_of_the_requests_held_through_the_compilation(rig: Any) -> None:
+    """Requests sent into a worker's first compilation are being served once it answers
+    one: they get `request_timeout_s` from that answer, not from when they were sent."""
+    r = rig(**{"controller.request_timeout_s": 2.0, "controller.first_result_timeout_s": 60.0})
+    r.alive()
+    r.send("g1")
+    r.send("g2")
+    first, generate1 = r.worker.take_generate(r.pump)
+    r.worker.take_generate(r.pump)
+    for request_id in r.state.sent_at:
+        r.state.sent_at[request_id] -= 40.0  # sent 40 s ago, into the compilation
+    r.worker.answer(first, result_for(generate1, version=0))
+    wait_until(lambda: r.owner.results, r.pump)
+    answered = time.monotonic()
+    r.pool.heartbeat(answered + 1.0)
+    assert not r.owner.released and r.pool.inflight() == 1
+    r.pool.heartbeat(answered + 3.0)
+    assert r.owner.released == ["g2"]
+
+
 def test_requests_that_time_out_together_are_one_strike_and_a_late_answer_lifts_it(rig: Any) -> None:
     r = rig(**{"controller.request_timeout_s": 2.0})
     r.alive()

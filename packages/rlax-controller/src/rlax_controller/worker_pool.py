@@ -285,15 +285,11 @@ class WorkerPool:
                     self.owner.release(tag)
                 if message.request_id in worker.timed_out:
                     # It answers what timed out: slow (a compilation), not hung. Its quarantine ends.
-                    worker.timed_out.clear()
-                    worker.answered = True
-                    worker.timeouts = 0
+                    self._answered(worker, now)
                     worker.quarantine_until = 0.0
                 return
             check_result(message)
-            worker.answered = True
-            worker.timed_out.clear()
-            worker.timeouts = 0
+            self._answered(worker, now)
             self._note_version(worker, message)
             self.owner.take_result(worker.name, message)
         elif isinstance(message, ErrorReply):
@@ -302,6 +298,18 @@ class WorkerPool:
                 self.owner.release(tag)
         else:
             raise MalformedMessageError(f"a worker does not answer with {type(message).__name__}")
+
+    @staticmethod
+    def _answered(worker: WorkerState, now: float) -> None:
+        """`worker` answered a request: not hung. Its first answer of a life ends its first
+        compilation, so the requests it holds get `request_timeout_s` from now, not from
+        when they were sent into that compilation."""
+        if not worker.answered:
+            for request_id, sent in worker.sent_at.items():
+                worker.sent_at[request_id] = max(sent, now)
+        worker.answered = True
+        worker.timed_out.clear()
+        worker.timeouts = 0
 
     def _on_welcome(self, worker: WorkerState, welcome: Welcome, now: float) -> None:
         if (
