@@ -24,18 +24,15 @@ means and ranges, and every seed's figures.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from launched_runs import launch, mean_and_range, steady_steps_per_hour, write_bench_json
 
-from rlax_controller.metrics import latest_per_step, read_metrics
-from rlax_protocol.atomic_files import atomic_write_bytes
+from rlax_controller.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "long-tail-demo.yaml"
@@ -47,31 +44,19 @@ MODES = {"finish": "workers.on_new_version=finish", "interrupt": "workers.on_new
 
 
 def run_once(out: pathlib.Path, cache: pathlib.Path, steps: int, seed: int, mode: str) -> dict[str, float]:
-    cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", str(CONFIG),
-        f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={steps}",
-        f"run.seed={seed}", f"eval.every={steps}", *OVERRIDES, MODES[mode],
-    ]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
-    train = latest_per_step(read_metrics(out / "metrics.jsonl", kind="train"))
-    first, last = train[2], train[-1]
-    seconds = last["time"] - first["time"]
+    overrides = [f"run.steps={steps}", f"run.seed={seed}", f"eval.every={steps}", *OVERRIDES, MODES[mode]]
+    train = launch(CONFIG, out, cache, overrides, timeout_s=RUN_TIMEOUT_S)
+    steps_per_hour, seconds = steady_steps_per_hour(train)
     tokens = sum(sum(r["response_tokens"]) for r in train[3:])
     final = [r for r in read_metrics(out / "metrics.jsonl", kind="eval") if r["step"] == steps]
     return {
-        "steps_per_hour": 3600.0 * (last["step"] - first["step"]) / seconds,
+        "steps_per_hour": steps_per_hour,
         "tokens_per_s": tokens / seconds,
         "eval_pass_at_1": float(final[-1]["pass@1"]),
         "newer_version_token_fraction": statistics.fmean(
             r.get("newer_version_token_fraction", 0.0) for r in train[3:]
         ),
     }
-
-
-def summary(per_seed: list[dict[str, float]], key: str) -> dict[str, float]:
-    values = [r[key] for r in per_seed]
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
 # Every launch has its own limit; the whole benchmark may take all of theirs.
@@ -91,7 +76,8 @@ def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_p
     print(f"\nlong-tail setting {OVERRIDES}, {steps} steps, seeds {seeds} (mean, range)")
     for key in ("steps_per_hour", "tokens_per_s", "eval_pass_at_1", "newer_version_token_fraction"):
         for mode in MODES:
-            s = summary(results[mode], key)
+            s = mean_and_range([r[key] for r in results[mode]])
+            assert s is not None  # every run has every figure
             figures[f"{mode}_{key}"] = s
             print(f"{mode:>10} {key:>30} {s['mean']:10.3f}  [{s['min']:.3f}, {s['max']:.3f}]")
     for key, name in (("steps_per_hour", "throughput"), ("tokens_per_s", "tokens_per_s")):
@@ -99,7 +85,5 @@ def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_p
         figures[f"partial_over_finish_{name}"] = ratio
         print(f"partial over finish, {key}: {ratio:.2f}x")
     benchmark.extra_info.update({k: v for k, v in figures.items() if k != "per_seed"})
-    target = os.environ.get("RLAX_BENCH_JSON")
-    if target:
-        atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())
+    write_bench_json(figures)
     assert all(r["steps_per_hour"] > 0 for runs in results.values() for r in runs)

@@ -30,19 +30,16 @@ trainer's peak resident memory, and the rate's ratio to lag 0.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
+from launched_runs import launch, mean_and_range, steady_steps_per_hour, write_bench_json
 
-from rlax_controller.metrics import latest_per_step, read_metrics
-from rlax_protocol.atomic_files import atomic_write_bytes
+from rlax_controller.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 STEPS = 40
@@ -56,17 +53,9 @@ SETTINGS = {
 
 
 def run_demo(out: pathlib.Path, cache: pathlib.Path, overrides: list[str]) -> dict[str, float]:
-    cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", str(ROOT / "configs" / "demo.yaml"),
-        f"run.output_dir={out}", f"run.jax_cache_dir={cache}", f"run.steps={STEPS}",
-        "eval.num_prompts=0", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=1800)
-    train = latest_per_step(read_metrics(out / "metrics.jsonl", kind="train"))
-    # Skip the first steps: they include the trainer's first compilation.
-    first, last = train[2], train[-1]
-    rate = 3600.0 * (last["step"] - first["step"]) / (last["time"] - first["time"])
+    demo = ROOT / "configs" / "demo.yaml"
+    train = launch(demo, out, cache, [f"run.steps={STEPS}", "eval.num_prompts=0", *overrides], timeout_s=1800)
+    rate, _ = steady_steps_per_hour(train)
     peak = max((r.get("trainer_peak_rss_mb", 0.0) for r in train), default=0.0)
     return {"steps_per_hour": rate, "seconds_per_step": 3600.0 / rate, "trainer_peak_rss_mb": peak}
 
@@ -113,6 +102,7 @@ TIME_SETTINGS = {
 CHOSEN = os.environ.get("RLAX_BENCH_SETTINGS", "sync,lag 2 tis,lag 2 tis partial").split(",")
 SEEDS = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
 RUN_TIMEOUT_S = 3600
+TIME_CONFIG = os.environ.get("RLAX_BENCH_CONFIG", str(ROOT / "configs" / "demo.yaml"))
 
 
 def steps_to_target(train: list[dict[str, Any]], target: float, window: int) -> dict[str, Any] | None:
@@ -129,37 +119,17 @@ def run_to_target(out: pathlib.Path, cache: pathlib.Path, overrides: list[str]) 
     target = float(os.environ.get("RLAX_BENCH_TARGET", "0.6"))
     window = int(os.environ.get("RLAX_BENCH_WINDOW", "20"))
     launched = time.time()
-    run_demo_steps(out, cache, overrides)
-    records = read_metrics(out / "metrics.jsonl")
-    train = latest_per_step([r for r in records if r.get("kind") == "train"])
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = launch(TIME_CONFIG, out, cache, overrides, timeout_s=RUN_TIMEOUT_S)
+    evals = read_metrics(out / "metrics.jsonl", kind="eval")
     reached = steps_to_target(train, target, window)
-    first, last = train[2], train[-1]
     return {
         "steps_to_target": reached["step"] if reached else None,
         "wall_seconds_to_target": reached["time"] - launched if reached else None,
         "rl_seconds_to_target": reached["time"] - train[0]["time"] if reached else None,
-        "end_eval_pass_at_1": float([r for r in evals if r["step"] == last["step"]][-1]["pass@1"]),
-        "steps_per_hour": 3600.0 * (last["step"] - first["step"]) / (last["time"] - first["time"]),
+        "end_eval_pass_at_1": float([r for r in evals if r["step"] == train[-1]["step"]][-1]["pass@1"]),
+        "steps_per_hour": steady_steps_per_hour(train)[0],
         "wall_seconds": time.time() - launched,
     }
-
-
-def run_demo_steps(out: pathlib.Path, cache: pathlib.Path, overrides: list[str]) -> None:
-    config = os.environ.get("RLAX_BENCH_CONFIG", str(ROOT / "configs" / "demo.yaml"))
-    cmd = [
-        sys.executable, "-m", "rlax_core.cli", "launch", config,
-        f"run.output_dir={out}", f"run.jax_cache_dir={cache}", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
-
-
-def mean_and_range(runs: list[dict[str, Any]], key: str) -> dict[str, float] | None:
-    values = [r[key] for r in runs]
-    if any(v is None for v in values):
-        return None  # a seed that never reached the target: no mean to give
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S * len(CHOSEN) * len(SEEDS))
@@ -172,7 +142,13 @@ def test_time_to_target(benchmark: Any, tmp_path: pathlib.Path) -> None:
     # the shared compilation cache, so none of them pays the cold start the others skip.
     for i, name in enumerate(CHOSEN):
         out = tmp_path / f"warmup{i}"
-        run_demo_steps(out, cache, [*TIME_SETTINGS[name], "run.steps=4", "eval.every=4"])
+        launch(
+            TIME_CONFIG,
+            out,
+            cache,
+            [*TIME_SETTINGS[name], "run.steps=4", "eval.every=4"],
+            timeout_s=RUN_TIMEOUT_S,
+        )
 
     def every_run() -> None:
         for seed in SEEDS:
@@ -195,7 +171,7 @@ def test_time_to_target(benchmark: Any, tmp_path: pathlib.Path) -> None:
     for name in CHOSEN:
         cells = []
         for key in keys:
-            s = mean_and_range(runs[name], key)
+            s = mean_and_range([r[key] for r in runs[name]])  # None: a seed missed the target
             figures[f"{name}|{key}"] = s
             cells.append(f"{s['mean']:9.3f} [{s['min']:.3f}, {s['max']:.3f}]" if s else "-")
         print(f"{name:>18} " + " ".join(f"{c:>26}" for c in cells))
@@ -214,7 +190,5 @@ def test_time_to_target(benchmark: Any, tmp_path: pathlib.Path) -> None:
     ):
         print(f"{key}: {figures[key]}")
     benchmark.extra_info.update({k: v for k, v in figures.items() if k != "runs"})
-    target = os.environ.get("RLAX_BENCH_JSON")
-    if target:
-        atomic_write_bytes(pathlib.Path(target), json.dumps(figures, indent=1).encode())
+    write_bench_json(figures)
     assert all(r["steps_per_hour"] > 0 for rs in runs.values() for r in rs)

@@ -11,9 +11,10 @@ never by timing: segment i of a group consumed by step s is generated with versi
 s - L, the next s - L + 1, ..., and the rest s - n: never version s, which only exists once
 step s - 1 is trained (the batch of step s would wait for it). With n = 1 the last segment
 can start only when step s - 1 is trained, while the trainer waits for it; n = 2 leaves it
-step s - 1's training to run beside. A worker still holds one version at a time and drains its engine before
-loading the next, but a drain now waits for at most one segment, not for the longest
-sample: the tail of step s runs on version s - 1 beside the first segments of step s + 1.
+step s - 1's training to run beside. A worker still holds one version at a time and drains
+its engine before loading the next, but a drain now waits for at most one segment, not for
+the longest sample: the tail of step s runs on version s - 1 beside the first segments of
+step s + 1.
 The samples that are not finished after a segment are sent again as `ResumedSample`s; a
 worker continues each from its tokens so far with the newer weights (the KV cache of the
 partial sequence is recomputed with them) and from the same place in its random stream, so
