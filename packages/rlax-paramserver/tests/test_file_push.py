@@ -45,9 +45,9 @@ class RecordingClient(ParamClient):
         self.operations: list[str] = []
         self.rewrite = rewrite
 
-    def _pipeline(self, requests: Any, operation: str, on_reply: Any) -> None:
+    def _pipeline(self, requests: Any, operation: str, on_reply: Any, before_send: Any = None) -> None:
         self.operations.append(operation)
-        super()._pipeline(requests, operation, on_reply)
+        super()._pipeline(requests, operation, on_reply, before_send)
 
     def _call(self, message: Any, frames: Any = (), **kwargs: Any) -> Any:
         reply = super()._call(message, frames, **kwargs)

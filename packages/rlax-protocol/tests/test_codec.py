@@ -22,7 +22,9 @@ from rlax_protocol import (
     encode_tree,
     flatten_tree,
     frame_layout,
+    frames_by_tensor,
     unflatten_tree,
+    with_checksums,
 )
 
 # Each dtype is drawn as raw bits of the same width so NaN payloads, -0.0 and
@@ -239,3 +241,16 @@ def test_encoding_a_tree_keeps_no_reference_to_it_once_dropped() -> None:
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_checksums_filled_in_later_are_those_of_a_single_encoding() -> None:
+    """`encode_tree(checksums=False)` then `with_checksums` (a sender that hashes as it
+    sends) gives the manifest of one `encode_tree`, multi-frame tensors included."""
+    tree = {"a": np.arange(1000, dtype=np.float32), "b": {"c": np.ones((3, 5), np.int8)}, "e": np.zeros(0)}
+    lazy = encode_tree(tree, chunk_bytes=1000, checksums=False)
+    assert all(t.checksum == 0 for t in lazy.manifest.tensors)
+    eager = encode_tree(tree, chunk_bytes=1000)
+    assert with_checksums(lazy).manifest == eager.manifest
+    assert [len(f) for f in frames_by_tensor(lazy.manifest, lazy.frames)] == [4, 1, 1]
+    with pytest.raises(ValueError, match="5 frames for a manifest of 6"):
+        frames_by_tensor(lazy.manifest, lazy.frames[:5])

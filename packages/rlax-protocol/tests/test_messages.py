@@ -34,6 +34,8 @@ EXAMPLES: list[rp.Message] = [
     ),
     rp.PushChunks(push_id=1, first_frame=0, count=1),
     rp.PushCommit(push_id=1),
+    rp.PushBegin(version=5, manifest=MANIFEST, checksums_follow=True),
+    rp.PushCommit(push_id=3, checksums=(HEADER.checksum,)),
     rp.PushAbort(push_id=1),
     rp.Committed(version=3, persisted=True),
     rp.PullBegin(version=None, if_newer_than=2),
@@ -224,6 +226,12 @@ def test_truncated_or_corrupted_encodings(message: rp.Message, cut: int, flip: i
             ),
             "weight_version",
         ),
+        (
+            lambda: rp.PushBegin(version=1, manifest=MANIFEST, whole=True, checksums_follow=True),
+            "checksums_follow",
+        ),
+        (lambda: rp.PushCommit(push_id=1, checksums=(1 << 64,)), "checksums"),
+        (lambda: rp.PushCommit(push_id=1, checksums=(-1,)), "checksums"),
         (lambda: rp.ResumedSample(sample_index=-1, token_ids=(1,)), "sample_index"),
         (lambda: rp.ResumedSample(sample_index=0, token_ids=()), "token_ids"),
         (

@@ -9,6 +9,7 @@ flight and verifies every tensor's checksum before returning it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from rlax_protocol import (
     Committed,
     CurveClientConfig,
     Deadline,
+    EncodedTree,
     FetchChunks,
     LatestQuery,
     LatestVersion,
@@ -56,9 +58,12 @@ from rlax_protocol import (
     TensorManifest,
     TreeAssembler,
     WaitNewer,
+    checksum_frames,
     encode_tree,
     frame_layout,
+    frames_by_tensor,
     unflatten_tree,
+    with_checksums,
 )
 from rlax_protocol.messages import Chunks, Message
 
@@ -190,10 +195,11 @@ class ParamClient:
         requests: list[tuple[Message, Sequence[Part]]],
         operation: str,
         on_reply: Callable[[int, Reply], None],
+        before_send: Callable[[int], None] | None = None,
     ) -> None:
         """`requests` with up to `window` in flight, each reply to `on_reply(index, reply)`
         (`pipelined_requests.run_pipelined`)."""
-        run_pipelined(self._rpc, requests, self.window, operation, on_reply)
+        run_pipelined(self._rpc, requests, self.window, operation, on_reply, before_send)
 
     # ------------------------------------------------------------------ push
 
@@ -207,12 +213,20 @@ class ParamClient:
         if the server (with a state dir) could not write it (it is then not visible),
         `ProtocolTimeoutError`.
         """
-        encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes)
+        encoded = encode_tree(tree, chunk_bytes=self.chunk_bytes, checksums=False)
         with self._lock:
+            whole = self._fits_one_message(encoded.frames)
+            follow = not whole and self._pushes_over_socket()
+            if not follow:
+                encoded = with_checksums(encoded)
             begin = PushBegin(
-                version=version, manifest=encoded.manifest, metadata=dict(metadata or {}), local=self.local
+                version=version,
+                manifest=encoded.manifest,
+                metadata=dict(metadata or {}),
+                local=self.local and not follow,
+                checksums_follow=follow,
             )
-            if self._fits_one_message(encoded.frames):
+            if whole:
                 committed = self._push_whole(begin, encoded.frames)
                 if committed is not None:
                     return committed
@@ -229,25 +243,49 @@ class ParamClient:
                 begin = msgspec.structs.replace(begin, local=False)
                 ready = self._call(begin, expect=PushReady).message
                 assert isinstance(ready, PushReady)
-            budget = min(self.message_bytes, ready.max_message_bytes)
-            runs = split_into_messages([f.nbytes for f in encoded.frames], budget)
-            requests: list[tuple[Message, Sequence[Part]]] = [
-                (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count])
-                for first, count in runs
-            ]
-
-            def acked(index: int, reply: Reply) -> None:
-                if not isinstance(reply.message, Ack):
-                    raise MalformedMessageError(
-                        f"server answered PushChunks with {type(reply.message).__name__}"
-                    )
-
             try:
-                self._pipeline(requests, "PushChunks", acked)
-                return self._commit(ready.push_id, version)
+                checksums = self._send_frames(ready, encoded, hash_as_sent=follow)
+                return self._commit(ready.push_id, version, checksums)
             except BaseException:
                 self._abort_quietly(ready.push_id)
                 raise
+
+    def _pushes_over_socket(self) -> bool:
+        """Whether this client's pushes to the server at the current address send frames:
+        it is not `local`, or the server named no staging file for its last push there.
+        Those pushes hash each tensor while the ones before it are on the wire."""
+        learned = self._push_limits is not None and self._push_limits[0] == self.address
+        return not self.local or (learned and not self._pushes_by_file)
+
+    def _send_frames(self, ready: PushReady, encoded: EncodedTree, *, hash_as_sent: bool) -> tuple[int, ...]:
+        """Send every frame of `encoded` in `PushChunks` messages, several in flight. With
+        `hash_as_sent` each tensor is hashed just before the message that completes it is
+        sent (its checksums are returned, in manifest order, for the commit); else ()."""
+        budget = min(self.message_bytes, ready.max_message_bytes)
+        runs = split_into_messages([f.nbytes for f in encoded.frames], budget)
+        requests: list[tuple[Message, Sequence[Part]]] = [
+            (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count])
+            for first, count in runs
+        ]
+        grouped = frames_by_tensor(encoded.manifest, encoded.frames)
+        checksums = [0] * len(grouped)
+        # The tensors whose last frame goes in message i: hashed before it is sent.
+        completed_by: list[list[int]] = [[] for _ in runs]
+        last_frame = itertools.accumulate(len(frames) for frames in grouped)
+        message_of_frame = [i for i, (_, count) in enumerate(runs) for _ in range(count)]
+        for tensor, end in enumerate(last_frame):
+            completed_by[message_of_frame[end - 1]].append(tensor)
+
+        def hash_completed(index: int) -> None:
+            for tensor in completed_by[index]:
+                checksums[tensor] = checksum_frames(grouped[tensor])
+
+        def acked(index: int, reply: Reply) -> None:
+            if not isinstance(reply.message, Ack):
+                raise MalformedMessageError(f"server answered PushChunks with {type(reply.message).__name__}")
+
+        self._pipeline(requests, "PushChunks", acked, hash_completed if hash_as_sent else None)
+        return tuple(checksums) if hash_as_sent else ()
 
     def _fits_one_message(self, frames: Sequence[memoryview]) -> bool:
         """Whether `frames` fit one message within this client's `message_bytes` and the
@@ -297,8 +335,8 @@ class ParamClient:
             raise
         return self._commit(ready.push_id, version)
 
-    def _commit(self, push_id: int, version: int) -> Committed:
-        return self._await_commit(PushCommit(push_id), (), version)
+    def _commit(self, push_id: int, version: int, checksums: tuple[int, ...] = ()) -> Committed:
+        return self._await_commit(PushCommit(push_id, checksums=checksums), (), version)
 
     def _await_commit(self, message: Message, frames: Sequence[Part], version: int) -> Committed:
         """Send the message that commits `version` and wait for `Committed`."""

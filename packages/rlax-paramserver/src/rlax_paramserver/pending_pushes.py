@@ -7,17 +7,18 @@ the table itself holds no lock, so one lock orders pushes, versions and pulls to
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
+import msgspec
 
 from rlax_paramserver.config import ServerConfig
 from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_paramserver.store_error import StoreError
-from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest
+from rlax_protocol import PROTOCOL_VERSION, FrameSlot, TensorManifest, checksum_frames
 
 
 @dataclass
@@ -36,6 +37,12 @@ class PendingPush:
     generation: list[int]
     # A push written into a file on the server's host: no frames, verified on commit.
     staging: StagingFile | None = None
+    # The manifest's checksums come with the commit (`PushBegin.checksums_follow`): a
+    # tensor's hash is kept in `digests` (valid where `verified`) and compared then.
+    checksums_follow: bool = False
+    digests: list[int] = field(default_factory=list)
+    # Tensor i's frames are frames[first_frames[i] : first_frames[i + 1]] (tensors in order).
+    first_frames: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +70,7 @@ class PendingPushes:
         owner: bytes,
         slots: list[FrameSlot],
         now: float,
+        checksums_follow: bool = False,
     ) -> None:
         """A new push; `slots` is `frame_layout(manifest)` (worked out before the lock is taken)."""
         counts = manifest.frames_per_tensor()
@@ -79,6 +87,9 @@ class PendingPushes:
             tensor_missing=counts,
             verified=[False] * len(counts),
             generation=[0] * len(counts),
+            checksums_follow=checksums_follow,
+            digests=[0] * len(counts) if checksums_follow else [],
+            first_frames=[0, *itertools.accumulate(counts)],
         )
 
     def of_owner(self, owner: bytes) -> list[int]:
@@ -145,6 +156,10 @@ class PendingPushes:
         push = self.pending.get(check.push_id)
         if push is None or push.generation[check.tensor] != check.generation:
             return
+        if push.checksums_follow:  # compared with the commit's checksums
+            push.digests[check.tensor] = digest
+            push.verified[check.tensor] = True
+            return
         tensor = push.manifest.tensors[check.tensor]
         if digest != tensor.checksum:
             # A corrupt tensor dooms the push: drop it now rather than at commit.
@@ -185,29 +200,46 @@ class PendingPushes:
 
 
 def tensor_frames(push: PendingPush, tensor: int) -> list[memoryview]:
-    return [f for s, f in zip(push.slots, push.frames) if s.tensor == tensor and f is not None]
+    start, end = push.first_frames[tensor], push.first_frames[tensor + 1]
+    return [f for f in push.frames[start:end] if f is not None]
 
 
 def hash_frames(frames: Sequence[memoryview]) -> int:
-    hasher = xxhash.xxh3_64()
-    for frame in frames:
-        hasher.update(frame)
-    return hasher.intdigest()
+    return checksum_frames(frames)
 
 
-def verify_push(push: PendingPush) -> None:
-    """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one.
-    A file push is verified where its file is installed (`persist.install_staged`)."""
+def verify_push(push: PendingPush, checksums: Sequence[int] = ()) -> None:
+    """Hash the tensors not yet hashed; raises StoreError('checksum') naming a corrupt one.
+    `checksums` are the commit's (`PushBegin.checksums_follow`): the manifest then takes
+    them once every tensor matched. A file push is verified where its file is installed
+    (`persist.install_staged`)."""
+    tensors = push.manifest.tensors
+    if push.checksums_follow and len(checksums) != len(tensors):
+        raise StoreError(
+            "malformed",
+            f"PushCommit carries {len(checksums)} checksums; push {push.push_id} has {len(tensors)} tensors",
+        )
+    if not push.checksums_follow and checksums:
+        raise StoreError(
+            "malformed",
+            f"PushCommit carries checksums; push {push.push_id} sent them in its manifest",
+        )
     if push.staging is not None:
         return
-    for index, tensor in enumerate(push.manifest.tensors):
-        if push.verified[index]:
-            continue
-        if hash_frames(tensor_frames(push, index)) != tensor.checksum:
+    for index, tensor in enumerate(tensors):
+        if push.checksums_follow:
+            digest = push.digests[index] if push.verified[index] else hash_frames(tensor_frames(push, index))
+            matched = digest == checksums[index]
+        else:
+            matched = push.verified[index] or hash_frames(tensor_frames(push, index)) == tensor.checksum
+        if not matched:
             raise StoreError(
                 "checksum",
                 f"tensor {tensor.name!r} of version {push.version} arrived corrupt (checksum mismatch)",
             )
+    if push.checksums_follow:
+        headers = tuple(msgspec.structs.replace(h, checksum=c) for h, c in zip(tensors, checksums))
+        push.manifest = msgspec.structs.replace(push.manifest, tensors=headers)
 
 
 def check_push_size(manifest: TensorManifest, config: ServerConfig) -> None:

@@ -36,17 +36,24 @@ def run_pipelined(
     window: int,
     operation: str,
     on_reply: Callable[[int, Reply], None],
+    before_send: Callable[[int], None] | None = None,
 ) -> None:
     """Send `requests` with up to `window` in flight and hand each reply to `on_reply(index, reply)`
     as it arrives. A timeout resends exactly the requests still unanswered, on a fresh
-    connection, with bounded retries and backoff (the server treats repeats as idempotent)."""
+    connection, with bounded retries and backoff (the server treats repeats as idempotent).
+    `before_send(index)` runs before request `index` is first sent: work done there
+    overlaps with the requests already on the wire."""
     queue = collections.deque(range(len(requests)))
     in_flight: dict[int, int] = {}  # request id -> index
     attempt = 0
+    prepared = 0  # requests 0..prepared-1 went through before_send
     while queue or in_flight:
         try:
             while queue and len(in_flight) < window:
                 index = queue[0]
+                if before_send is not None and index >= prepared:
+                    before_send(index)
+                    prepared = index + 1
                 message, frames = requests[index]
                 in_flight[rpc.send_request(message, frames)] = index
                 queue.popleft()

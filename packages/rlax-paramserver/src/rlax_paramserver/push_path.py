@@ -34,13 +34,15 @@ class PushPath:
     def begin(self, message: PushBegin, owner: bytes) -> PushReady:
         """`owner` is the client, not the connection: a pusher that reconnects and starts
         over abandons its older pushes instead of piling them up to `busy`."""
-        push_id = self.store.begin_push(message.version, message.manifest, message.metadata, owner)
+        push_id = self.store.begin_push(
+            message.version, message.manifest, message.metadata, owner, message.checksums_follow
+        )
         ready = PushReady(
             push_id=push_id,
             max_message_bytes=self.config.max_message_bytes,
             max_frame_bytes=self.config.max_frame_bytes,
         )
-        if message.local and self.config.state_dir is not None:
+        if message.local and self.config.state_dir is not None and not message.checksums_follow:
             return self._staged(ready, message)
         return ready
 
@@ -76,7 +78,7 @@ class PushPath:
         """The commit's answer and the long-polls it wakes, or None when the persister answers it."""
         push = self.store.take_for_commit(message.push_id)
         try:
-            self.store.verify(push)
+            self.store.verify(push, message.checksums)
         except BaseException:
             self.store.release(push.version)
             raise

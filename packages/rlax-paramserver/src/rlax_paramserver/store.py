@@ -94,7 +94,12 @@ class VersionStore:
     # ------------------------------------------------------------------ push
 
     def begin_push(
-        self, version: int, manifest: TensorManifest, metadata: dict[str, Any], owner: bytes
+        self,
+        version: int,
+        manifest: TensorManifest,
+        metadata: dict[str, Any],
+        owner: bytes,
+        checksums_follow: bool = False,
     ) -> int:
         check_push_size(manifest, self.config)
         if version < 0:
@@ -115,7 +120,7 @@ class VersionStore:
                     f"{len(self.pushes)} pushes pending (max_pending_pushes={self.config.max_pending_pushes})",
                 )
             push_id = next(self._ids)
-            self.pushes.add(push_id, version, manifest, metadata, owner, slots, now)
+            self.pushes.add(push_id, version, manifest, metadata, owner, slots, now, checksums_follow)
             return push_id
 
     def stage(self, push_id: int, staging: StagingFile) -> None:
@@ -168,10 +173,10 @@ class VersionStore:
         with self._lock:
             self.committing.discard(version)
 
-    def verify(self, push: PendingPush) -> None:
-        """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one.
-        A file push is verified where its file is installed (`persist.install_staged`)."""
-        verify_push(push)
+    def verify(self, push: PendingPush, checksums: Sequence[int] = ()) -> None:
+        """Hash the tensors not yet verified; raises StoreError('checksum') naming a corrupt one
+        (`pending_pushes.verify_push`; `checksums` are the commit's, when they follow)."""
+        verify_push(push, checksums)
 
     def commit(self, push: PendingPush) -> tuple[StoredVersion, list[Wakeup]]:
         frames = [f for f in push.frames if f is not None]

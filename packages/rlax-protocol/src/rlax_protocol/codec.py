@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import ml_dtypes
+import msgspec
 import numpy as np
 import xxhash
 
@@ -39,6 +40,14 @@ Buffer = Any
 def checksum(data: Buffer | bytes | memoryview) -> int:
     """xxh3_64 of the bytes, as an unsigned 64-bit integer."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_frames(frames: Sequence[Buffer]) -> int:
+    """`checksum` of the frames' bytes joined, without joining them."""
+    hasher = xxhash.xxh3_64()
+    for frame in frames:
+        hasher.update(frame)
+    return hasher.intdigest()
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
@@ -121,8 +130,13 @@ class EncodedTree:
     frames: list[memoryview]
 
 
-def encode_tree(tree: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedTree:
-    """Flatten `tree`, checksum each tensor, split its bytes into frames of <= `chunk_bytes`."""
+def encode_tree(
+    tree: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksums: bool = True
+) -> EncodedTree:
+    """Flatten `tree`, checksum each tensor, split its bytes into frames of <= `chunk_bytes`.
+
+    With `checksums=False` every header's checksum is 0, for a sender that hashes each
+    tensor while the ones before it are on the wire (`PushBegin.checksums_follow`)."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be > 0")
     headers: list[TensorHeader] = []
@@ -135,7 +149,7 @@ def encode_tree(tree: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYT
                 dtype=dtype_name(array.dtype),
                 shape=tuple(int(d) for d in array.shape),
                 nbytes=raw.nbytes,
-                checksum=checksum(raw),
+                checksum=checksum(raw) if checksums else 0,
             )
         )
         if raw.nbytes == 0:
@@ -146,6 +160,28 @@ def encode_tree(tree: Mapping[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYT
         protocol_version=PROTOCOL_VERSION, chunk_bytes=chunk_bytes, tensors=tuple(headers)
     )
     return EncodedTree(manifest=manifest, frames=frames)
+
+
+def frames_by_tensor(manifest: TensorManifest, frames: Sequence[Buffer]) -> list[list[Buffer]]:
+    """`frames` (all of `manifest`'s, in order) grouped by tensor, in manifest order."""
+    grouped: list[list[Buffer]] = []
+    start = 0
+    for count in manifest.frames_per_tensor():
+        grouped.append(list(frames[start : start + count]))
+        start += count
+    if start != len(frames):
+        raise ValueError(f"{len(frames)} frames for a manifest of {start}")
+    return grouped
+
+
+def with_checksums(encoded: EncodedTree) -> EncodedTree:
+    """`encoded` (from `encode_tree(..., checksums=False)`) with every tensor's checksum."""
+    grouped = frames_by_tensor(encoded.manifest, encoded.frames)
+    headers = tuple(
+        msgspec.structs.replace(header, checksum=checksum_frames(frames))
+        for header, frames in zip(encoded.manifest.tensors, grouped)
+    )
+    return EncodedTree(msgspec.structs.replace(encoded.manifest, tensors=headers), encoded.frames)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlax_protocol.message_base import Message
+from rlax_protocol.message_base import Message, reject_field
 from rlax_protocol.tensor_messages import TensorManifest
 
 Metadata = dict[str, Any]
@@ -21,13 +21,23 @@ class PushBegin(Message, frozen=True):
     commits the version at once and answers `Committed` (or an error), one exchange in all
     instead of `PushReady`, `PushChunks` and `PushCommit`. For a version that fits one
     message (the server's `max_message_bytes`; beyond it the answer is ``too_large`` and
-    the pusher starts over without `whole`)."""
+    the pusher starts over without `whole`).
+
+    With `checksums_follow` the manifest's checksums are not known yet (0): the pusher
+    hashes each tensor while the frames before it are on the wire and sends the checksums
+    with `PushCommit`. The server hashes every tensor as it arrives and commits only if
+    each matches. Such a push always sends frames (no staging file, not `whole`)."""
 
     version: int
     manifest: TensorManifest
     metadata: Metadata = {}
     local: bool = False
     whole: bool = False
+    checksums_follow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.whole and self.checksums_follow:
+            reject_field("PushBegin", "checksums_follow", True, "a whole push carries its checksums")
 
 
 class PushReady(Message, frozen=True):
@@ -54,9 +64,17 @@ class PushChunks(Message, frozen=True):
 
 
 class PushCommit(Message, frozen=True):
-    """Make the pushed version visible; succeeds only if every frame arrived intact."""
+    """Make the pushed version visible; succeeds only if every frame arrived intact.
+
+    `checksums`: each tensor's xxh3_64 in manifest order, when the push began with
+    `checksums_follow` (and only then)."""
 
     push_id: int
+    checksums: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not 0 <= c < 1 << 64 for c in self.checksums):
+            reject_field("PushCommit", "checksums", self.checksums, "each must be an unsigned 64-bit integer")
 
 
 class PushAbort(Message, frozen=True):

@@ -33,7 +33,9 @@ class TensorHeader(Message, frozen=True):
     checksum: int
 
     def __post_init__(self) -> None:
-        if not self.name or any(part == "" for part in self.name.split("/")):
+        # String and min() tests, not generators: every push and pull builds one per tensor.
+        name = self.name
+        if not name or name[0] == "/" or name[-1] == "/" or "//" in name:
             reject_field(
                 "TensorHeader", "name", self.name, "must be a non-empty slash path without empty parts"
             )
@@ -41,7 +43,7 @@ class TensorHeader(Message, frozen=True):
             reject_field(
                 "TensorHeader", "dtype", self.dtype, f"unsupported; allowed: {sorted(DTYPE_ITEMSIZE)}"
             )
-        if len(self.shape) > MAX_RANK or any(d < 0 for d in self.shape):
+        if len(self.shape) > MAX_RANK or (self.shape and min(self.shape) < 0):
             reject_field("TensorHeader", "shape", self.shape, f"dims must be >= 0 and rank <= {MAX_RANK}")
         expected = math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
         if self.nbytes != expected:
