@@ -12,6 +12,7 @@ of max_new_tokens / lag tokens). Reported per setting as mean and range over the
 - for `interrupt`, the share of a batch's tokens that newer weights drew.
 
 `RLAX_BENCH_SEEDS` (default 0,1,2) and `RLAX_BENCH_STEPS` (default 40) shorten or widen it;
+`RLAX_BENCH_CONFIG` names another config file (default the long-tail setting);
 `RLAX_BENCH_OVERRIDES` (space-separated key=value) change both modes' config, e.g.
 "controller.lag=3 trainer.k=3 workers.segment_newest_lag=2" (the last segment beside a
 training step instead of on the critical path).
@@ -35,7 +36,7 @@ from launched_runs import launch, mean_and_range, steady_steps_per_hour, write_b
 from rlax_controller.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CONFIG = ROOT / "configs" / "long-tail-demo.yaml"
+CONFIG = pathlib.Path(os.environ.get("RLAX_BENCH_CONFIG", ROOT / "configs" / "long-tail-demo.yaml"))
 SEEDS = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
 STEPS = int(os.environ.get("RLAX_BENCH_STEPS", "40"))
 OVERRIDES = os.environ.get("RLAX_BENCH_OVERRIDES", "").split()
