@@ -12,6 +12,9 @@ of max_new_tokens / lag tokens). Reported per setting as mean and range over the
 - for `interrupt`, the share of a batch's tokens that newer weights drew.
 
 `RLAX_BENCH_SEEDS` (default 0,1,2) and `RLAX_BENCH_STEPS` (default 40) shorten or widen it;
+`RLAX_BENCH_MODES` picks modes (default finish,interrupt; `interrupt_keep` adds partial
+rollouts that keep their stale K/V, `workers.resume_kv: keep`, and the keys
+`kept_kv_over_recomputed_throughput` and `kept_kv_partial_over_finish_throughput`);
 `RLAX_BENCH_CONFIG` names another config file (default the long-tail setting);
 `RLAX_BENCH_OVERRIDES` (space-separated key=value) change both modes' config, e.g.
 "controller.lag=3 trainer.k=3 workers.segment_newest_lag=2" (the last segment beside a
@@ -41,11 +44,17 @@ SEEDS = [int(s) for s in os.environ.get("RLAX_BENCH_SEEDS", "0,1,2").split(",")]
 STEPS = int(os.environ.get("RLAX_BENCH_STEPS", "40"))
 OVERRIDES = os.environ.get("RLAX_BENCH_OVERRIDES", "").split()
 RUN_TIMEOUT_S = 3600
-MODES = {"finish": "workers.on_new_version=finish", "interrupt": "workers.on_new_version=interrupt"}
+ALL_MODES = {
+    "finish": ["workers.on_new_version=finish"],
+    "interrupt": ["workers.on_new_version=interrupt"],
+    # PipelineRL's choice: a resumed sample continues from its stale K/V where its worker has them.
+    "interrupt_keep": ["workers.on_new_version=interrupt", "workers.resume_kv=keep"],
+}
+MODES = {m: ALL_MODES[m] for m in os.environ.get("RLAX_BENCH_MODES", "finish,interrupt").split(",")}
 
 
 def run_once(out: pathlib.Path, cache: pathlib.Path, steps: int, seed: int, mode: str) -> dict[str, float]:
-    overrides = [f"run.steps={steps}", f"run.seed={seed}", f"eval.every={steps}", *OVERRIDES, MODES[mode]]
+    overrides = [f"run.steps={steps}", f"run.seed={seed}", f"eval.every={steps}", *OVERRIDES, *MODES[mode]]
     train = launch(CONFIG, out, cache, overrides, timeout_s=RUN_TIMEOUT_S)
     steps_per_hour, seconds = steady_steps_per_hour(train)
     tokens = sum(sum(r["response_tokens"]) for r in train[3:])
@@ -81,10 +90,17 @@ def test_partial_rollouts_against_finishing_on_old_weights(benchmark: Any, tmp_p
             assert s is not None  # every run has every figure
             figures[f"{mode}_{key}"] = s
             print(f"{mode:>10} {key:>30} {s['mean']:10.3f}  [{s['min']:.3f}, {s['max']:.3f}]")
-    for key, name in (("steps_per_hour", "throughput"), ("tokens_per_s", "tokens_per_s")):
-        ratio = figures[f"interrupt_{key}"]["mean"] / figures[f"finish_{key}"]["mean"]
-        figures[f"partial_over_finish_{name}"] = ratio
-        print(f"partial over finish, {key}: {ratio:.2f}x")
+    for mine, theirs, label in (
+        ("interrupt", "finish", "partial_over_finish"),
+        ("interrupt_keep", "finish", "kept_kv_partial_over_finish"),
+        ("interrupt_keep", "interrupt", "kept_kv_over_recomputed"),
+    ):
+        if mine not in MODES or theirs not in MODES:
+            continue
+        for key, name in (("steps_per_hour", "throughput"), ("tokens_per_s", "tokens_per_s")):
+            ratio = figures[f"{mine}_{key}"]["mean"] / figures[f"{theirs}_{key}"]["mean"]
+            figures[f"{label}_{name}"] = ratio
+            print(f"{mine} over {theirs}, {key}: {ratio:.2f}x")
     benchmark.extra_info.update({k: v for k, v in figures.items() if k != "per_seed"})
     write_bench_json(figures)
     assert all(r["steps_per_hour"] > 0 for runs in results.values() for r in runs)

@@ -111,14 +111,22 @@ def take(sched: RolloutScheduler, group: Group, result: GenerateResult) -> None:
     sched.complete(group.request_id, group.segment_versions[0], scored)
 
 
-def simulate(order_seed: int, workers: int, steps: int = 10) -> list[tuple[Any, ...]]:
-    sched = RolloutScheduler(ShuffledSource(n=40), config())
+def simulate(
+    order_seed: int, workers: int, steps: int = 10, cfg: RolloutSchedulerConfig | None = None
+) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """The batches, and the scheduler's counters plus how many continued segments went to the
+    worker of their group's last segment (`kept`) or to another (`moved`)."""
+    sched = RolloutScheduler(ShuffledSource(n=40), cfg or config())
     order = random.Random(order_seed)
     names = [f"w{i}" for i in range(workers)]
     running: list[Group] = []
     batches: list[tuple[Any, ...]] = []
+    placed = {"kept": 0, "moved": 0}
     while sched.step < steps:
-        running += [g for _, g in sched.assign(names)]
+        for worker, group in sched.assign(names):
+            if group.segment:
+                placed["kept" if worker == group.last_worker else "moved"] += 1
+            running.append(group)
         order.shuffle(running)
         for group in running[: order.randint(0, len(running))]:  # some answer, in any order
             assert group.pinned is not None and group.pinned <= sched.step  # trained already
@@ -146,7 +154,7 @@ def simulate(order_seed: int, workers: int, steps: int = 10) -> list[tuple[Any, 
             )
         )
         sched.commit(batch)
-    return batches, dict(sched.counters)
+    return batches, {**sched.counters, **placed}
 
 
 def test_partial_batches_do_not_depend_on_the_order_segments_finish_in() -> None:
@@ -157,6 +165,19 @@ def test_partial_batches_do_not_depend_on_the_order_segments_finish_in() -> None
     assert any(len(t) <= PLAN.tokens for _, _, tokens, _ in reference for t in tokens)  # and some did not
     for seed in range(1, 8):
         assert simulate(order_seed=seed, workers=1 + seed % 3)[0] == reference
+
+
+def test_with_kept_kv_a_groups_next_segment_goes_to_the_worker_of_its_last() -> None:
+    """`workers.resume_kv: keep` (`SegmentPlan.same_worker`): a continued segment goes where
+    its samples' K/V are while that worker has room; the batches are the same either way."""
+    roomy = {"max_inflight_per_worker": 50}
+    spread, spread_counts = simulate(0, workers=3, cfg=config(**roomy))
+    same, same_counts = simulate(
+        0, workers=3, cfg=config(**roomy, segments=dataclasses.replace(PLAN, same_worker=True))
+    )
+    assert spread_counts["moved"] > 0  # least-loaded placement moves segments: the test has teeth
+    assert same_counts["moved"] == 0 and same_counts["kept"] > 10
+    assert same == spread
 
 
 def test_a_lost_segment_is_generated_again_and_a_late_one_is_ignored() -> None:

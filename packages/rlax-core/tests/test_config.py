@@ -135,6 +135,15 @@ def test_partial_rollouts_refuse_what_they_cannot_schedule(override: str, needle
         assert needle in str(info.value), str(info.value)
 
 
+def test_kept_kv_is_for_partial_rollouts_only() -> None:
+    assert load_config(None, [*PARTIAL, "workers.resume_kv=keep"]).workers.resume_kv == "keep"
+    assert load_config(None, []).workers.resume_kv == "recompute"
+    with pytest.raises(ConfigError, match="workers.resume_kv.*needs workers.on_new_version: interrupt"):
+        load_config(None, ["workers.resume_kv=keep"])
+    with pytest.raises(ConfigError, match="workers.resume_kv"):
+        load_config(None, [*PARTIAL, "workers.resume_kv=stale"])
+
+
 def test_partial_rollout_segments_default_to_the_lag_s_share_of_the_new_tokens() -> None:
     assert load_config(None, PARTIAL).partial_segment_tokens == 6
     widest = load_config(None, [*PARTIAL, "controller.lag=-1", "trainer.k=4", "paramserver.keep=8"])

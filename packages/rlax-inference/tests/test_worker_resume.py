@@ -2,10 +2,12 @@
 first tokens draws the keys the uninterrupted sample would have drawn, so on the same weights
 it ends as the uninterrupted one; on newer weights its new tokens are the newer version's."""
 
+import dataclasses
+
 import msgspec
 import numpy as np
 import pytest
-from test_worker import PARAMS_V2, RunningWorker, push, roundtrip
+from test_worker import ENGINE, PARAMS_V2, RunningWorker, push, roundtrip
 from tiny_model import PARAMS, teacher_forced_logprobs
 
 import rlax_protocol as rp
@@ -83,6 +85,36 @@ def test_a_resumed_sample_on_newer_weights_continues_with_them(worker):
         assert not np.allclose(
             sample.logprobs, teacher_forced_logprobs(PARAMS, context, sample.token_ids), atol=1e-3
         )
+
+
+def test_with_kept_kv_a_sample_resumed_on_newer_weights_continues_from_the_old_kv(tmp_path):
+    """`workers.resume_kv: keep`: the worker that ran a sample's first segment continues it
+    on the newer weights from the K/V the older ones computed (no prefill of its tokens so
+    far), so its new tokens' log-probs are not the newer weights' alone."""
+    with running_server(tmp_path / "ps") as address:
+        push(address, PARAMS, 1)
+        push(address, PARAMS_V2, 2)
+        w = RunningWorker(
+            address, engine=dataclasses.replace(ENGINE, keep_stale_kv=True), follow_latest=False
+        )
+        try:
+            with rp.RpcClient(w.address, timeout_s=30, client_id="test") as client:
+                (first,) = roundtrip(client, [sampled("first", FIRST, version=1)])
+                assert w.worker.engine is not None
+                hits_before = w.worker.engine.num_prefix_cache_hit_tokens
+                (new,) = roundtrip(
+                    client, [sampled("new", 9, n=4, version=2, resume=resumed_from(first, range(4)))]
+                )
+                hits = w.worker.engine.num_prefix_cache_hit_tokens - hits_before
+        finally:
+            w.close()
+    assert new.weight_version == 2
+    # Each sample's tokens so far but the last came from the cache (4 prompt + 5 generated - 1).
+    assert hits == 4 * (len(PROMPT) + FIRST - 1)
+    for i, sample in enumerate(new.samples):
+        context = PROMPT + first.samples[i].token_ids
+        recomputed = teacher_forced_logprobs(PARAMS_V2, context, sample.token_ids)
+        assert not np.allclose(sample.logprobs, recomputed, atol=1e-3)
 
 
 def test_a_resumed_prompt_beyond_the_context_is_refused_by_name_and_the_worker_keeps_serving(worker):

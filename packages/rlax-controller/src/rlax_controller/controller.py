@@ -244,5 +244,6 @@ def _scheduler_config(config: RunConfig) -> RolloutSchedulerConfig:
             max_new_tokens=config.data.max_new_tokens,
             max_seq_len=config.model.max_seq_len,
             newest_lag=config.workers.segment_newest_lag,
+            same_worker=config.workers.resume_kv == "keep",
         ),
     )

@@ -38,12 +38,15 @@ class SegmentPlan:
     """`tokens`: a segment's length (0: partial rollouts off, a group is one request);
     `max_new_tokens` / `max_seq_len`: where a sample ends anyway (`data.max_new_tokens`,
     `model.max_seq_len`), so a segment that stopped there is not resumed. `newest_lag`: the
-    newest version a segment of step s may use is s - newest_lag."""
+    newest version a segment of step s may use is s - newest_lag. `same_worker`: a group's
+    next segment goes to the worker that generated its last one while that worker has room
+    (`workers.resume_kv: keep`: the K/V of its samples so far are there)."""
 
     tokens: int = 0
     max_new_tokens: int = 0
     max_seq_len: int = 0
     newest_lag: int = 1
+    same_worker: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -111,6 +111,7 @@ class Group:
     segment: int = 0
     partial: tuple[PartialSample, ...] = ()
     segment_versions: tuple[int, ...] = ()
+    last_worker: str | None = None  # the worker of its last segment (`SegmentPlan.same_worker`)
 
     def unfinished(self, plan: SegmentPlan) -> list[int]:
         """Indices of the samples the next segment continues."""
@@ -325,6 +326,9 @@ class RolloutScheduler:
             if not room:
                 break
             worker = min(room, key=lambda w: (load[w], w))
+            last = group.last_worker
+            if group.segment and self.config.segments.same_worker and last is not None and last in room:
+                worker = last  # it holds the K/V of the samples so far
             load[worker] += 1
             self._request_counter += 1
             group.status = GroupStatus.DISPATCHED
@@ -358,6 +362,7 @@ class RolloutScheduler:
         group.samples = ()
         group.pinned_step = None
         group.segment = 0
+        group.last_worker = None
         group.partial = ()
         group.segment_versions = ()
 
@@ -387,6 +392,7 @@ class RolloutScheduler:
             return list(group.partial)
         self._by_request.pop(request_id, None)
         group.status = GroupStatus.PENDING
+        group.last_worker = group.worker
         group.worker = group.request_id = group.pinned = None
         group.segment += 1
         self.counters["segments_resumed"] += 1

@@ -15,7 +15,12 @@ to the block's end. A block whose reference count drops to zero keeps its key an
 and waits in an LRU list; it counts as free, and allocation evicts the least recently used
 one (dropping its key) only when no plain free block is left. A new sequence whose tokens
 start with keyed blocks takes them (reference count + 1) instead of computing them. New
-weights make every key stale: `reset_prefix_cache` drops them all.
+weights make every key stale: `reset_prefix_cache` drops them all. Or, for partial
+rollouts that keep their stale K/V (`EngineConfig.keep_stale_kv`, PipelineRL's choice), the
+keys stay and the chains start from a new root (`KVCacheManager.new_weights`): a request
+finds only the current weights' blocks unless it asks for stale ones (`prefix_hit(...,
+stale_ok=True)`), and a sequence that started from a stale chain keys its later blocks in
+that chain too (their K/V attended to stale ones), so they never reach a fresh request.
 
 Partial blocks (token granularity, for multi-turn trajectories): when a sequence finishes or
 is preempted, the partly filled block after its last full one is keyed too, by the hash of
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 
 NULL_BLOCK = 0
 ROOT_KEY = 0  # the parent key of a sequence's first block
+MAX_STALE_ROOTS = 8  # earlier weights whose K/V a resumed partial rollout may still find
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -245,6 +251,7 @@ class PrefixHit:
     blocks: list[int] = field(default_factory=list)
     partial_block: int | None = None
     partial_tokens: int = 0
+    root: int = ROOT_KEY  # the key chain the blocks belong to (`KVCacheManager.root`)
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size + self.partial_tokens
@@ -259,11 +266,11 @@ class Allocation:
     copy: tuple[int, int] | None = None
 
 
-def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int) -> list[int]:
+def block_keys(tokens: Sequence[int], block_size: int, num_blocks: int, root: int = ROOT_KEY) -> list[int]:
     """Prefix-cache keys of the first `num_blocks` full blocks of `tokens`: each hashes its
-    parent's key and its own token ids, so equal keys mean equal prefixes."""
+    parent's key and its own token ids, so equal keys mean equal prefixes (under one `root`)."""
     keys: list[int] = []
-    parent = ROOT_KEY
+    parent = root
     for i in range(num_blocks):
         parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
         keys.append(parent)
@@ -293,6 +300,23 @@ class KVCacheManager:
         self.enable_partial_blocks = enable_partial_blocks
         self.num_cow_copies = 0
         self.num_partial_copies = 0  # copies of keyed partial blocks taken by new sequences
+        # The key chains: `root` is the current weights'; `stale_roots` those of earlier
+        # weights whose blocks were kept (`new_weights(keep=True)`), newest first.
+        self.root = ROOT_KEY
+        self.stale_roots: collections.deque[int] = collections.deque(maxlen=MAX_STALE_ROOTS)
+        self._weights_epoch = 0
+
+    def new_weights(self, *, keep: bool) -> None:
+        """The weights changed: drop every key, or with `keep` start new chains from a fresh
+        root and keep the old ones for requests that accept stale K/V."""
+        if not keep:
+            self.pool.reset_prefix_cache()
+            self.stale_roots.clear()
+            self.root = ROOT_KEY
+            return
+        self._weights_epoch += 1
+        self.stale_roots.appendleft(self.root)
+        self.root = hash(("weights", self._weights_epoch))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -306,25 +330,35 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        for key in block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size):
+        for key in block_keys(tokens, self.block_size, (len(tokens) - 1) // self.block_size, self.root):
             block = self.pool.cached_block(key)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def prefix_hit(self, tokens: Sequence[int]) -> PrefixHit:
+    def prefix_hit(self, tokens: Sequence[int], *, stale_ok: bool = False) -> PrefixHit:
         """The longest cached prefix of `tokens`, to the token: the keyed full blocks, then the
-        keyed partial block under them that shares the most of the next tokens.
+        keyed partial block under them that shares the most of the next tokens. With
+        `stale_ok` the chains of earlier weights count too (the longest hit wins; on a tie the
+        newest weights').
 
         At most `len(tokens) - 1` tokens: the last token is always computed (its logits give
         the first sample)."""
         if not self.enable_prefix_caching:
             return PrefixHit()
+        best = self._hit_under(tokens, self.root)
+        for root in self.stale_roots if stale_ok else ():
+            hit = self._hit_under(tokens, root)
+            if hit.num_tokens(self.block_size) > best.num_tokens(self.block_size):
+                best = hit
+        return best
+
+    def _hit_under(self, tokens: Sequence[int], root: int) -> PrefixHit:
         bs = self.block_size
         hits: list[int] = []
-        parent = ROOT_KEY
-        for key in block_keys(tokens, bs, (len(tokens) - 1) // bs):
+        parent = root
+        for key in block_keys(tokens, bs, (len(tokens) - 1) // bs, root):
             block = self.pool.cached_block(key)
             if block is None:
                 break
@@ -333,31 +367,37 @@ class KVCacheManager:
         start = len(hits) * bs
         room = min(bs - 1, len(tokens) - 1 - start)
         if not self.enable_partial_blocks or room < 1:
-            return PrefixHit(hits)
+            return PrefixHit(hits, root=root)
         partial, num = self.pool.longest_partial(parent, tokens[start : start + room])
-        return PrefixHit(hits, partial, num)
+        return PrefixHit(hits, partial, num, root=root)
 
-    def cache_computed_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> int:
+    def cache_computed_blocks(
+        self, table: BlockTable, tokens: Sequence[int], num_computed: int, root: int | None = None
+    ) -> int:
         """Key every block of `table` holding computed K/V of `tokens[:num_computed]`: the full
         ones (`cache_full_blocks`) and, with `enable_partial_blocks`, the partly filled one after
-        them. Returns how many got a new key."""
-        keyed = self.cache_full_blocks(table, tokens, num_computed)
+        them, in the chain from `root` (None: the current weights'). Returns how many got a new key."""
+        root = self.root if root is None else root
+        keyed = self.cache_full_blocks(table, tokens, num_computed, root)
         if not (self.enable_prefix_caching and self.enable_partial_blocks):
             return keyed
         bs = self.block_size
         full, rest = divmod(num_computed, bs)
         if rest == 0 or len(table.blocks) <= full:
             return keyed
-        parent = block_keys(tokens, bs, full)[-1] if full else ROOT_KEY
+        parent = block_keys(tokens, bs, full, root)[-1] if full else root
         return keyed + self.pool.set_partial_key(table.blocks[full], parent, tokens[full * bs : num_computed])
 
-    def cache_full_blocks(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> int:
-        """Key the full blocks of `table` among its first `num_computed` tokens (`tokens`); returns
-        how many got a new key (a block already keyed, or a prefix keyed in another block, is left)."""
+    def cache_full_blocks(
+        self, table: BlockTable, tokens: Sequence[int], num_computed: int, root: int | None = None
+    ) -> int:
+        """Key the full blocks of `table` among its first `num_computed` tokens (`tokens`) in the
+        chain from `root` (None: the current weights'); returns how many got a new key (a block
+        already keyed, or a prefix keyed in another block, is left)."""
         if not self.enable_prefix_caching:
             return 0
         full = min(num_computed // self.block_size, len(table.blocks))
-        keys = block_keys(tokens, self.block_size, full)
+        keys = block_keys(tokens, self.block_size, full, self.root if root is None else root)
         return sum(self.pool.set_key(block, key) for block, key in zip(table.blocks, keys, strict=False))
 
     def blocks_to_allocate(self, num_tokens: int, shared: Sequence[int] = ()) -> int:

@@ -87,8 +87,13 @@ class LLMEngine:
         self.num_generated_tokens = 0
 
     # -- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, *, reuse_stale_kv: bool = False
+    ) -> None:
         """Queue a request; raises ValueError naming the field (engine state untouched) when it cannot run.
+
+        `reuse_stale_kv`: the request may start from K/V that earlier weights computed for its
+        prompt (a resumed partial rollout; only under `EngineConfig.keep_stale_kv`).
 
         `SamplingParams` checks the rules that hold for any model; this checks those of this
         model and engine (vocabulary, context length, pool and batch sizes), so nothing that
@@ -107,7 +112,13 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: {e}") from None
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seeds.next())
-        request = Request(request_id, tokens, params, next(self._arrival))
+        request = Request(
+            request_id,
+            tokens,
+            params,
+            next(self._arrival),
+            reuse_stale_kv=reuse_stale_kv and self.config.keep_stale_kv,
+        )
         self.scheduler.add(request)
         self._requests[request_id] = request
 
@@ -136,8 +147,9 @@ class LLMEngine:
         self._apply_weights(params, version)
 
     def _apply_weights(self, params: Params, version: int) -> None:
-        # Cached K/V were computed by the old weights: no new request may start from them.
-        self.kv.pool.reset_prefix_cache()
+        # Cached K/V were computed by the old weights: no new request may start from them
+        # (with `keep_stale_kv`, only a request that asks for them: a resumed partial rollout).
+        self.kv.new_weights(keep=self.config.keep_stale_kv)
         self.runner.params = params
         self.weight_version = version
         self._pending_weights = None

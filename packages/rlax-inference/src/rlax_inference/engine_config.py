@@ -52,6 +52,11 @@ class EngineConfig:
       request start from the cached blocks of its longest cached prefix (computing only the
       rest); unreferenced cached blocks are evicted LRU when the pool runs short, and new
       weights drop every key.
+    keep_stale_kv: on new weights, keep the cached K/V instead of dropping them, for requests
+      that ask (`LLMEngine.add_request(..., reuse_stale_kv=True)`: resumed partial rollouts,
+      PipelineRL's choice): such a request continues from the K/V of its tokens so far as the
+      earlier weights computed them, and only its new tokens see the new weights. Every other
+      request finds only the current weights' blocks. Needs `enable_prefix_caching`.
     seed: seeds the stream of seeds given to requests without one (`SamplingParams.seed=None`):
       distinct per request, and the same for the same engine seed and order of requests.
     aligned: compute as the trainer does under `trainer.batch_invariant`, so that a sampled
@@ -74,6 +79,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
+    keep_stale_kv: bool = False
     seed: int = 0
     aligned: bool = False
 
@@ -87,6 +93,10 @@ class EngineConfig:
         if self.attention not in ("auto", "cpu", "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(
                 f"EngineConfig.attention must be one of auto|cpu|xla|pallas_tpu|pallas_gpu, got {self.attention!r}"
+            )
+        if self.keep_stale_kv and not self.enable_prefix_caching:
+            raise ValueError(
+                "EngineConfig.keep_stale_kv needs enable_prefix_caching (the K/V kept are its blocks)"
             )
         object.__setattr__(self, "swap_policy", SwapPolicy(self.swap_policy))
         self.scheduler_config()  # validates the scheduler limits

@@ -114,6 +114,7 @@ class PrefillJob:
     num_computed: int = 0
     chunk_start: int = 0
     chunk_end: int = 0
+    cache_root: int = 0  # the prefix cache's key chain its blocks go in (`Sequence.cache_root`)
 
     @property
     def chunk(self) -> list[int]:
@@ -299,7 +300,7 @@ class Scheduler:
         assert seq.table is not None
         # Its computed K/V stay cached (unreferenced, evicted only when the pool needs them):
         # its recompute then takes whatever survived instead of computing it again.
-        self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
+        self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1, seq.cache_root)
         self.kv.free(seq.table)
         seq.table = None
         seq.status = SequenceStatus.WAITING
@@ -336,11 +337,11 @@ class Scheduler:
             job = self.waiting[0]
             if not admit_new and job.seqs[0].num_generated == 0:
                 break
-            sibling = live_prompt_blocks(job, self.kv.block_size)
-            hit = kv.prefix_hit(job.tokens)
-            from_cache = hit.num_tokens(kv.block_size) > len(sibling) * kv.block_size
+            sibling = live_prompt_blocks(job, self.kv.block_size, kv.root)
+            hit = kv.prefix_hit(job.tokens, stale_ok=job.request.reuse_stale_kv)
+            from_cache = hit.num_tokens(kv.block_size) > sibling.num_tokens(kv.block_size)
             if not from_cache:
-                hit = PrefixHit(sibling)
+                hit = sibling
             num_shared = hit.num_tokens(kv.block_size)
             alloc = kv.blocks_to_allocate_hit(len(job.tokens), hit)
             next_step = first_decode_blocks(len(job.tokens), len(job.seqs), self.kv.block_size)
@@ -368,6 +369,7 @@ class Scheduler:
             if allocation.copy is not None:
                 out.copies.append(allocation.copy)  # the step copies before it writes
             job.num_shared_tokens = job.num_computed = num_shared
+            job.cache_root = hit.root
             job.chunk_start, job.chunk_end = job.num_computed, job.num_computed + size
             self.num_forced_admissions += int(forced)
             if from_cache:
@@ -391,7 +393,7 @@ class Scheduler:
         the prefill is complete, start its samples (`start_running`). True when it completed."""
         assert job.table is not None
         job.num_computed = job.chunk_end
-        self.kv.cache_full_blocks(job.table, job.tokens, job.num_computed)
+        self.kv.cache_full_blocks(job.table, job.tokens, job.num_computed, job.cache_root)
         if job.num_computed < len(job.tokens):
             return False
         self.start_running(job)
@@ -404,6 +406,7 @@ class Scheduler:
             self.prefilling.remove(job)
         for i, seq in enumerate(job.seqs):
             seq.table = job.table if i == 0 else self.kv.fork(job.table)
+            seq.cache_root = job.cache_root
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         self.running.sort(key=lambda s: (s.request.arrival, s.sample_index))
@@ -417,7 +420,7 @@ class Scheduler:
                 # (every token but the last, whose K/V were never computed): the next turn of a
                 # multi-turn trajectory continues this very sequence, and its prefill then
                 # starts from these blocks and computes only the new tokens.
-                self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1)
+                self.kv.cache_computed_blocks(seq.table, seq.tokens, len(seq.tokens) - 1, seq.cache_root)
             self.kv.free(seq.table)
             seq.table = None
         if seq in self.running:
@@ -456,8 +459,9 @@ def first_decode_blocks(num_tokens: int, n: int, block_size: int) -> int:
     return n if num_tokens % block_size == 0 else n - 1
 
 
-def live_prompt_blocks(job: PrefillJob, block_size: int) -> list[int]:
-    """The full prompt blocks a preempted sample can share with a running sibling ([] if none).
+def live_prompt_blocks(job: PrefillJob, block_size: int, root: int) -> PrefixHit:
+    """The full prompt blocks a preempted sample can share with a running sibling (none: in
+    the chain from `root`), in the sibling's key chain.
 
     Full prompt blocks are never written after the group's prefill (copy-on-write only ever
     copies a partly filled last block), so a running sibling's first `prompt_len // block_size`
@@ -465,9 +469,9 @@ def live_prompt_blocks(job: PrefillJob, block_size: int) -> list[int]:
     their K/V are already in the cache, whatever order this step's prefills run in.
     """
     if len(job.seqs) != 1 or job.seqs[0].num_generated == 0:
-        return []  # a fresh group: nothing of it is in the cache yet
+        return PrefixHit(root=root)  # a fresh group: nothing of it is in the cache yet
     seq = job.seqs[0]
     for sibling in seq.request.sequences:
         if sibling is not seq and sibling.status is SequenceStatus.RUNNING and sibling.table is not None:
-            return sibling.table.blocks[: seq.prompt_len // block_size]
-    return []
+            return PrefixHit(sibling.table.blocks[: seq.prompt_len // block_size], root=sibling.cache_root)
+    return PrefixHit(root=root)

@@ -125,6 +125,9 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     # Prompt tokens found in the prefix cache when it was first admitted (None: not yet admitted).
     num_cached_tokens: int | None = None
+    # May start from K/V that earlier weights computed (a resumed partial rollout under
+    # `EngineConfig.keep_stale_kv`).
+    reuse_stale_kv: bool = False
 
     @property
     def finished(self) -> bool:
@@ -149,6 +152,9 @@ class Sequence:
     # Weight version of the first generated token; all tokens share it (swaps restart).
     weight_version: int | None = None
     num_preemptions: int = 0
+    # The prefix cache's key chain its blocks belong to (`KVCacheManager.root` when it started,
+    # or the earlier weights' chain its K/V continue).
+    cache_root: int = 0
 
     @property
     def kv_table(self) -> BlockTable:

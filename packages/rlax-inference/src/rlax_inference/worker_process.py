@@ -112,6 +112,7 @@ def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
         "swap_policy": "drop",
         "seed": (config.run.seed * 1_000_003 + index) % 2**31,
         "aligned": config.trainer.batch_invariant,
+        "keep_stale_kv": workers.resume_kv == "keep",
     }
 
 
@@ -302,6 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker = Worker.from_run(config, args.index)
         address = worker.start()
         log.info("worker %d serving at %s (j=%d)", args.index, address, config.workers.j)
+        if worker.engine_config.keep_stale_kv:
+            log.warning(
+                "workers.resume_kv: keep: a resumed sample continues from stale K/V where this "
+                "worker still holds them, which depends on timing: the run is not bitwise repeatable"
+            )
         worker.run()
         return 0
 

@@ -164,14 +164,17 @@ class RequestServing:
         """A request continuing partial rollouts: each sample is an engine request of its own
         (its prompt is the request's plus its tokens so far) that draws the uninterrupted
         sample's keys from its place on (`SamplingParams.sample_offset`/`step_offset`); the
-        shared prompt's blocks come from the prefix cache. All or none are added."""
+        shared prompt's blocks come from the prefix cache; under `EngineConfig.keep_stale_kv`
+        so may the K/V of its tokens so far, as the earlier weights computed them, when this
+        worker ran its last segment. All or none are added."""
         added: list[str] = []
         try:
             for engine_id, resumed in zip(_engine_ids(key, request), request.resume, strict=True):
                 one = dataclasses.replace(
                     params, n=1, sample_offset=resumed.sample_index, step_offset=len(resumed.token_ids)
                 )
-                engine.add_request(engine_id, request.prompt_token_ids + resumed.token_ids, one)
+                tokens = request.prompt_token_ids + resumed.token_ids
+                engine.add_request(engine_id, tokens, one, reuse_stale_kv=True)
                 added.append(engine_id)
         except Exception:
             for engine_id in added:

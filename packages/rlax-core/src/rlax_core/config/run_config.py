@@ -93,6 +93,12 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
 
         if self.workers.on_new_version == "interrupt":
             self._check_partial_rollouts()
+        check(
+            self.workers.resume_kv == "recompute" or self.workers.on_new_version == "interrupt",
+            "workers.resume_kv",
+            self.workers.resume_kv,
+            "keep needs workers.on_new_version: interrupt (only a resumed partial rollout keeps its K/V)",
+        )
 
     def _check_partial_rollouts(self) -> None:
         why = "workers.on_new_version: interrupt (partial rollouts) needs"

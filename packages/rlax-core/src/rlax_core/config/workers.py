@@ -46,7 +46,11 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     segment of step s may use is s - segment_newest_lag (< controller.lag); 1, the version
     trained just before s, puts the last segment on the critical path (it can only start
     when step s could), 2 lets it overlap step s - 1's training. Single-turn samples with
-    workers.j 1 only."""
+    workers.j 1 only. `resume_kv` (with "interrupt"): "recompute" prefills a resumed sample's
+    tokens so far with the newer weights; "keep" lets it continue from the K/V the earlier
+    weights computed for them where its worker still holds them (PipelineRL's choice: no
+    prefill, but its new tokens attend to stale K/V, and whether a segment finds them
+    depends on which worker it lands on, so a run is not repeatable to the bit)."""
 
     count: int = 2
     j: int = 1
@@ -64,6 +68,7 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     on_new_version: Literal["finish", "interrupt"] = "finish"
     segment_tokens: int = 0
     segment_newest_lag: int = 1
+    resume_kv: Literal["recompute", "keep"] = "recompute"
 
     def __post_init__(self) -> None:
         check(self.count >= 1, "count", self.count, "must be >= 1")
