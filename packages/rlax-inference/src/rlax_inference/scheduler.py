@@ -39,7 +39,7 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rlax_inference.block_pool import BlockTable, KVCacheManager, PrefixHit
+from rlax_inference.block_pool import ROOT_KEY, BlockTable, KVCacheManager, PrefixHit
 from rlax_inference.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 
@@ -114,7 +114,7 @@ class PrefillJob:
     num_computed: int = 0
     chunk_start: int = 0
     chunk_end: int = 0
-    cache_root: int = 0  # the prefix cache's key chain its blocks go in (`Sequence.cache_root`)
+    cache_root: int = ROOT_KEY  # the prefix cache's key chain its blocks go in (`Sequence.cache_root`)
 
     @property
     def chunk(self) -> list[int]:

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from rlax_inference.block_pool import BlockTable
+from rlax_inference.block_pool import ROOT_KEY, BlockTable
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class Sequence:
     num_preemptions: int = 0
     # The prefix cache's key chain its blocks belong to (`KVCacheManager.root` when it started,
     # or the earlier weights' chain its K/V continue).
-    cache_root: int = 0
+    cache_root: int = ROOT_KEY
 
     @property
     def kv_table(self) -> BlockTable:

@@ -267,6 +267,14 @@ class ParamClient:
             (PushChunks(ready.push_id, first, count), encoded.frames[first : first + count])
             for first, count in runs
         ]
+
+        def acked(index: int, reply: Reply) -> None:
+            if not isinstance(reply.message, Ack):
+                raise MalformedMessageError(f"server answered PushChunks with {type(reply.message).__name__}")
+
+        if not hash_as_sent:
+            self._pipeline(requests, "PushChunks", acked)
+            return ()
         grouped = frames_by_tensor(encoded.manifest, encoded.frames)
         checksums = [0] * len(grouped)
         # The tensors whose last frame goes in message i: hashed before it is sent.
@@ -280,12 +288,8 @@ class ParamClient:
             for tensor in completed_by[index]:
                 checksums[tensor] = checksum_frames(grouped[tensor])
 
-        def acked(index: int, reply: Reply) -> None:
-            if not isinstance(reply.message, Ack):
-                raise MalformedMessageError(f"server answered PushChunks with {type(reply.message).__name__}")
-
-        self._pipeline(requests, "PushChunks", acked, hash_completed if hash_as_sent else None)
-        return tuple(checksums) if hash_as_sent else ()
+        self._pipeline(requests, "PushChunks", acked, hash_completed)
+        return tuple(checksums)
 
     def _fits_one_message(self, frames: Sequence[memoryview]) -> bool:
         """Whether `frames` fit one message within this client's `message_bytes` and the

@@ -1,8 +1,9 @@
 """The pushes in flight of the parameter server's `VersionStore`: frames arriving, tensors
 verified as they complete, idle pushes expired.
 
-Every method but `hash_frames` and `verify` runs under the store's lock (the store takes it):
-the table itself holds no lock, so one lock orders pushes, versions and pulls together.
+Every `PendingPushes` method runs under the store's lock (the store takes it): the table
+itself holds no lock, so one lock orders pushes, versions and pulls together. Hashing and
+`verify_push` (a push taken out of the table) run without it.
 """
 
 from __future__ import annotations
@@ -204,10 +205,6 @@ def tensor_frames(push: PendingPush, tensor: int) -> list[memoryview]:
     return [f for f in push.frames[start:end] if f is not None]
 
 
-def hash_frames(frames: Sequence[memoryview]) -> int:
-    return checksum_frames(frames)
-
-
 def verify_push(push: PendingPush, checksums: Sequence[int] = ()) -> None:
     """Hash the tensors not yet hashed; raises StoreError('checksum') naming a corrupt one.
     `checksums` are the commit's (`PushBegin.checksums_follow`): the manifest then takes
@@ -228,10 +225,12 @@ def verify_push(push: PendingPush, checksums: Sequence[int] = ()) -> None:
         return
     for index, tensor in enumerate(tensors):
         if push.checksums_follow:
-            digest = push.digests[index] if push.verified[index] else hash_frames(tensor_frames(push, index))
+            digest = (
+                push.digests[index] if push.verified[index] else checksum_frames(tensor_frames(push, index))
+            )
             matched = digest == checksums[index]
         else:
-            matched = push.verified[index] or hash_frames(tensor_frames(push, index)) == tensor.checksum
+            matched = push.verified[index] or checksum_frames(tensor_frames(push, index)) == tensor.checksum
         if not matched:
             raise StoreError(
                 "checksum",

@@ -27,12 +27,11 @@ from rlax_paramserver.pending_pushes import (
     PendingPushes,
     TensorCheck,
     check_push_size,
-    hash_frames,
     verify_push,
 )
 from rlax_paramserver.persist import StagingFile, discard_staging
 from rlax_paramserver.store_error import StoreError
-from rlax_protocol import TensorManifest, frame_layout
+from rlax_protocol import TensorManifest, checksum_frames, frame_layout
 from rlax_protocol.lora_versions import LoraVersionError, lora_base_of
 
 __all__ = [
@@ -137,7 +136,7 @@ class VersionStore:
 
     @staticmethod
     def hash_frames(frames: Sequence[memoryview]) -> int:
-        return hash_frames(frames)
+        return checksum_frames(frames)
 
     def record_check(self, check: TensorCheck, digest: int) -> None:
         """Remember that a completed tensor hashed to `digest` (ignored if its frames changed since)."""
