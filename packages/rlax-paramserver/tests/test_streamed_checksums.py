@@ -131,6 +131,7 @@ def _streamed_push(peer: RawPeer, version: int, value: dict[str, Any]) -> tuple[
         ("one checksum wrong", "checksum"),
         ("one checksum missing", "malformed"),
         ("no checksums", "malformed"),
+        ("a hundred thousand checksums", "malformed"),  # well-formed, asks for far too much
     ],
 )
 def test_a_commit_whose_checksums_do_not_match_is_refused_and_the_server_serves_on(
@@ -145,6 +146,8 @@ def test_a_commit_whose_checksums_do_not_match_is_refused_and_the_server_serves_
                 checksums[1] ^= 1  # tensor 1 of the sorted manifest: 'big'
             elif case == "one checksum missing":
                 checksums.pop()
+            elif case == "a hundred thousand checksums":
+                checksums = checksums * 33_334
             else:
                 checksums = []
             reply = peer.request([rp.encode(rp.PushCommit(push_id, checksums=tuple(checksums)))])
