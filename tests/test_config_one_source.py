@@ -116,9 +116,12 @@ def test_the_rollout_scheduler_defaults_equal_the_run_configs() -> None:
 
     scheduler = _defaults(RolloutSchedulerConfig)
     sections = {**_defaults(run_config.ControllerSection), **_defaults(run_config.DataSection)}
-    # `lag` is the resolved lag (RunConfig.pinned_lag), where the section's -1 means "the most k allows".
-    for name in (set(scheduler) & set(sections)) - {"lag"}:
+    # `lag` is the resolved lag (RunConfig.pinned_lag), where the section's -1 means "the most k
+    # allows"; `lookahead_steps` the resolved lookahead (RunConfig.lookahead_steps), where -1
+    # means "the lag, at least 1": 1 at the scheduler's default lag 0.
+    for name in (set(scheduler) & set(sections)) - {"lag", "lookahead_steps"}:
         assert scheduler[name] == sections[name], name
+    assert sections["lookahead_steps"] == -1 and scheduler["lookahead_steps"] == 1 and scheduler["lag"] == 0
     assert {"versions", "lookahead_steps", "dynamic_filter", "max_filter_draws"} <= set(scheduler) & set(
         sections
     )

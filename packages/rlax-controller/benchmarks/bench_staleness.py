@@ -95,6 +95,8 @@ TIME_SETTINGS = {
     "lag 2": lagged(2, NO_CORRECTION),
     "lag 2 tis": lagged(2, TIS),
     "lag 2 tis partial": lagged(2, TIS, "workers.on_new_version=interrupt"),
+    # Before 2026-12-07 the default generated one batch ahead whatever the lag.
+    "lag 2 tis ahead 1": lagged(2, TIS, "controller.lookahead_steps=1"),
     "lag 4": lagged(4, NO_CORRECTION),
     "lag 4 tis": lagged(4, TIS),
     "lag 4 tis partial": lagged(4, TIS, "workers.on_new_version=interrupt"),

@@ -159,3 +159,24 @@ def test_partial_rollout_segments_default_to_the_lag_s_share_of_the_new_tokens()
     ]
     assert load_config(None, overlapped).partial_segment_tokens == 4
     assert load_config(None, []).workers.on_new_version == "finish"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ahead"),
+    [
+        (["controller.lag=0"], 1),  # synchronous: nothing can start early, one batch queued
+        (["controller.lag=1", "trainer.k=1"], 1),
+        (["controller.lag=2", "trainer.k=2"], 2),  # as far as the pinned versions allow
+        (["controller.lag=-1", "trainer.k=4", "paramserver.keep=8"], 4),
+        (["controller.lag=2", "trainer.k=2", "controller.lookahead_steps=1"], 1),  # as set
+        (["controller.lag=2", "trainer.k=2", "controller.lookahead_steps=0"], 0),
+        (["controller.versions=freshest", "trainer.k=4"], 1),  # no pinned lag to follow
+    ],
+)
+def test_the_lookahead_follows_the_pinned_lag_unless_set(overrides: list[str], ahead: int) -> None:
+    assert load_config(None, overrides).lookahead_steps == ahead
+
+
+def test_a_lookahead_below_minus_one_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="controller.lookahead_steps"):
+        load_config(None, ["controller.lookahead_steps=-2"])

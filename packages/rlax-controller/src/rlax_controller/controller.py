@@ -235,7 +235,7 @@ def _scheduler_config(config: RunConfig) -> RolloutSchedulerConfig:
         max_filter_draws=config.data.max_filter_draws,
         max_inflight_per_worker=config.workers.max_inflight_groups,
         seed=config.run.seed,
-        lookahead_steps=config.controller.lookahead_steps,
+        lookahead_steps=config.lookahead_steps,
         versions=config.controller.versions,
         lag=config.pinned_lag,
         j=config.workers.j,

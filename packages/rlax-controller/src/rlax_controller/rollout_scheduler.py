@@ -137,8 +137,9 @@ class RolloutSchedulerConfig:
     max_inflight_per_worker: int = 2
     seed: int = 0
     # The defaults of the options a run sets are the run config's (`controller:`), so a
-    # scheduler made by hand behaves as a run's does; `lag` is the resolved one
-    # (`RunConfig.pinned_lag`), never -1. None for `lookahead_steps`: k.
+    # scheduler made by hand behaves as a run's does; `lag` and `lookahead_steps` are the
+    # resolved ones (`RunConfig.pinned_lag`, `RunConfig.lookahead_steps`), never -1: the
+    # section's -1 resolves to 1 at lag 0. None for `lookahead_steps`: k.
     lookahead_steps: int | None = 1
     versions: str = "pinned"  # or "freshest": see the module docstring
     lag: int = 0  # pinned: groups of step s use version j * floor(max(0, s - lag) / j)

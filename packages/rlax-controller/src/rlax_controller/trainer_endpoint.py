@@ -44,6 +44,7 @@ MAX_CONTROLLER_REQUEST_BYTES = 4 * 1024 * 1024
 # How long the controller holds a trainer's BatchRequest waiting for the batch; well under
 # the trainer's client timeout (>= 1 s), so a held request never looks like a lost one.
 BATCH_HOLD_S = 0.5
+REPLY_LINGER_MS = 2000
 
 
 class TrainerEndpoint:
@@ -157,17 +158,20 @@ class TrainerEndpoint:
     def close(self) -> None:
         """Stop serving. A held BatchRequest is answered first (`NoBatchYet`, retry soon): a
         controller that stops while it holds one (the run's end, a config error found by the
-        dispatch) would otherwise leave the trainer waiting out its whole timeout."""
-        linger = 0
+        dispatch) would otherwise leave the trainer waiting out its whole timeout.
+
+        Every reply already queued is still delivered: a `NoBatchYet` sent a moment before a
+        config error stopped the run was dropped by a socket closed without lingering (under
+        the full suite's load its I/O thread had not written it yet; the trainer's request
+        then timed out instead of seeing the controller stop)."""
         if self._held is not None:
             identity, request_id, _, _ = self._held
             self._held = None
             self._reply(
                 identity, request_id, NoBatchYet(reason="the controller is stopping", retry_after_s=0.5)
             )
-            # ms: the most closing may wait to hand that one reply to the kernel (it waits only
-            # until it is sent). 200 ms lost it once under a loaded 2-core machine, and the
-            # trainer waited out its whole timeout.
-            linger = 2000
-        self.socket.close(linger=linger)
+        # ms: the most the queued replies may wait to reach the kernel (only until they are
+        # sent; a reply to a peer that is gone is dropped at once). 200 ms lost a held reply
+        # once under a loaded 2-core machine.
+        self.socket.close(linger=REPLY_LINGER_MS)
         self.auth.close()

@@ -9,7 +9,12 @@ from rlax_core.config.base import AUTO, Section, check, check_address
 
 class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """`lookahead_steps`: how many batches beyond the current one are generated ahead
-    (capped by trainer.k); more keeps workers busier, fewer keeps rollouts fresher.
+    (capped by trainer.k). -1 (the default): under `pinned` versions, as many as the
+    versions allow, the lag (at least 1): the groups of step s + lag can start once version
+    s exists, and generating them early changes no token, only when the work is done
+    (where generation has hardware of its own and its times vary, a deeper queue keeps the
+    trainer fed; on the 2-core demo it measured the same as 1: docs/benchmarks.md); under
+    `freshest`, 1, where more keeps workers busier and fewer keeps rollouts fresher.
 
     `versions`: which weights generate a group. `pinned` (the default): the controller
     decides, by the group's place in the stream alone: the groups of step s are generated
@@ -33,7 +38,7 @@ class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_onl
     request_timeout_s: float = 30.0
     first_result_timeout_s: float = 300.0
     snapshot_keep: int = 4
-    lookahead_steps: int = 1
+    lookahead_steps: int = -1
     versions: Literal["pinned", "freshest"] = "pinned"
     lag: int = -1
 
@@ -54,5 +59,10 @@ class ControllerSection(Section, frozen=True, forbid_unknown_fields=True, kw_onl
             "must be > 0",
         )
         check(self.snapshot_keep >= 2, "snapshot_keep", self.snapshot_keep, "must be >= 2")
-        check(self.lookahead_steps >= 0, "lookahead_steps", self.lookahead_steps, "must be >= 0")
+        check(
+            self.lookahead_steps >= -1,
+            "lookahead_steps",
+            self.lookahead_steps,
+            "must be >= 0, or -1 for the lag",
+        )
         check(self.lag >= -1, "lag", self.lag, "must be >= 0, or -1 for the most trainer.k allows")

@@ -130,6 +130,15 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
         lag, j = self.controller.lag, self.workers.j
         return max(0, min(self.trainer.k - j + 1, self.paramserver.keep - j)) if lag < 0 else lag
 
+    @property
+    def lookahead_steps(self) -> int:
+        """`controller.lookahead_steps`, with -1 resolved: the pinned lag (at least 1) under
+        pinned versions, else 1."""
+        ahead = self.controller.lookahead_steps
+        if ahead >= 0:
+            return ahead
+        return max(1, self.pinned_lag) if self.controller.versions == "pinned" else 1
+
     def pinned_version(self, step: int) -> int:
         """The weight version that generates the groups of `step` under `controller.versions: pinned`."""
         j = self.workers.j
