@@ -103,7 +103,7 @@ def summarise(
     total, idle = (b - a for a, b in zip(start["machine"], end["machine"], strict=True))
     cores: dict[str, float] = {}
     for pid, (role, seconds) in end["processes"].items():
-        before = start["processes"].get(pid, (role, seconds))[1]  # a process started later: nothing before
+        before = start["processes"].get(pid, (role, 0.0))[1]  # a process started later: nothing before
         cores[role] = cores.get(role, 0.0) + (seconds - before) / wall
     steps = [train[s] for s in range(first + 1, last + 1) if s in train]
     parts = {k: sum(r.get(k, 0.0) for r in steps) / len(steps) for k in STEP_PARTS}
