@@ -26,6 +26,7 @@ import tempfile
 import time
 from typing import Any
 
+from rlax_controller.metrics import read_metrics
 from rlax_protocol.atomic_files import atomic_write_bytes
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -126,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = sample(process, args.period)
         if process.returncode != 0:
             raise SystemExit(f"{' '.join(command)} exited {process.returncode} (logs in {out}/logs)")
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        summary = summarise(samples, records, args.from_step, args.to_step)
+        summary = summarise(samples, read_metrics(out / "metrics.jsonl"), args.from_step, args.to_step)
     except BaseException:
         print(f"run folder kept: {out}", file=sys.stderr)
         raise
