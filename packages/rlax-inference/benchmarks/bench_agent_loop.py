@@ -21,8 +21,10 @@ reuse on (`KVCacheManager.enable_partial_blocks`) and off (whole 16-token blocks
 issue 32), the prefix cache emptied before every run; the best time of each is reported.
 
 Reported per workload: model tokens/s of each run and the ratios multi/single (on and off)
-and single on/off, and once multi-turn with a 20 ms environment step (a slow tool); the later turns' prompt tokens served from the prefix cache, as a fraction
-of those turns' prompt tokens, beside the most any cache can serve (a later turn's
+and single on/off; the same runs on an engine that runs prefill in calls of its own
+(`EngineConfig.fold_prefill="off"`, as before it) and the model calls of each; once
+multi-turn with a 20 ms environment step (a slow tool); the later turns' prompt tokens
+served from the prefix cache, as a fraction of those turns' prompt tokens, beside the most any cache can serve (a later turn's
 observation and the previous turn's last token, whose K/V were never computed, are new);
 peak KV blocks and the process's peak RSS.
 
@@ -123,6 +125,7 @@ class _Run:
     later_prompt_tokens: int = 0  # prompt tokens of every later turn's request
     later_cached_tokens: int = 0  # of them, found in the prefix cache
     later_new_tokens: int = 0  # of them, never computed before (observation + last model token)
+    calls: tuple[int, int, int] = (0, 0, 0)  # model calls: (decode, prefill, mixed)
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -154,7 +157,7 @@ def long_workload(model: str) -> Workload:
     return Workload(config, params, prompts, [observation] * PROMPTS, 4, turn_tokens, max_len)
 
 
-def _engine(w: Workload) -> LLMEngine:
+def _engine(w: Workload, *, fold_prefill: str = "on") -> LLMEngine:
     seqs = len(w.prompts) * w.samples
     return LLMEngine(
         w.config,
@@ -162,7 +165,7 @@ def _engine(w: Workload) -> LLMEngine:
         EngineConfig(
             block_size=BLOCK, num_blocks=2 * seqs * (-(-w.max_len // BLOCK) + 1) + 8, max_num_seqs=seqs,
             max_num_batched_tokens=max(2048, seqs * 8), max_model_len=w.max_len, eos_token_ids=(),
-            num_decode_steps=8,
+            num_decode_steps=8, fold_prefill=fold_prefill,
         ),
     )  # fmt: skip
 
@@ -218,10 +221,17 @@ def _peak_rss_mb() -> float:
 def _fresh(
     engine: LLMEngine, *, partial: bool, run: Callable[[LLMEngine, Workload], _Run], w: Workload
 ) -> _Run:
-    """`run` from an empty prefix cache (nothing of the previous run is reused)."""
+    """`run` from an empty prefix cache (nothing of the previous run is reused), with its model calls."""
     engine.kv.pool.reset_prefix_cache()
     engine.kv.enable_partial_blocks = partial
-    return run(engine, w)
+    before = _calls(engine)
+    got = run(engine, w)
+    got.calls = tuple(b - a for a, b in zip(before, _calls(engine), strict=True))  # type: ignore[assignment]
+    return got
+
+
+def _calls(engine: LLMEngine) -> tuple[int, int, int]:
+    return engine.num_decode_calls, engine.num_prefill_calls, engine.num_mixed_calls
 
 
 def _write_figures() -> None:
@@ -237,25 +247,32 @@ def test_multi_turn_overhead_vs_single_turn(benchmark, model):
         pytest.skip("SmolLM2 runs many minutes on a small CPU: set RLAX_BENCH_AGENT_SMOLLM2=1")
     w = demo_workload() if model == "demo" else long_workload(model)
     engine = _engine(w)
+    # The same engine with prefill in calls of its own (before `fold_prefill`): partial blocks on.
+    separate = _engine(w, fold_prefill="off")
     model_tokens = len(w.prompts) * w.samples * TURNS * w.turn_tokens
     runs = {"single": _single_turn, "multi": _multi_turn}
-    # Warm-up: every program the engine can call (when the environment threads finish varies
+    # (key, engine, partial blocks): every run of a round.
+    settings = [
+        (f"{name}_{'on' if partial else 'off'}", engine, partial, fn)
+        for partial in (True, False)
+        for name, fn in runs.items()
+    ]
+    settings += [(f"{name}_separate", separate, True, fn) for name, fn in runs.items()]
+    # Warm-up: every program the engines can call (when the environment threads finish varies
     # from run to run, and with it the batch shapes), then each run once.
     compile_s = compile_all_shapes(engine, [SamplingParams(temperature=1.0)])
-    for partial in (True, False):
-        for fn in runs.values():
-            _fresh(engine, partial=partial, run=fn, w=w)
+    compile_all_shapes(separate, [SamplingParams(temperature=1.0)])
+    for _, e, partial, fn in settings:
+        _fresh(e, partial=partial, run=fn, w=w)
     compiled = sum(COMPILATIONS.values())
     best: dict[str, _Run] = {}
 
     def timed() -> None:
         for _ in range(ROUNDS):
-            for partial in (True, False):
-                for name, fn in runs.items():
-                    key = f"{name}_{'on' if partial else 'off'}"
-                    got = _fresh(engine, partial=partial, run=fn, w=w)
-                    if key not in best or got.seconds < best[key].seconds:
-                        best[key] = got
+            for key, e, partial, fn in settings:
+                got = _fresh(e, partial=partial, run=fn, w=w)
+                if key not in best or got.seconds < best[key].seconds:
+                    best[key] = got
 
         # A slow tool (20 ms a step, in the loop's threads): once, with partial blocks on.
         best["multi_slow_env"] = _fresh(engine, partial=True, run=lambda e, w: _multi_turn(e, w, 0.02), w=w)
@@ -279,6 +296,12 @@ def test_multi_turn_overhead_vs_single_turn(benchmark, model):
         f"-> on/off {rate['multi_on'] / rate['multi_off']:.3f}",
         f"  multi / single      : {rate['multi_on'] / rate['single_on']:10.3f}  "
         f"{rate['multi_off'] / rate['single_off']:10.3f}",
+        f"  prefill in the decode call (fold_prefill) vs calls of its own: single-turn "
+        f"{rate['single_on']:.1f} vs {rate['single_separate']:.1f} tok/s ({rate['single_on'] / rate['single_separate']:.3f}x), "
+        f"multi-turn {rate['multi_on']:.1f} vs {rate['multi_separate']:.1f} ({rate['multi_on'] / rate['multi_separate']:.3f}x); "
+        f"multi / single {rate['multi_separate'] / rate['single_separate']:.3f} without folding",
+        f"  model calls (decode, prefill, mixed): single {best['single_on'].calls} vs {best['single_separate'].calls}, "
+        f"multi {best['multi_on'].calls} vs {best['multi_separate'].calls}",
         f"  multi, 20 ms environment steps: {rate['multi_slow_env']:.1f} tok/s "
         f"-> {rate['multi_slow_env'] / rate['single_on']:.3f}x single-turn",
         f"  later turns' prompt tokens from the cache: {frac_on:.1%} on, {frac_off:.1%} off "
@@ -290,6 +313,11 @@ def test_multi_turn_overhead_vs_single_turn(benchmark, model):
     figures = {
         f"multi_over_single_{model}": rate["multi_on"] / rate["single_on"],
         f"multi_over_single_{model}_partial_off": rate["multi_off"] / rate["single_off"],
+        f"multi_over_single_{model}_separate_prefill": rate["multi_separate"] / rate["single_separate"],
+        f"single_folded_over_separate_{model}": rate["single_on"] / rate["single_separate"],
+        f"multi_folded_over_separate_{model}": rate["multi_on"] / rate["multi_separate"],
+        f"multi_model_calls_{model}": float(sum(best["multi_on"].calls)),
+        f"multi_model_calls_separate_{model}": float(sum(best["multi_separate"].calls)),
         f"single_on_over_off_{model}": rate["single_on"] / rate["single_off"],
         f"multi_on_over_off_{model}": rate["multi_on"] / rate["multi_off"],
         f"multi_slow_env_over_single_{model}": rate["multi_slow_env"] / rate["single_on"],

@@ -26,15 +26,21 @@ def make_engine(config=CONFIG, params=PARAMS, **kw):  # type: ignore[no-untyped-
 
 
 def record_chunks(engine: LLMEngine) -> list[tuple[int, int]]:
-    """(start, length) of every prefill chunk the engine's runner is asked for."""
+    """(start, length) of every prefill chunk the engine's runner is asked for (in prefill
+    calls and in decode calls that fold chunks in)."""
     seen: list[tuple[int, int]] = []
-    run = engine.runner.prefill_chunks
+    run, run_mixed = engine.runner.prefill_chunks, engine.runner.decode_with_prefill
 
     def spy(chunks, samples, **kw):  # type: ignore[no-untyped-def]
         seen.extend((c.start, len(c.tokens)) for c in chunks)
         return run(chunks, samples, **kw)
 
+    def spy_mixed(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.extend((c.start, len(c.tokens)) for c in args[5])
+        return run_mixed(*args, **kw)
+
     engine.runner.prefill_chunks = spy  # type: ignore[method-assign]
+    engine.runner.decode_with_prefill = spy_mixed  # type: ignore[method-assign]
     return seen
 
 

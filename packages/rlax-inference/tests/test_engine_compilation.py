@@ -1,6 +1,7 @@
 """After `compile_all_shapes`, no path of the engine compiles: preemption and recompute,
-copy-on-write, prefix-cache hits, chunked prefill, samples finishing at different times,
-filtered sampling and top log-probs all run on programs compiled before serving."""
+copy-on-write, prefix-cache hits, chunked prefill, prefill folded into decode calls,
+samples finishing at different times, filtered sampling and top log-probs all run on
+programs compiled before serving."""
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def test_no_path_compiles_after_compile_all_shapes():
     engine = LLMEngine(CONFIG, PARAMS, ENGINE)
     compile_all_shapes(engine, [SAMPLED, GREEDY])
     compiled = dict(engine.runner.num_compilations)
-    assert set(compiled) == {"copy", "decode", "prefill", "sample"}
+    assert set(compiled) == {"copy", "decode", "mixed", "prefill", "sample"}
 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, CONFIG.vocab_size, size=n)] for n in (5, 11, 30, 19, 9, 27)]
@@ -52,4 +53,6 @@ def test_no_path_compiles_after_compile_all_shapes():
     # Requests of different lengths in one batch: the decode batch shrinks through its buckets.
     engine.generate(prompts[:5], SamplingParams(n=2, temperature=1.0, max_tokens=3, logprobs=1))
     engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 4, 9, 16, 25, 33)])
+    # Prefill of recomputes and of chunks after the first rode in decode calls (`fold_prefill`).
+    assert engine.num_mixed_calls > 0
     assert dict(engine.runner.num_compilations) == compiled

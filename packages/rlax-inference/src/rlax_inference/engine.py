@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from rlax_inference.block_pool import KVCacheManager
-from rlax_inference.engine_config import EngineConfig, SwapPolicy
+from rlax_inference.engine_config import EngineConfig, FoldPrefill, SwapPolicy
 from rlax_inference.engine_outputs import CompletionOutput, RequestOutput, request_output
-from rlax_inference.model_runner import ModelRunner, PrefillChunk
+from rlax_inference.model_runner import MIXED_PREFILL_ROWS, ModelRunner, PrefillChunk, StepResult
 from rlax_inference.request_rules import SeedStream, checked_prompt, plain_tokens_stop, stop_reason
 from rlax_inference.scheduler import PrefillJob, Scheduler
 from rlax_inference.sequence import FinishReason, Request, SamplingParams, SequenceStatus
@@ -85,6 +85,9 @@ class LLMEngine:
         self._seeds = SeedStream(config.seed)  # for requests without a seed
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # Model calls by kind: decode, prefill, and decode calls that also ran prefill chunks
+        # (`fold_prefill`); a call that failed counts too.
+        self.num_decode_calls = self.num_prefill_calls = self.num_mixed_calls = 0
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -179,10 +182,18 @@ class LLMEngine:
         if out.copies and not self._run_copies(out.copies, out.decodes, out.prefills):
             out.decodes, out.decode_slots = [], []
             out.prefills = [j for j in out.prefills if self._is_live(j.request)]
-        if out.decodes:
-            self._run_decodes(out.decodes, out.decode_slots, num_top)
         # Similar lengths together waste less padding; a call holds at most max_prefill_rows chunks.
         jobs = sorted(out.prefills, key=lambda j: j.chunk_end - j.chunk_start)
+        if (
+            out.decodes
+            and jobs
+            and self._folds_prefill(out.decodes, out.decode_slots, jobs[:MIXED_PREFILL_ROWS], num_top)
+        ):
+            # The shortest chunks ride along with the decode step (one pass over the weights).
+            folded, jobs = jobs[:MIXED_PREFILL_ROWS], jobs[MIXED_PREFILL_ROWS:]
+            self._run_mixed(out.decodes, out.decode_slots, folded, num_top)
+        elif out.decodes:
+            self._run_decodes(out.decodes, out.decode_slots, num_top)
         rows = self.config.max_prefill_rows
         for group in (jobs[i : i + rows] for i in range(0, len(jobs), rows)):
             # A request that failed earlier in this step no longer holds its jobs' blocks.
@@ -202,8 +213,59 @@ class LLMEngine:
             return False
         return True
 
+    def _folds_prefill(
+        self, seqs: list[Seq], slots: list[list[int]], group: list[PrefillJob], num_top: int
+    ) -> bool:
+        """Whether this step's decode call also takes `group`'s chunks (`EngineConfig.fold_prefill`;
+        the aligned mode keeps the trainer's separate shapes). Under `fold_compiled_only`,
+        only into a program compiled before (else both parts run in calls of their own)."""
+        if self.config.fold_prefill is FoldPrefill.OFF or self.config.aligned:
+            return False
+        if self.config.fold_prefill is FoldPrefill.ON:
+            return True
+        rows = len(slots) + sum(len(j.seqs) for j in group if j.is_last_chunk)
+        sampling = [_sampling_row(s) for j in group if j.is_last_chunk for s in j.seqs]
+        steps = self.config.num_decode_steps if max(len(s) for s in slots) > 1 else 1
+        chunks = [prefill_chunk(j, self.config.block_size) for j in group]
+        key = self.runner.mixed_program(rows, chunks, steps, num_top, [*map(_sampling_row, seqs), *sampling])
+        return key in self.runner.mixed_programs
+
+    def _run_mixed(
+        self, seqs: list[Seq], slots: list[list[int]], group: list[PrefillJob], num_top: int
+    ) -> None:
+        """One call: the decode steps of the running samples, with a chunk of each of `group`'s
+        jobs in the first."""
+        sampled = [s for j in group if j.is_last_chunk for s in j.seqs]
+        samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
+        self.num_mixed_calls += 1
+        try:
+            res = self.runner.decode_with_prefill(
+                [s.tokens[-1] for s in seqs],
+                slots,
+                [s.kv_table.blocks for s in seqs],
+                [len(s.tokens) for s in seqs],
+                [_sampling_row(s) for s in seqs],
+                [prefill_chunk(j, self.config.block_size) for j in group],
+                samples,
+                num_steps=self.config.num_decode_steps if max(len(s) for s in slots) > 1 else 1,
+                num_top=num_top,
+            )
+        except Exception as error:
+            self._fail([s.request for s in seqs] + [j.request for j in group], error)
+            return
+        n = len(seqs)
+        decoded = StepResult(
+            res.tokens[:, :n], res.logprobs[:, :n], res.top_ids[:, :n], res.top_logprobs[:, :n]
+        )
+        prefilled = StepResult(
+            res.tokens[0, n:], res.logprobs[0, n:], res.top_ids[0, n:], res.top_logprobs[0, n:]
+        )
+        self._take_decoded(seqs, slots, decoded)
+        self._take_prefilled(group, sampled, prefilled)
+
     def _run_decodes(self, seqs: list[Seq], slots: list[list[int]], num_top: int) -> None:
         """One decode call for the running samples (`slots`: the slots each feeds) and its tokens."""
+        self.num_decode_calls += 1
         try:
             # One program per configured step count: a call near the end runs a few idle steps.
             multi = max(len(s) for s in slots) > 1
@@ -219,6 +281,10 @@ class LLMEngine:
         except Exception as error:
             self._fail([s.request for s in seqs], error)
             return
+        self._take_decoded(seqs, slots, res)
+
+    def _take_decoded(self, seqs: list[Seq], slots: list[list[int]], res: StepResult) -> None:
+        """Append a decode call's tokens (`res` arrays [num_steps, n, ...]) to its samples."""
         tokens, logprobs = res.tokens.T.tolist(), res.logprobs.T.tolist()  # [n][num_steps]
         for i, (seq, seq_slots) in enumerate(zip(seqs, slots, strict=True)):
             if seq.status is SequenceStatus.FINISHED:
@@ -242,6 +308,7 @@ class LLMEngine:
         # Only a job's last chunk samples (from its last token's logits); row i of the result is seqs[i].
         seqs = [s for j in group if j.is_last_chunk for s in j.seqs]
         samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
+        self.num_prefill_calls += 1
         try:
             res = self.runner.prefill_chunks(
                 [prefill_chunk(j, self.config.block_size) for j in group], samples, num_top=num_top
@@ -249,6 +316,10 @@ class LLMEngine:
         except Exception as error:
             self._fail([j.request for j in group], error)
             return
+        self._take_prefilled(group, seqs, res)
+
+    def _take_prefilled(self, group: list[PrefillJob], seqs: list[Seq], res: StepResult) -> None:
+        """Record that `group`'s chunks ran and append each sampled token (row i: `seqs[i]`)."""
         for job in group:
             try:
                 self.scheduler.finish_chunk(job)

@@ -9,7 +9,7 @@ from rlax_core.config import WorkersSection
 from rlax_inference.model_runner import AttentionBackend
 from rlax_inference.scheduler import SchedulerConfig
 
-__all__ = ["EngineConfig", "SwapPolicy"]
+__all__ = ["EngineConfig", "FoldPrefill", "SwapPolicy"]
 
 
 class SwapPolicy(enum.StrEnum):
@@ -18,6 +18,17 @@ class SwapPolicy(enum.StrEnum):
 
     DROP = "drop"
     FINISH = "finish"
+
+
+class FoldPrefill(enum.StrEnum):
+    """Whether a step's decode call also runs its prefill chunks (`EngineConfig.fold_prefill`):
+    `on` (a new shape compiles on first use), `compiled` (only into mixed programs compiled
+    before, `ModelRunner.compile_mixed`; otherwise decode and prefill run in calls of their
+    own: a worker's setting, so that nothing compiles while it serves), `off`."""
+
+    ON = "on"
+    COMPILED = "compiled"
+    OFF = "off"
 
 
 # The engine options a run sets in its `workers:` section, by the same names: their defaults
@@ -62,6 +73,13 @@ class EngineConfig:
     aligned: compute as the trainer does under `trainer.batch_invariant`, so that a sampled
       token's float32 log-prob equals the trainer's recomputation to the bit (`ModelRunner`;
       decode attention then runs in XLA, not on the `attention` backend's kernel: slower).
+    fold_prefill: `FoldPrefill` (on, compiled, off): a step that decodes and has prefill
+      chunks to run takes up to `MIXED_PREFILL_ROWS` (4) of them, the shortest, into the
+      decode call: one pass over the weights for both (vLLM's mixed batches), so a new request or
+      a trajectory's next turn joins a running batch without a call of its own. Tokens are
+      those of separate calls up to float32 rounding (greedy: the same). With multi-step
+      decoding the chunks ride in the call's first step. Not in the aligned mode (its
+      shapes are the trainer's).
     """
 
     block_size: int = _RUN_DEFAULTS.block_size
@@ -82,6 +100,7 @@ class EngineConfig:
     keep_stale_kv: bool = False
     seed: int = 0
     aligned: bool = False
+    fold_prefill: FoldPrefill = FoldPrefill.ON
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
@@ -99,6 +118,11 @@ class EngineConfig:
                 "EngineConfig.keep_stale_kv needs enable_prefix_caching (the K/V kept are its blocks)"
             )
         object.__setattr__(self, "swap_policy", SwapPolicy(self.swap_policy))
+        if self.fold_prefill not in tuple(FoldPrefill):
+            raise ValueError(
+                f"EngineConfig.fold_prefill must be one of on|compiled|off, got {self.fold_prefill!r}"
+            )
+        object.__setattr__(self, "fold_prefill", FoldPrefill(self.fold_prefill))
         self.scheduler_config()  # validates the scheduler limits
 
     def scheduler_config(self) -> SchedulerConfig:

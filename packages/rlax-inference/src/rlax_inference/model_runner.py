@@ -53,11 +53,13 @@ from rlax_inference.runner_attention import (
     PREFILL_PAGES_PER_STEP,
     FusedDecodeContext,
     KVCache,
+    MixedContext,
     PrefillContext,
     aligned_prefill_attention,
     decode_attend,
     make_aligned_decode_attention,
     make_fused_decode_attention,
+    make_mixed_attention,
     prefill_attention,
     write_all_layers,
 )
@@ -253,10 +255,104 @@ _decode_steps, _decode_steps_aligned = _jits(
 )
 
 
+def _mixed_impl(
+    params: Params,
+    cache: KVCache,
+    decode: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    prefill: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array],
+    sample_positions: jax.Array,
+    sampling: SamplingBatch,
+    *,
+    config: ModelConfig,
+    attention: str,
+    interpret: bool,
+    use_filters: bool,
+    num_top: int,
+) -> tuple[SamplerOutput, KVCache]:
+    """A decode step of `R` rows and one chunk of `P` prompts in one pass over the weights,
+    then the decode rows' further steps.
+
+    decode: (tokens [R], slots [num_steps, R], block_tables [R, width], lengths [R]) as
+    `_decode_impl`'s; prefill: (tokens [P, C], starts [P], lengths [P], slots [P, C],
+    block_tables [P, width']) as `_prefill_impl`'s. The first step's R + P * C tokens form
+    one packed row (`make_mixed_attention`). sample_positions: [R] int32, the packed token
+    whose logits each sample row reads (a decode row its own token, a prefill sample its
+    chunk's last token). Steps 2..num_steps are `_decode_impl`'s on the decode rows (a
+    prefill sample's row has no slots there: it writes nothing). Returns the sampled rows
+    stacked [num_steps, R, ...] (a prefill sample's only in step 1) and the cache.
+    """
+    dec_tokens, step_slots, dec_tables, dec_lengths = decode
+    dec_slots = step_slots[0]
+    pre_tokens, pre_starts, pre_lengths, pre_slots, pre_tables = prefill
+    chunk = pre_tokens.shape[1]
+    pre_positions = pre_starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    tokens = jnp.concatenate([dec_tokens, pre_tokens.reshape(-1)])[None]
+    positions = jnp.concatenate([dec_lengths - 1, pre_positions.reshape(-1)])[None]
+    context = MixedContext(
+        FusedDecodeContext(cache, dec_lengths, dec_tables),
+        PrefillContext(cache, pre_starts, pre_lengths, pre_tables, config.sliding_window),
+    )
+    hidden, new = hidden_states(
+        params,
+        tokens,
+        positions,
+        config=config,
+        attention=make_mixed_attention(decode_attend(attention, interpret), config.sliding_window),
+        attention_context=context,
+        kv_cache=jnp.arange(config.num_layers, dtype=jnp.int32),
+    )
+    cache = write_all_layers(cache, new["k"], new["v"], jnp.concatenate([dec_slots, pre_slots.reshape(-1)]))
+    logits = project_logits(hidden[0, sample_positions], params, config)
+    first = sample(logits, sampling, use_filters=use_filters, num_top=num_top)
+    if step_slots.shape[0] == 1:
+        return jax.tree_util.tree_map(lambda x: x[None], first), cache
+    rest, cache = _decode_impl(
+        params, cache, first.tokens, step_slots[1:], dec_tables, dec_lengths + 1,
+        sampling._replace(step=sampling.step + 1), config=config, attention=attention,
+        interpret=interpret, use_filters=use_filters, num_top=num_top,
+    )  # fmt: skip
+    return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), first, rest), cache
+
+
+_mixed_step = jax.jit(
+    _counted("mixed")(_mixed_impl),
+    static_argnames=("config", "attention", "interpret", "use_filters", "num_top"),
+    donate_argnums=(1,),
+)
+
+# Prefill rows of a mixed step: one bucket, so that mixed programs multiply only by the
+# decode row and chunk length buckets; a step's further chunks run in prefill calls.
+MIXED_PREFILL_ROWS = 4
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 @_counted("copy")
 def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return {name: pages.at[:, :, dst].set(pages[:, :, src]) for name, pages in cache.items()}
+
+
+def _decode_arrays(
+    tokens: Sequence[int],
+    slots: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    rows: int,
+    width: int,
+    num_steps: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Decode rows padded to `rows`: (tokens [rows], slots [num_steps, rows] (-1: none),
+    block tables [rows, width], lengths [rows]); a padded row attends to one token of the
+    (zero) null page and writes nothing."""
+    n = len(tokens)
+    tok = np.zeros(rows, np.int32)
+    slot_arr = np.full((num_steps, rows), -1, np.int32)
+    lens = np.ones(rows, np.int32)
+    tables = np.zeros((rows, width), np.int32)
+    tok[:n], lens[:n] = tokens, lengths
+    for i, (t, s) in enumerate(zip(block_tables, slots, strict=True)):
+        tables[i, : len(t)] = t
+        slot_arr[: len(s), i] = s
+    return tok, slot_arr, tables, lens
 
 
 class PrefillChunk(NamedTuple):
@@ -324,6 +420,8 @@ class ModelRunner:
         # Resolved now, so an unusable backend fails here and "auto" compiles one program.
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
         self.interpret = interpret
+        # The mixed programs this runner has run (`mixed_program` keys): compiled ones.
+        self.mixed_programs: set[tuple[int, int, int, int, bool]] = set()
         shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         self.cache: KVCache = {
             "k": jnp.zeros(shape, self.cache_dtype),
@@ -409,6 +507,19 @@ class ModelRunner:
         pages = max(-(-c.start // self.block_size) for c in chunks)
         # Default attention loops over only the pages it needs: one table width for every call.
         width = self.width_bucket(max(pages, 1)) if self.aligned else self.prefill_width
+        tokens, starts, lengths, slot_arr, tables = self._prefill_arrays(chunks, rows, length, width)
+        last, self.cache = (_prefill_step_aligned if self.aligned else _prefill_step)(
+            self._step_params, self.cache, tokens, starts, lengths, slot_arr, tables,
+            config=self.step_config, aligned=self.aligned,
+        )  # fmt: skip
+        last_hidden: jax.Array = last
+        return last_hidden
+
+    def _prefill_arrays(
+        self, chunks: Sequence[PrefillChunk], rows: int, length: int, width: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`chunks` padded to `rows` x `length`: (tokens [rows, length], starts [rows], lengths
+        [rows], slots [rows, length] (-1: padding, never written), block tables [rows, width])."""
         tokens = np.zeros((rows, length), np.int32)
         slot_arr = np.full((rows, length), -1, np.int32)  # negative: padding, never written
         lengths = np.zeros(rows, np.int32)
@@ -422,12 +533,7 @@ class ModelRunner:
             lengths[i], starts[i] = len(c.tokens), c.start
             used = -(-c.start // self.block_size)
             tables[i, :used] = c.block_table[:used]
-        last, self.cache = (_prefill_step_aligned if self.aligned else _prefill_step)(
-            self._step_params, self.cache, tokens, starts, lengths, slot_arr, tables,
-            config=self.step_config, aligned=self.aligned,
-        )  # fmt: skip
-        last_hidden: jax.Array = last
-        return last_hidden
+        return tokens, starts, lengths, slot_arr, tables
 
     def _sample(
         self,
@@ -468,20 +574,83 @@ class ModelRunner:
         n = len(tokens)
         rows = bucket(n, min(8, self.max_num_seqs), self.max_num_seqs)
         width = self.width_bucket(max(len(t) for t in block_tables))
-        tok = np.zeros(rows, np.int32)
-        slot_arr = np.full((num_steps, rows), -1, np.int32)
-        lens = np.ones(rows, np.int32)  # a padded row attends to one token of the (zero) null page
-        tables = np.zeros((rows, width), np.int32)
-        tok[:n], lens[:n] = tokens, lengths
-        for i, (t, s) in enumerate(zip(block_tables, slots, strict=True)):
-            tables[i, : len(t)] = t
-            slot_arr[: len(s), i] = s
+        tok, slot_arr, tables, lens = _decode_arrays(
+            tokens, slots, block_tables, lengths, rows, width, num_steps
+        )
         batch = self._sampling_batch(sampling, rows)
         out, self.cache = (_decode_steps_aligned if self.aligned else _decode_steps)(
             self._step_params, self.cache, tok, slot_arr, tables, lens, batch, config=self.step_config, attention=self.attention, interpret=self.interpret,
             use_filters=self._needs_filters([(0, s) for s in sampling]), num_top=self._top_bucket(num_top), aligned=self.aligned,
         )  # fmt: skip
         return self._host(out, n, num_top, stacked=True)
+
+    def mixed_rows_bucket(self, num_rows: int) -> int:
+        """Decode (= sample) rows of a mixed step whose decodes and prefill samples number `num_rows`."""
+        return bucket(num_rows, min(8, self.max_num_seqs), self.max_num_seqs)
+
+    def decode_with_prefill(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        sampling: Sequence[tuple[float, float, int, int, int, int]],
+        chunks: Sequence[PrefillChunk],
+        samples: Sequence[tuple[int, tuple[float, float, int, int, int, int]]],
+        *,
+        num_steps: int = 1,
+        num_top: int = 0,
+    ) -> StepResult:
+        """Decode steps of `len(tokens)` rows with one chunk of each of `chunks` in the first, in one call.
+
+        The decode rows are `decode`'s; `chunks` and `samples` are `prefill_chunks`' (at
+        most `MIXED_PREFILL_ROWS` chunks; a sample's index is its chunk's). Returns arrays
+        [num_steps, len(tokens) + len(samples), ...]: the decode rows' tokens, then the
+        samples' (step 0 only). Decode and sample rows share one bucket, and the decode
+        attention reads the longest table width (its cost follows each row's length, not
+        the width), so mixed programs number row buckets x chunk-length buckets x step counts.
+        """
+        if not chunks or len(chunks) > MIXED_PREFILL_ROWS:
+            raise ValueError(f"a mixed step takes 1..{MIXED_PREFILL_ROWS} prefill chunks, got {len(chunks)}")
+        n_dec = len(tokens)
+        rows = self.mixed_rows_bucket(n_dec + len(samples))
+        key = self.mixed_program(
+            n_dec + len(samples), chunks, num_steps, num_top, [*sampling, *(s for _, s in samples)]
+        )
+        decode = _decode_arrays(tokens, slots, block_tables, lengths, rows, self.max_pages_per_seq, num_steps)
+        chunk_len = key[1]
+        prefill = self._prefill_arrays(chunks, MIXED_PREFILL_ROWS, chunk_len, self.prefill_width)
+        positions = np.arange(rows, dtype=np.int32)
+        for j, (chunk_index, _) in enumerate(samples):
+            last = max(len(chunks[chunk_index].tokens) - 1, 0)
+            positions[n_dec + j] = rows + chunk_index * chunk_len + last
+        batch = self._sampling_batch([*sampling, *(s for _, s in samples)], rows)
+        out, self.cache = _mixed_step(
+            self._step_params, self.cache, decode, prefill, positions, batch,
+            config=self.step_config, attention=self.attention, interpret=self.interpret,
+            use_filters=key[4], num_top=key[3],
+        )  # fmt: skip
+        self.mixed_programs.add(key)
+        return self._host(out, n_dec + len(samples), num_top, stacked=True)
+
+    def mixed_program(
+        self,
+        num_rows: int,
+        chunks: Sequence[PrefillChunk],
+        num_steps: int,
+        num_top: int,
+        sampling: Sequence[tuple[float, float, int, int, int, int]],
+    ) -> tuple[int, int, int, int, bool]:
+        """The program a `decode_with_prefill` call of `num_rows` decode and sample rows would
+        run: (row bucket, chunk-length bucket, step count, top bucket, filters used); it has
+        run (been compiled) in this process when it is in `mixed_programs`."""
+        return (
+            self.mixed_rows_bucket(num_rows),
+            self.prefill_length_bucket(max(len(c.tokens) for c in chunks)),
+            num_steps,
+            self._top_bucket(num_top),
+            self._needs_filters([(0, s) for s in sampling]),
+        )
 
     def width_bucket(self, pages: int) -> int:
         """Block-table width for `pages`: steps of `min_width_bucket` up to 8 steps, then powers of two.
@@ -521,6 +690,7 @@ class ModelRunner:
         decode_steps: Sequence[int] = (1,),
         sampling: Sequence[tuple[float, float, int, int, int, int]] = ((1.0, 1.0, 0, 0, 0, 0),),
         num_top: int = 0,
+        mixed: bool = False,
     ) -> None:
         """Compile every program a run within these bounds can call, so none compiles while it serves.
 
@@ -531,7 +701,8 @@ class ModelRunner:
         (every bucket), decode (every row bucket up to `decode_rows`, every block-table width,
         every step count), prefill (every row and length bucket; the default prefill has one
         table width, the aligned one every width) and sampling (every sample-row bucket after
-        every prefill row bucket). Padding rows, page-0 self-copies and unwritten slots only:
+        every prefill row bucket) and, with `mixed` (`EngineConfig.fold_prefill`), the mixed
+        steps (`compile_mixed`). Padding rows, page-0 self-copies and unwritten slots only:
         the cache's contents do not change.
         """
         copies = 8
@@ -569,6 +740,35 @@ class ModelRunner:
                 buckets_up_to(min(8, self.max_num_seqs), self.max_num_seqs, self.max_num_seqs), tops, sampling
             ):
                 self._sample(last, [(0, row)] * samples, top)
+        if mixed and not self.aligned:
+            self.compile_mixed(decode_rows, max_chunk_tokens, sampling, num_top, decode_steps)
+
+    def compile_mixed(
+        self,
+        rows: int,
+        max_chunk_tokens: int,
+        sampling: Sequence[tuple[float, float, int, int, int, int]] = ((1.0, 1.0, 0, 0, 0, 0),),
+        num_top: int = 0,
+        decode_steps: Sequence[int] = (1,),
+    ) -> None:
+        """Compile the mixed steps (`decode_with_prefill`) of up to `rows` decode and sample rows
+        with chunks of up to `max_chunk_tokens` tokens: every row bucket x chunk-length bucket
+        x step count (x top log-prob bucket x filter use). Padding rows and unwritten slots only."""
+        tops = [0, *buckets_up_to(1, num_top, max(num_top, 64))]
+        lengths = buckets_up_to(
+            self.min_len_bucket, min(max_chunk_tokens, self.max_model_len), self.max_model_len
+        )
+        row_buckets = buckets_up_to(
+            min(8, self.max_num_seqs), min(rows, self.max_num_seqs), self.max_num_seqs
+        )
+        for count, length, steps, top, row in itertools.product(
+            row_buckets, lengths, decode_steps, tops, dict.fromkeys(sampling)
+        ):
+            chunk = PrefillChunk([0] * length, 0, [-1] * length, [0] * self.max_pages_per_seq)
+            self.decode_with_prefill(
+                [0] * (count - 1), [[-1] * steps] * (count - 1), [[0]] * (count - 1), [1] * (count - 1),
+                [row] * (count - 1), [chunk], [(0, row)], num_steps=steps, num_top=top,
+            )  # fmt: skip
 
     def warmup(self, num_seqs: int, num_steps: Sequence[int] = (1,)) -> None:
         """Compile decode for `num_seqs` rows at every width and step count, and every block-copy

@@ -30,7 +30,9 @@ __all__ = [
     "aligned_prefill_attention",
     "decode_attend",
     "make_aligned_decode_attention",
+    "MixedContext",
     "make_fused_decode_attention",
+    "make_mixed_attention",
     "prefill_attention",
     "write_all_layers",
 ]
@@ -50,6 +52,14 @@ class FusedDecodeContext(NamedTuple):
     cache: KVCache  # the whole cache, read only: [layers, kv_heads, pages, page_size, head_dim]
     lengths: jax.Array  # [batch] int32, tokens including the current one (not yet in the cache)
     block_tables: jax.Array  # [batch, width] int32
+
+
+class MixedContext(NamedTuple):
+    """A mixed step's two parts: `decode.lengths.shape[0]` decode tokens first, then the
+    prefill chunks' `[rows, chunk]` tokens, all in one packed row (`make_mixed_attention`)."""
+
+    decode: FusedDecodeContext
+    prefill: PrefillContext
 
 
 def write_all_layers(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slots: jax.Array) -> KVCache:
@@ -270,5 +280,37 @@ def make_fused_decode_attention(
             sliding_window=sliding_window,
         )
         return out[:, None], {"k": k[:, 0], "v": v[:, 0]}
+
+    return attention
+
+
+def make_mixed_attention(attend: Callable[..., jax.Array], sliding_window: int | None) -> Callable[..., Any]:
+    """Attention of a mixed step: decode tokens and prefill chunks packed into one row.
+
+    The model's dense work (projections, MLP) runs once over all the step's tokens -- one
+    pass over the weights instead of one per call, which is what a decode step is bound by
+    -- and only attention tells the parts apart: the first `R = ctx.decode.lengths.shape[0]`
+    tokens are one decode token per sequence (`make_fused_decode_attention`), the rest are
+    `ctx.prefill`'s `[rows, chunk]` chunks (`prefill_attention`). No token of one part sees
+    the other: they belong to different sequences, and a step's K/V are written after it.
+    q: [1, R + rows * chunk, heads, head_dim]; k, v: [1, R + rows * chunk, kv_heads, head_dim].
+    """
+    decode = make_fused_decode_attention(attend, sliding_window)
+
+    def attention(
+        q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array, ctx: MixedContext
+    ) -> tuple[jax.Array, KVCache]:
+        num_decode = ctx.decode.lengths.shape[0]
+        rows, chunk = ctx.prefill.lengths.shape[0], (q.shape[1] - num_decode) // ctx.prefill.lengths.shape[0]
+
+        def prefill_part(x: jax.Array) -> jax.Array:
+            return x[0, num_decode:].reshape(rows, chunk, *x.shape[2:])
+
+        dec_out, _ = decode(
+            q[0, :num_decode, None], k[0, :num_decode, None], v[0, :num_decode, None], layer, ctx.decode
+        )
+        pre_out, _ = prefill_attention(prefill_part(q), prefill_part(k), prefill_part(v), layer, ctx.prefill)
+        out = jnp.concatenate([dec_out[:, 0], pre_out.reshape(rows * chunk, *pre_out.shape[2:])])
+        return out[None], {"k": k[0], "v": v[0]}
 
     return attention

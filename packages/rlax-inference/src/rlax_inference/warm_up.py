@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlax_core.config import RunConfig
-from rlax_inference.engine import LLMEngine
+from rlax_inference.engine import EngineConfig, LLMEngine
+from rlax_inference.engine_config import FoldPrefill
 from rlax_inference.sequence import SamplingParams
 
 __all__ = ["WarmUp", "compile_all_shapes", "compile_run_shapes"]
@@ -31,6 +32,9 @@ class WarmUp:
     prompt_lengths: tuple[int, ...]
     sampling: SamplingParams
     prompt_counts: tuple[int, ...] = ()
+    # Mixed steps (`EngineConfig.fold_prefill`) with chunks of up to this many tokens; 0: none
+    # (a run whose groups never arrive while others decode).
+    mixed_chunk_tokens: int = 0
 
     @classmethod
     def for_run(cls, config: RunConfig, task: Any) -> WarmUp:
@@ -48,6 +52,7 @@ class WarmUp:
         together = min(workers.max_inflight_groups, max(1, workers.max_num_seqs // data.group_size))
         counts = {min(2**i, together) for i in range(1, together.bit_length() + 1)} if together > 1 else set()
         return cls(
+            mixed_chunk_tokens=_mixed_chunk_tokens(config, lengths[-1:]),
             prompt_counts=tuple(sorted(counts)),
             rows=min(workers.max_num_seqs, data.group_size * max(1, workers.max_inflight_groups)),
             decode_steps=tuple(sorted({1, workers.num_decode_steps})),
@@ -75,6 +80,10 @@ def compile_run_shapes(engine: LLMEngine, plan: WarmUp) -> float:
         if row_count >= plan.rows:
             break
         row_count = min(plan.rows, row_count * 2)
+    if engine.config.fold_prefill is not FoldPrefill.OFF and plan.mixed_chunk_tokens:
+        sampling = plan.sampling
+        row = (float(sampling.temperature), float(sampling.top_p), sampling.top_k, 0, 0, 0)
+        engine.runner.compile_mixed(plan.rows, plan.mixed_chunk_tokens, [row], 0, plan.decode_steps)
     for length in plan.prompt_lengths:
         engine.generate([[0] * length], plan.sampling)
     if plan.prompt_lengths:
@@ -96,17 +105,37 @@ def compile_all_shapes(engine: LLMEngine, sampling: Sequence[SamplingParams] = (
     """
     started = time.monotonic()
     config = engine.config
-    if config.enable_chunked_prefill:
-        longest_chunk = min(
-            config.prefill_chunk_size or config.max_num_batched_tokens, config.max_num_batched_tokens
-        )
-    else:
-        longest_chunk = config.max_model_len
     engine.runner.compile_shapes(
-        max_chunk_tokens=longest_chunk,
+        max_chunk_tokens=longest_chunk(config),
         decode_rows=config.max_num_seqs,
         decode_steps=sorted({1, config.num_decode_steps}),
         sampling=[(float(p.temperature), float(p.top_p), p.top_k, 0, 0, 0) for p in sampling],
         num_top=max(p.logprobs for p in sampling),
+        mixed=config.fold_prefill is not FoldPrefill.OFF,
     )
     return time.monotonic() - started
+
+
+def longest_chunk(config: EngineConfig) -> int:
+    """The longest prefill chunk `config` schedules: the step's token budget (or the chunk
+    size) with chunked prefill, a whole context without."""
+    if not config.enable_chunked_prefill:
+        return config.max_model_len
+    return min(config.prefill_chunk_size or config.max_num_batched_tokens, config.max_num_batched_tokens)
+
+
+def _mixed_chunk_tokens(config: RunConfig, longest_prompt: list[int]) -> int:
+    """The longest chunk a mixed step of the run takes: 0 when no group arrives while others
+    decode (synchronous steps whose groups a worker takes at once, single-turn). A
+    trajectory's next turn may be a whole context (a prefix-cache miss): the step's budget;
+    a group's prompt: the longest of the task's first prompts (or the context, unknown)."""
+    workers = config.workers
+    groups_per_worker = -(-config.data.prompts_per_step // workers.count)
+    multi_turn = bool(config.agent.environment)
+    overlaps = multi_turn or config.pinned_lag > 0 or config.controller.versions == "freshest"
+    if not (overlaps or workers.max_inflight_groups < groups_per_worker):
+        return 0
+    room = config.model.max_seq_len
+    if multi_turn or not longest_prompt:
+        return min(workers.max_num_batched_tokens, room)
+    return min(longest_prompt[0], workers.max_num_batched_tokens, room)

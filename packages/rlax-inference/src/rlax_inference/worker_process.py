@@ -113,6 +113,8 @@ def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
         "seed": (config.run.seed * 1_000_003 + index) % 2**31,
         "aligned": config.trainer.batch_invariant,
         "keep_stale_kv": workers.resume_kv == "keep",
+        # Prefill rides in a decode call only through programs compiled at the warm-up.
+        "fold_prefill": "compiled",
     }
 
 
