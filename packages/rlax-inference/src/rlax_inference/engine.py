@@ -221,14 +221,14 @@ class LLMEngine:
         only into a program compiled before (else both parts run in calls of their own)."""
         if self.config.fold_prefill is FoldPrefill.OFF or self.config.aligned:
             return False
-        if self.config.fold_prefill is FoldPrefill.ON:
-            return True
-        rows = len(slots) + sum(len(j.seqs) for j in group if j.is_last_chunk)
         sampling = [_sampling_row(s) for j in group if j.is_last_chunk for s in j.seqs]
         steps = self.config.num_decode_steps if max(len(s) for s in slots) > 1 else 1
         chunks = [prefill_chunk(j, self.config.block_size) for j in group]
-        key = self.runner.mixed_program(rows, chunks, steps, num_top, [*map(_sampling_row, seqs), *sampling])
-        return key in self.runner.mixed_programs
+        rows = [*map(_sampling_row, seqs), *sampling]
+        key = self.runner.mixed_program(len(seqs), len(sampling), chunks, steps, num_top, rows)
+        if key is None:
+            return False
+        return self.config.fold_prefill is FoldPrefill.ON or key in self.runner.mixed_programs
 
     def _run_mixed(
         self, seqs: list[Seq], slots: list[list[int]], group: list[PrefillJob], num_top: int
@@ -239,7 +239,7 @@ class LLMEngine:
         samples = [(i, _sampling_row(s)) for i, j in enumerate(group) if j.is_last_chunk for s in j.seqs]
         self.num_mixed_calls += 1
         try:
-            res = self.runner.decode_with_prefill(
+            decoded, prefilled = self.runner.decode_with_prefill(
                 [s.tokens[-1] for s in seqs],
                 slots,
                 [s.kv_table.blocks for s in seqs],
@@ -253,13 +253,6 @@ class LLMEngine:
         except Exception as error:
             self._fail([s.request for s in seqs] + [j.request for j in group], error)
             return
-        n = len(seqs)
-        decoded = StepResult(
-            res.tokens[:, :n], res.logprobs[:, :n], res.top_ids[:, :n], res.top_logprobs[:, :n]
-        )
-        prefilled = StepResult(
-            res.tokens[0, n:], res.logprobs[0, n:], res.top_ids[0, n:], res.top_logprobs[0, n:]
-        )
         self._take_decoded(seqs, slots, decoded)
         self._take_prefilled(group, sampled, prefilled)
 

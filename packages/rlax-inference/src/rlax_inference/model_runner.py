@@ -268,18 +268,18 @@ def _mixed_impl(
     interpret: bool,
     use_filters: bool,
     num_top: int,
-) -> tuple[SamplerOutput, KVCache]:
+) -> tuple[tuple[SamplerOutput, SamplerOutput | None], KVCache]:
     """A decode step of `R` rows and one chunk of `P` prompts in one pass over the weights,
     then the decode rows' further steps.
 
     decode: (tokens [R], slots [num_steps, R], block_tables [R, width], lengths [R]) as
     `_decode_impl`'s; prefill: (tokens [P, C], starts [P], lengths [P], slots [P, C],
     block_tables [P, width']) as `_prefill_impl`'s. The first step's R + P * C tokens form
-    one packed row (`make_mixed_attention`). sample_positions: [R] int32, the packed token
-    whose logits each sample row reads (a decode row its own token, a prefill sample its
-    chunk's last token). Steps 2..num_steps are `_decode_impl`'s on the decode rows (a
-    prefill sample's row has no slots there: it writes nothing). Returns the sampled rows
-    stacked [num_steps, R, ...] (a prefill sample's only in step 1) and the cache.
+    one packed row (`make_mixed_attention`). sample_positions: [S] int32 (S >= R), the
+    packed token whose logits each sample row reads: row i < R decode row i's own token,
+    then each prefill sample its chunk's last token; `sampling` has S rows. Steps
+    2..num_steps are `_decode_impl`'s on the R decode rows. Returns (the first step's S
+    sampled rows, the further steps' [num_steps - 1, R, ...] or None) and the cache.
     """
     dec_tokens, step_slots, dec_tables, dec_lengths = decode
     dec_slots = step_slots[0]
@@ -305,13 +305,15 @@ def _mixed_impl(
     logits = project_logits(hidden[0, sample_positions], params, config)
     first = sample(logits, sampling, use_filters=use_filters, num_top=num_top)
     if step_slots.shape[0] == 1:
-        return jax.tree_util.tree_map(lambda x: x[None], first), cache
+        return (first, None), cache
+    rows = dec_tokens.shape[0]
+    decode_sampling = jax.tree_util.tree_map(lambda x: x[:rows], sampling)
     rest, cache = _decode_impl(
-        params, cache, first.tokens, step_slots[1:], dec_tables, dec_lengths + 1,
-        sampling._replace(step=sampling.step + 1), config=config, attention=attention,
+        params, cache, first.tokens[:rows], step_slots[1:], dec_tables, dec_lengths + 1,
+        decode_sampling._replace(step=decode_sampling.step + 1), config=config, attention=attention,
         interpret=interpret, use_filters=use_filters, num_top=num_top,
     )  # fmt: skip
-    return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), first, rest), cache
+    return (first, rest), cache
 
 
 _mixed_step = jax.jit(
@@ -421,7 +423,7 @@ class ModelRunner:
         self.attention = rlax_kernels.resolve_backend(attention, interpret)
         self.interpret = interpret
         # The mixed programs this runner has run (`mixed_program` keys): compiled ones.
-        self.mixed_programs: set[tuple[int, int, int, int, bool]] = set()
+        self.mixed_programs: set[tuple[int, int, int, int, int, bool]] = set()
         shape = (config.num_layers, config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         self.cache: KVCache = {
             "k": jnp.zeros(shape, self.cache_dtype),
@@ -584,10 +586,6 @@ class ModelRunner:
         )  # fmt: skip
         return self._host(out, n, num_top, stacked=True)
 
-    def mixed_rows_bucket(self, num_rows: int) -> int:
-        """Decode (= sample) rows of a mixed step whose decodes and prefill samples number `num_rows`."""
-        return bucket(num_rows, min(8, self.max_num_seqs), self.max_num_seqs)
-
     def decode_with_prefill(
         self,
         tokens: Sequence[int],
@@ -600,52 +598,69 @@ class ModelRunner:
         *,
         num_steps: int = 1,
         num_top: int = 0,
-    ) -> StepResult:
+    ) -> tuple[StepResult, StepResult]:
         """Decode steps of `len(tokens)` rows with one chunk of each of `chunks` in the first, in one call.
 
         The decode rows are `decode`'s; `chunks` and `samples` are `prefill_chunks`' (at
-        most `MIXED_PREFILL_ROWS` chunks; a sample's index is its chunk's). Returns arrays
-        [num_steps, len(tokens) + len(samples), ...]: the decode rows' tokens, then the
-        samples' (step 0 only). Decode and sample rows share one bucket, and the decode
-        attention reads the longest table width (its cost follows each row's length, not
-        the width), so mixed programs number row buckets x chunk-length buckets x step counts.
+        most `MIXED_PREFILL_ROWS` chunks; a sample's index is its chunk's). Returns the
+        decode rows' tokens ([num_steps, len(tokens), ...], as `decode`) and the samples'
+        ([len(samples), ...], as `prefill_chunks`). The call's program is `mixed_program`'s;
+        the decode attention reads the longest table width (its cost follows each row's
+        length, not the width).
         """
-        if not chunks or len(chunks) > MIXED_PREFILL_ROWS:
-            raise ValueError(f"a mixed step takes 1..{MIXED_PREFILL_ROWS} prefill chunks, got {len(chunks)}")
-        n_dec = len(tokens)
-        rows = self.mixed_rows_bucket(n_dec + len(samples))
-        key = self.mixed_program(
-            n_dec + len(samples), chunks, num_steps, num_top, [*sampling, *(s for _, s in samples)]
-        )
+        n_dec, n_samples = len(tokens), len(samples)
+        all_rows = [*sampling, *(s for _, s in samples)]
+        key = self.mixed_program(n_dec, n_samples, chunks, num_steps, num_top, all_rows)
+        if key is None:
+            raise ValueError(
+                f"a mixed step takes 1..{MIXED_PREFILL_ROWS} chunks and at most as many samples as "
+                f"its decode rows' bucket holds again: got {len(chunks)} chunks, {n_samples} samples, {n_dec} decode rows"
+            )
+        rows, sample_rows, chunk_len = key[:3]
         decode = _decode_arrays(tokens, slots, block_tables, lengths, rows, self.max_pages_per_seq, num_steps)
-        chunk_len = key[1]
         prefill = self._prefill_arrays(chunks, MIXED_PREFILL_ROWS, chunk_len, self.prefill_width)
-        positions = np.arange(rows, dtype=np.int32)
+        positions = np.zeros(sample_rows, np.int32)
+        positions[:n_dec] = np.arange(n_dec)
         for j, (chunk_index, _) in enumerate(samples):
             last = max(len(chunks[chunk_index].tokens) - 1, 0)
             positions[n_dec + j] = rows + chunk_index * chunk_len + last
-        batch = self._sampling_batch([*sampling, *(s for _, s in samples)], rows)
-        out, self.cache = _mixed_step(
+        batch = self._sampling_batch(all_rows, sample_rows)
+        (first, rest), self.cache = _mixed_step(
             self._step_params, self.cache, decode, prefill, positions, batch,
             config=self.step_config, attention=self.attention, interpret=self.interpret,
-            use_filters=key[4], num_top=key[3],
+            use_filters=key[5], num_top=key[4],
         )  # fmt: skip
         self.mixed_programs.add(key)
-        return self._host(out, n_dec + len(samples), num_top, stacked=True)
+        got = self._host(first, n_dec + n_samples, num_top)
+        decoded = StepResult(*(a[None, :n_dec] for a in got))
+        if rest is not None:
+            more = self._host(rest, n_dec, num_top, stacked=True)
+            decoded = StepResult(*(np.concatenate([a, b]) for a, b in zip(decoded, more, strict=True)))
+        return decoded, StepResult(*(a[n_dec:] for a in got))
 
     def mixed_program(
         self,
-        num_rows: int,
+        num_decodes: int,
+        num_samples: int,
         chunks: Sequence[PrefillChunk],
         num_steps: int,
         num_top: int,
         sampling: Sequence[tuple[float, float, int, int, int, int]],
-    ) -> tuple[int, int, int, int, bool]:
-        """The program a `decode_with_prefill` call of `num_rows` decode and sample rows would
-        run: (row bucket, chunk-length bucket, step count, top bucket, filters used); it has
-        run (been compiled) in this process when it is in `mixed_programs`."""
+    ) -> tuple[int, int, int, int, int, bool] | None:
+        """The program of a `decode_with_prefill` call: (decode row bucket, sample row bucket,
+        chunk-length bucket, step count, top bucket, filters used); None when the call does
+        not fit a mixed step (more than `MIXED_PREFILL_ROWS` chunks, or samples that would
+        more than double the decode rows' bucket: the programs stay row pairs (R, R) and
+        (R, 2R)). The program has run (been compiled) here when it is in `mixed_programs`."""
+        if not chunks or len(chunks) > MIXED_PREFILL_ROWS or num_decodes < 1:
+            return None
+        rows = bucket(num_decodes, min(8, self.max_num_seqs), self.max_num_seqs)
+        sample_rows = bucket(num_decodes + num_samples, rows, max(self.max_num_seqs, rows))
+        if sample_rows > 2 * rows:
+            return None
         return (
-            self.mixed_rows_bucket(num_rows),
+            rows,
+            sample_rows,
             self.prefill_length_bucket(max(len(c.tokens) for c in chunks)),
             num_steps,
             self._top_bucket(num_top),
@@ -752,8 +767,9 @@ class ModelRunner:
         decode_steps: Sequence[int] = (1,),
     ) -> None:
         """Compile the mixed steps (`decode_with_prefill`) of up to `rows` decode and sample rows
-        with chunks of up to `max_chunk_tokens` tokens: every row bucket x chunk-length bucket
-        x step count (x top log-prob bucket x filter use). Padding rows and unwritten slots only."""
+        with chunks of up to `max_chunk_tokens` tokens: every decode row bucket R with R and 2R
+        sample rows x chunk-length bucket x step count (x top log-prob bucket x filter use).
+        Padding rows and unwritten slots only."""
         tops = [0, *buckets_up_to(1, num_top, max(num_top, 64))]
         lengths = buckets_up_to(
             self.min_len_bucket, min(max_chunk_tokens, self.max_model_len), self.max_model_len
@@ -761,13 +777,18 @@ class ModelRunner:
         row_buckets = buckets_up_to(
             min(8, self.max_num_seqs), min(rows, self.max_num_seqs), self.max_num_seqs
         )
-        for count, length, steps, top, row in itertools.product(
-            row_buckets, lengths, decode_steps, tops, dict.fromkeys(sampling)
+        pairs = [(r, t) for r in row_buckets for t in dict.fromkeys((r, min(2 * r, self.max_num_seqs)))]
+        for (count, total), length, steps, top, row in itertools.product(
+            pairs, lengths, decode_steps, tops, dict.fromkeys(sampling)
         ):
+            decodes = max(count - 1, 1)
             chunk = PrefillChunk([0] * length, 0, [-1] * length, [0] * self.max_pages_per_seq)
+            samples = [(0, row)] * (total - decodes)
+            if self.mixed_program(decodes, len(samples), [chunk], steps, top, [row]) is None:
+                continue
             self.decode_with_prefill(
-                [0] * (count - 1), [[-1] * steps] * (count - 1), [[0]] * (count - 1), [1] * (count - 1),
-                [row] * (count - 1), [chunk], [(0, row)], num_steps=steps, num_top=top,
+                [0] * decodes, [[-1] * steps] * decodes, [[0]] * decodes, [1] * decodes, [row] * decodes,
+                [chunk], samples, num_steps=steps, num_top=top,
             )  # fmt: skip
 
     def warmup(self, num_seqs: int, num_steps: Sequence[int] = (1,)) -> None:
