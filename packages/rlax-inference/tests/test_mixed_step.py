@@ -15,6 +15,7 @@ from rlax_inference.engine import EngineConfig, LLMEngine
 from rlax_inference.model_runner import COMPILATIONS, MIXED_PREFILL_ROWS
 from rlax_inference.sequence import SamplingParams
 from rlax_inference.warm_up import WarmUp
+from rlax_inference.worker_process import engine_config_fields
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -179,18 +180,27 @@ def test_a_worker_engine_folds_only_into_programs_compiled_before():
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        ([], 0),  # synchronous steps, each worker takes its whole share at once
-        (["controller.lag=2", "trainer.k=2"], 5),  # the next step's groups join running ones: a prompt
-        (["workers.max_inflight_groups=4"], 5),  # a worker's share arrives in waves
+        (["controller.lag=2", "trainer.k=2"], 0),  # workers.fold_prefill is off by default
+        (["workers.fold_prefill=true"], 0),  # synchronous steps, each worker takes its whole share at once
+        (
+            ["workers.fold_prefill=true", "controller.lag=2", "trainer.k=2"],
+            5,
+        ),  # the next step's groups: a prompt
+        (
+            ["workers.fold_prefill=true", "workers.max_inflight_groups=4"],
+            5,
+        ),  # a worker's share arrives in waves
     ],
 )
 def test_a_run_warms_up_mixed_steps_only_when_groups_join_running_ones(overrides, expected):
     config = load_config(REPO / "configs/demo.yaml", overrides)
     plan = WarmUp.for_run(config, build_task(config))
     assert plan.mixed_chunk_tokens == expected
+    fold = engine_config_fields(config)["fold_prefill"]
+    assert fold == ("compiled" if "workers.fold_prefill=true" in overrides else "off")
 
 
-def test_a_multi_turn_run_warms_up_mixed_steps_up_to_the_context():
-    config = load_config(REPO / "configs/multiturn-demo.yaml")
+def test_a_multi_turn_run_warms_up_mixed_steps_for_short_next_turns():
+    config = load_config(REPO / "configs/multiturn-demo.yaml", ["workers.fold_prefill=true"])
     plan = WarmUp.for_run(config, build_task(config))
-    assert plan.mixed_chunk_tokens == config.model.max_seq_len  # a next turn may miss the cache
+    assert plan.mixed_chunk_tokens == 16  # an observation and the previous turn's last token

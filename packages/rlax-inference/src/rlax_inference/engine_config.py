@@ -75,11 +75,12 @@ class EngineConfig:
       decode attention then runs in XLA, not on the `attention` backend's kernel: slower).
     fold_prefill: `FoldPrefill` (on, compiled, off): a step that decodes and has prefill
       chunks to run takes up to `MIXED_PREFILL_ROWS` (4) of them, the shortest, into the
-      decode call: one pass over the weights for both (vLLM's mixed batches), so a new request or
-      a trajectory's next turn joins a running batch without a call of its own. Tokens are
-      those of separate calls up to float32 rounding (greedy: the same). With multi-step
-      decoding the chunks ride in the call's first step. Not in the aligned mode (its
-      shapes are the trainer's).
+      decode call: one pass over the weights for both (vLLM's mixed batches), so a new
+      request or a trajectory's next turn joins a running batch without a call of its own.
+      Tokens are those of separate calls up to float32 rounding (greedy: the same). With
+      multi-step decoding the chunks ride in the call's first step. Not when the new
+      samples would more than double the decode rows' bucket, nor in the aligned mode
+      (its shapes are the trainer's).
     """
 
     block_size: int = _RUN_DEFAULTS.block_size

@@ -100,8 +100,10 @@ def compile_all_shapes(engine: LLMEngine, sampling: Sequence[SamplingParams] = (
     The shapes are bounded by the engine's config: decode rows up to `max_num_seqs`, every
     block-table width, one and `num_decode_steps` steps; prefill chunks up to the step's
     token budget (or `prefill_chunk_size`), every prefill row bucket; sampling of every
-    sample-row bucket; every block-copy bucket. After it, preemption, copy-on-write, prefix
-    hits and chunked prefill run without compiling (`test_engine_compilation`).
+    sample-row bucket; every block-copy bucket; and with `fold_prefill: on` the mixed steps
+    (`ModelRunner.compile_mixed`: decode row pairs x chunk lengths x step counts, each about a
+    decode and a prefill program's compile time). After it, preemption, copy-on-write,
+    prefix hits, chunked prefill and mixed steps run without compiling (`test_engine_compilation`).
     """
     started = time.monotonic()
     config = engine.config
@@ -111,7 +113,8 @@ def compile_all_shapes(engine: LLMEngine, sampling: Sequence[SamplingParams] = (
         decode_steps=sorted({1, config.num_decode_steps}),
         sampling=[(float(p.temperature), float(p.top_p), p.top_k, 0, 0, 0) for p in sampling],
         num_top=max(p.logprobs for p in sampling),
-        mixed=config.fold_prefill is not FoldPrefill.OFF,
+        # Under `compiled` the engine folds only into mixed programs someone compiled on purpose.
+        mixed=config.fold_prefill is FoldPrefill.ON,
     )
     return time.monotonic() - started
 
@@ -125,17 +128,24 @@ def longest_chunk(config: EngineConfig) -> int:
 
 
 def _mixed_chunk_tokens(config: RunConfig, longest_prompt: list[int]) -> int:
-    """The longest chunk a mixed step of the run takes: 0 when no group arrives while others
-    decode (synchronous steps whose groups a worker takes at once, single-turn). A
-    trajectory's next turn may be a whole context (a prefix-cache miss): the step's budget;
-    a group's prompt: the longest of the task's first prompts (or the context, unknown)."""
+    """The longest chunk the run's warm-up compiles mixed steps for: 0 without
+    `workers.fold_prefill` or when no group arrives while others decode (synchronous steps
+    whose groups a worker takes at once, single turn). A multi-turn run's next turns are short (an observation and the previous turn's
+    last token): one length bucket (a longer one, a prefix-cache miss, runs in calls of its
+    own); a group's prompt: the longest of the task's first prompts (or the context)."""
     workers = config.workers
+    if not workers.fold_prefill:
+        return 0
     groups_per_worker = -(-config.data.prompts_per_step // workers.count)
     multi_turn = bool(config.agent.environment)
     overlaps = multi_turn or config.pinned_lag > 0 or config.controller.versions == "freshest"
     if not (overlaps or workers.max_inflight_groups < groups_per_worker):
         return 0
     room = config.model.max_seq_len
-    if multi_turn or not longest_prompt:
-        return min(workers.max_num_batched_tokens, room)
-    return min(longest_prompt[0], workers.max_num_batched_tokens, room)
+    if multi_turn:
+        return min(SHORT_CHUNK_TOKENS, room)
+    return min(longest_prompt[0] if longest_prompt else room, workers.max_num_batched_tokens, room)
+
+
+# A multi-turn run's mixed steps are compiled for chunks up to this many tokens.
+SHORT_CHUNK_TOKENS = 16

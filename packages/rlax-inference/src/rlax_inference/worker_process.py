@@ -114,7 +114,7 @@ def engine_config_fields(config: RunConfig, index: int = 0) -> dict[str, Any]:
         "aligned": config.trainer.batch_invariant,
         "keep_stale_kv": workers.resume_kv == "keep",
         # Prefill rides in a decode call only through programs compiled at the warm-up.
-        "fold_prefill": "compiled",
+        "fold_prefill": "compiled" if workers.fold_prefill else "off",
     }
 
 

@@ -31,6 +31,15 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     tokens of one engine step; `attention` the decode attention backend; `num_decode_steps`
     decode steps per model call (same tokens, fewer host round trips; requests join
     between calls).
+    `fold_prefill`: a step that decodes runs the prefill of requests that join it (a
+    group arriving while others decode, a trajectory's next turn) in the same model call
+    (`EngineConfig.fold_prefill`), through programs the worker compiles at its warm-up
+    where groups can join running ones. Off by default: on the 2-core CPU the warm-up
+    then takes ~35 s more per worker (multi-turn demo: 28.7 -> 63.5 s) and the
+    benchmarked workloads gained nothing measurable (their turns arrive together, so few
+    steps mix), while one mixed call is 1.06-1.44x faster than the two it replaces
+    (docs/benchmarks.md): turn it on where steps interleave arrivals and decode is bound
+    by reading the weights (an accelerator, a larger model).
     `lora_apply` (runs with `trainer.lora`): how a worker applies each version's adapters to
     the base it holds: "unmerged" (the low-rank path in every forward; a switch costs the
     adapters' pull alone) or "merged" (W + scale * A @ B, one merge per switch, a second
@@ -64,6 +73,7 @@ class WorkersSection(Section, frozen=True, forbid_unknown_fields=True, kw_only=T
     max_num_batched_tokens: int = 2048
     attention: str = "auto"
     num_decode_steps: int = 1
+    fold_prefill: bool = False
     lora_apply: Literal["merged", "unmerged"] = "unmerged"
     on_new_version: Literal["finish", "interrupt"] = "finish"
     segment_tokens: int = 0
