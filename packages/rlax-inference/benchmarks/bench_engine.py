@@ -82,9 +82,6 @@ def run_ours(config: ModelConfig, params, prompts: list[list[int]]) -> dict[str,
         max_model_len=max_len,
         eos_token_ids=(),
         num_decode_steps=DECODE_STEPS,
-        # Every prompt is admitted at once (max_num_seqs holds them all): no step decodes while
-        # another prefills, and the mixed programs of 512 rows would take an hour to compile.
-        fold_prefill="compiled",
     )
     engine = LLMEngine(config, params, engine_config)
     sp = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=NEW_TOKENS, seed=0, ignore_eos=True)

@@ -22,6 +22,7 @@ ENGINE = EngineConfig(
     max_prefill_rows=8,
     eos_token_ids=(),
     num_decode_steps=2,
+    fold_prefill="on",
 )
 SAMPLED = SamplingParams(n=3, temperature=0.9, top_p=0.8, max_tokens=20, logprobs=1)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

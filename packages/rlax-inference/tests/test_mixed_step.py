@@ -25,7 +25,7 @@ WINDOWED = dataclasses.replace(CONFIG, sliding_window=6)
 def make_engine(config=CONFIG, **overrides):
     options = dict(
         block_size=8, num_blocks=96, max_num_seqs=32, max_model_len=128, max_num_batched_tokens=64,
-        prefill_chunk_size=16, eos_token_ids=(),
+        prefill_chunk_size=16, eos_token_ids=(), fold_prefill="on",
     )  # fmt: skip
     return LLMEngine(config, PARAMS, EngineConfig(**{**options, **overrides}))
 
@@ -128,6 +128,8 @@ def test_a_next_turn_from_the_prefix_cache_rides_along_after_its_cached_tokens()
     assert outs["other"].outputs[0].tokens == naive_greedy(PARAMS, other, 40)
 
 
+# Compiling every decode, prefill and mixed shape up to 32 rows takes ~50 s: `nox -s slow`.
+@pytest.mark.slow
 def test_mixed_programs_compiled_before_serving_cover_a_staggered_run():
     engine = make_engine(num_decode_steps=4)
     engine.runner.compile_shapes(max_chunk_tokens=16, decode_rows=32, decode_steps=(1, 4), mixed=True)

@@ -431,3 +431,36 @@ def test_bfloat16_on_a_cpu_worker_computes_in_float32_and_says_so(
     assert worker.model_config.param_dtype == "float32"
     assert worker.model_config.compute_dtype == "float32"
     assert "bfloat16" in caplog.text and "float32" in caplog.text
+
+
+def test_with_fold_prefill_a_request_joining_a_decoding_batch_rides_in_its_call_uncompiled_nothing(
+    tmp_path: pathlib.Path, free_tcp_port: int
+) -> None:
+    """`workers.fold_prefill`: the warm-up compiles the mixed steps (versions follow the
+    newest, so requests join running ones), and a request admitted while another decodes
+    is prefilled in the decode call, through those programs only."""
+    with running_server(tmp_path / "ps") as ps_address:
+        running = Running(run_config(tmp_path, ps_address, free_tcp_port, "workers.fold_prefill=true"))
+        try:
+            running.push(0)
+            running.generate("warm")  # the first weights: engine, then warm-up
+            engine = running.worker.engine
+            assert engine.runner.mixed_programs  # compiled at the warm-up
+            compiled, mixed = sum(engine.runner.num_compilations.values()), engine.num_mixed_calls
+            # 8 rows: "short" and "long" fill them; "late" waits for "short" to finish and
+            # joins while "long" decodes.
+            ids = [
+                running.send("short", max_tokens=2),
+                running.send("long", max_tokens=11, stop_token_ids=()),
+            ]
+            ids.append(running.send("late", max_tokens=3))
+            pending, replies = set(ids), []
+            while pending:  # "late" finishes before "long"
+                rid, reply = running.client.recv_reply(pending, timeout_s=120, operation="GenerateRequest")
+                pending.discard(rid)
+                replies.append(reply.message)
+            assert all(isinstance(r, rp.GenerateResult) and len(r.samples) == 4 for r in replies)
+            assert engine.num_mixed_calls > mixed
+            assert sum(engine.runner.num_compilations.values()) == compiled
+        finally:
+            running.close()

@@ -80,7 +80,9 @@ class EngineConfig:
       Tokens are those of separate calls up to float32 rounding (greedy: the same). With
       multi-step decoding the chunks ride in the call's first step. Not when the new
       samples would more than double the decode rows' bucket, nor in the aligned mode
-      (its shapes are the trainer's).
+      (its shapes are the trainer's). Off by default: a mixed program compiles in about the
+      time of a decode and a prefill program together, and on the 2-core CPU only steps
+      where arrivals interleave with decoding gained (docs/benchmarks.md).
     """
 
     block_size: int = _RUN_DEFAULTS.block_size
@@ -101,7 +103,7 @@ class EngineConfig:
     keep_stale_kv: bool = False
     seed: int = 0
     aligned: bool = False
-    fold_prefill: FoldPrefill = FoldPrefill.ON
+    fold_prefill: FoldPrefill = FoldPrefill.OFF
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_prefill_rows", "num_decode_steps"):
