@@ -47,9 +47,14 @@ def staggered(engine, ps, params, *, every=2):
     return [outs[f"r{i}"] for i in range(len(ps))]
 
 
+# The sliding-window and multi-step variants compile programs of their own: `nox -s slow`.
 @pytest.mark.parametrize(
     "config,num_steps",
-    [(CONFIG, 1), (WINDOWED, 1), (CONFIG, 4)],
+    [
+        (CONFIG, 1),
+        pytest.param(WINDOWED, 1, marks=pytest.mark.slow),
+        pytest.param(CONFIG, 4, marks=pytest.mark.slow),
+    ],
     ids=["full", "sliding_window", "multi_step"],
 )
 def test_requests_joining_a_decoding_batch_ride_in_its_call_and_decode_as_alone(config, num_steps):
@@ -66,7 +71,7 @@ def test_requests_joining_a_decoding_batch_ride_in_its_call_and_decode_as_alone(
         )
 
 
-@pytest.mark.parametrize("num_steps", [1, 3])
+@pytest.mark.parametrize("num_steps", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_folded_and_separate_calls_sample_the_same_tokens_and_logprobs(num_steps):
     """Sampled (top-p, n = 3, top log-probs): the same seeds give the same tokens either way."""
     ps = prompts(np.random.default_rng(4), (7, 21, 9, 40, 13))
