@@ -217,8 +217,8 @@ class LLMEngine:
         self, seqs: list[Seq], slots: list[list[int]], group: list[PrefillJob], num_top: int
     ) -> bool:
         """Whether this step's decode call also takes `group`'s chunks (`EngineConfig.fold_prefill`;
-        the aligned mode keeps the trainer's separate shapes). Under `fold_compiled_only`,
-        only into a program compiled before (else both parts run in calls of their own)."""
+        the aligned mode keeps the trainer's separate shapes). Under `compiled`, only into a
+        program compiled before (else both parts run in calls of their own)."""
         if self.config.fold_prefill is FoldPrefill.OFF or self.config.aligned:
             return False
         sampling = [_sampling_row(s) for j in group if j.is_last_chunk for s in j.seqs]
